@@ -1,0 +1,1 @@
+"""Benchmarks: the engine-level runner (engine_bench), the peer (transformers) runner."""

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
+#   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, bench (default: all)
+# Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+stages=${*:-tests parity7b bench}
+MODEL_7B=${MODEL_7B:-/tmp/llama2-7b}
+declare -A result
+
+ensure_7b() {
+  [ -f "$MODEL_7B/config.json" ] && return 0
+  python3 -m weights.random_checkpoint --config llama-2-7b --out "$MODEL_7B" --dtype bfloat16 --device cuda \
+    2>&1 | tail -3
+}
+
+for stage in $stages; do
+  start=$(date +%s)
+  case $stage in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider tests/kernels tests/unit/test_parity.py 2>&1 | tee "$OUT/tests.log" | tail -25
+      rc=${PIPESTATUS[0]} ;;
+    parity7b)
+      ensure_7b
+      LLAMA2_7B_DIR=$MODEL_7B python3 -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/parity7b.log" | tail -25
+      rc=${PIPESTATUS[0]} ;;
+    bench)
+      ensure_7b
+      python3 -m bench.engine_bench --model-dir "$MODEL_7B" --json "$OUT/engine_bench.json" 2>&1 \
+        | tee "$OUT/bench.log" | grep -v -E "^\s*$|it/s|s/it" | tail -20
+      rc=${PIPESTATUS[0]} ;;
+    *) echo "unknown stage $stage"; rc=2 ;;
+  esac
+  result[$stage]="rc=$rc $(( $(date +%s) - start ))s"
+done
+echo; echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) =="
+for stage in $stages; do echo "$stage: ${result[$stage]}"; done
+[ -f "$OUT/engine_bench.json" ] && cat "$OUT/engine_bench.json"

@@ -1,0 +1,192 @@
+"""What the HTTP front end talks to: a ``Backend`` that turns a request into token events.
+
+``RouterClient`` is the server's backend: it sends requests to the router process over a
+msgpack pipe and routes the router's event batches back to the waiting coroutines.
+``InProcessBackend`` runs a ``Router`` over an in-process ``Engine`` on a thread (for
+embedding the engine in another program; the tests of the HTTP layer use it).
+
+Closing the async iterator of ``generate`` before its last event (a client that went
+away, a stop sequence) aborts the request in the router, which frees its KV slots.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Protocol
+
+from .ipc import Events, RouterStatus, decode, encode
+from .step import Abort, GenerationRequest, TokenEvent
+
+log = logging.getLogger(__name__)
+
+SubmitRequest = GenerationRequest   # the name the front end uses for a request it submits
+
+
+class Backend(Protocol):
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
+    def healthy(self) -> bool: ...
+    def stats(self) -> dict: ...
+
+
+class _EventRouting:
+    """Per-request asyncio queues fed from another thread; shared by both backends."""
+
+    def __init__(self):
+        self._queues: dict[int, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        self._loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._queues[request.request_id] = events
+        finished = False
+        try:
+            self._submit(request)
+            while not finished:
+                event = await events.get()
+                finished = bool(event.finish_reason or event.error)
+                yield event
+        finally:
+            with self._lock:
+                self._queues.pop(request.request_id, None)
+            if not finished:
+                self._abort(request.request_id)
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        """Called on the reader thread: hand each event to its request's queue."""
+        loop = self._loop
+        if loop is None:
+            return
+        with self._lock:
+            targets = [(self._queues.get(e.request_id), e) for e in events]
+        for target, event in targets:
+            if target is not None:
+                loop.call_soon_threadsafe(target.put_nowait, event)
+
+    def _fail_pending(self, message: str) -> None:
+        with self._lock:
+            ids = list(self._queues)
+        self._deliver([TokenEvent(request_id=i, error=message) for i in ids])
+
+    def _submit(self, request: GenerationRequest) -> None:
+        raise NotImplementedError
+
+    def _abort(self, request_id: int) -> None:
+        raise NotImplementedError
+
+
+class RouterClient(_EventRouting):
+    """The front end's end of the router pipe."""
+
+    def __init__(self, conn):
+        super().__init__()
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._status = RouterStatus(healthy=False)
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name="router-reader", daemon=True)
+        self._reader.start()
+
+    def wait_ready(self, timeout: float | None = None) -> RouterStatus:
+        """Block until the router reported its first status (all shards Ready)."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the router did not report ready")
+        return self._status
+
+    def healthy(self) -> bool:
+        return self._status.healthy
+
+    def stats(self) -> dict:
+        s = self._status
+        return {"queue_size": s.queue_size, "batch_size": s.batch_size, "kv_used": s.kv_used,
+                "kv_capacity": s.kv_capacity}
+
+    def _send(self, message) -> None:
+        data = encode(message)
+        with self._send_lock:
+            self._conn.send_bytes(data)
+
+    def _submit(self, request: GenerationRequest) -> None:
+        self._send(request)
+
+    def _abort(self, request_id: int) -> None:
+        try:
+            self._send(Abort(request_id))
+        except (OSError, EOFError):
+            pass   # the router is gone; nothing holds the request any more
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                message = decode(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                self._status = RouterStatus(healthy=False, error="the router process is gone")
+                self._ready.set()
+                self._fail_pending("Request failed during generation: the router process is gone")
+                return
+            if isinstance(message, Events):
+                self._deliver(message.events)
+            elif isinstance(message, RouterStatus):
+                self._status = message
+                self._ready.set()
+
+
+class InProcessBackend(_EventRouting):
+    """An ``Engine`` stepped on a background thread (single process, no pipes)."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._loop_forever, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def healthy(self) -> bool:
+        return self._error is None
+
+    def stats(self) -> dict:
+        used, capacity = self.engine.kv_usage()
+        scheduler = self.engine.router.scheduler
+        return {"queue_size": len(scheduler.waiting), "batch_size": len(scheduler.running),
+                "kv_used": used, "kv_capacity": capacity}
+
+    def _submit(self, request: GenerationRequest) -> None:
+        self._inbox.put(request)
+
+    def _abort(self, request_id: int) -> None:
+        self._inbox.put(Abort(request_id))
+
+    def _loop_forever(self) -> None:
+        while True:
+            block = not self.engine.has_work()
+            try:
+                message = self._inbox.get(block=block, timeout=0.1 if block else None)
+            except queue.Empty:
+                message = None
+            if message is not None:
+                self._handle(message)
+                continue   # drain the inbox before the next step
+            if self.engine.has_work():
+                self._step()
+
+    def _handle(self, message) -> None:
+        if isinstance(message, Abort):
+            self.engine.abort(message.request_id)
+            return
+        try:
+            self.engine.add_request(message)
+        except ValueError as e:
+            self._deliver([TokenEvent(request_id=message.request_id, error=str(e))])
+
+    def _step(self) -> None:
+        try:
+            self._deliver(self.engine.step())
+        except Exception as e:  # a failed step fails its requests, as the server does
+            log.exception("engine step failed")
+            self._error = f"Request failed during generation: {type(e).__name__}: {e}"
+            self._deliver(self.engine.router.fail_all(self._error))

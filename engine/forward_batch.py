@@ -1,0 +1,34 @@
+"""The explicit input of one forward pass over a ragged batch (no padding).
+
+Per-token tensors have T entries (all new tokens of all rows, row after row);
+per-row tensors have B entries. Row b's new tokens are
+``input_ids[q_start[b] : q_start[b] + q_len[b]]`` at positions
+``seq_len[b] - q_len[b] ... seq_len[b] - 1``; keys of earlier positions are already
+in the KV cache (chunked prefill, decode).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor   # [T] int64
+    positions: torch.Tensor   # [T] int64
+    out_slots: torch.Tensor   # [T] int64, KV slot each new token is written to
+    req_rows: torch.Tensor    # [B] int32, row in req_to_token
+    q_start: torch.Tensor     # [B] int32
+    q_len: torch.Tensor       # [B] int32
+    seq_len: torch.Tensor     # [B] int32, cached + new tokens
+    max_q_len: int            # host copy of max(q_len)
+    is_decode: bool           # every row has exactly one new token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return self.req_rows.shape[0]

@@ -1,0 +1,96 @@
+"""The batched generation API: one process, no HTTP.
+
+    engine = Engine(EngineConfig(model_dir="/path/to/checkpoint"))
+    engine.add_request(GenerationRequest(request_id=1, prompt_ids=[...], max_new_tokens=32))
+    while engine.has_work():
+        for event in engine.step():    # prefill chunks of new requests + one decode token each
+            ...                        # event.token_id, event.logprob, event.finish_reason
+
+Requests can be added at any step; finished requests release their KV slots
+themselves, ``abort`` releases them early. The server's router process runs the same
+``Router`` against worker processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .allocator import SlotAllocator
+from .model_config import load_model_config
+from .ops import default_backend
+from .router import LocalShards, Router
+from .scheduler import Scheduler, SchedulerConfig
+from .step import GenerationRequest, TokenEvent
+from .worker import ModelWorker, WorkerConfig, resolve_dtype
+
+__all__ = ["Engine", "EngineConfig", "GenerationRequest", "TokenEvent"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str | None = None              # float16 | bfloat16 | float32; None: the device's default
+    device: str | None = None             # None: cuda if available else cpu
+    kernel_backend: str | None = None     # triton | torch; None: see engine.ops.default_backend
+    max_requests: int = 256
+    max_seq_len: int | None = None        # None: the model's context length
+    num_slots: int | None = None          # KV capacity in tokens; None: sized from free memory
+    max_prefill_tokens: int = 4096
+    waiting_served_ratio: float = 0.0
+    max_waiting_steps: int = 20
+
+    def worker_config(self, model_config) -> WorkerConfig:
+        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return WorkerConfig(
+            model_dir=self.model_dir,
+            dtype=resolve_dtype(self.dtype, model_config, device),
+            device=device,
+            kernel_backend=self.kernel_backend or default_backend(device),
+            max_requests=self.max_requests,
+            max_seq_len=self.max_seq_len or model_config.max_context,
+            num_slots=self.num_slots,
+        )
+
+    def scheduler_config(self, max_seq_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_prefill_tokens=self.max_prefill_tokens, waiting_served_ratio=self.waiting_served_ratio,
+            max_waiting_steps=self.max_waiting_steps, max_seq_len=max_seq_len,
+        )
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = load_model_config(config.model_dir)
+        worker_config = config.worker_config(self.model_config)
+        self.worker = ModelWorker(worker_config, self.model_config)
+        self.allocator = SlotAllocator(self.worker.num_slots, config.max_requests)
+        scheduler = Scheduler(self.allocator, config.scheduler_config(worker_config.max_seq_len))
+        self.router = Router(scheduler, LocalShards(self.worker), self.model_config.eos_token_ids)
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request; ValueError if prompt + max_new_tokens exceeds the limits."""
+        self.router.submit(request)
+
+    def abort(self, request_id: int) -> bool:
+        return self.router.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.router.has_work()
+
+    def kv_usage(self) -> tuple[int, int]:
+        return self.allocator.used_slots, self.allocator.num_slots
+
+    def step(self) -> list[TokenEvent]:
+        return self.router.step()
+
+    def generate(self, requests: list[GenerationRequest]) -> dict[int, list[TokenEvent]]:
+        """Run the given requests to completion; events per request id."""
+        results: dict[int, list[TokenEvent]] = {r.request_id: [] for r in requests}
+        for request in requests:
+            self.add_request(request)
+        while self.has_work():
+            for event in self.step():
+                results[event.request_id].append(event)
+        return results

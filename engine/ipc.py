@@ -1,0 +1,109 @@
+"""The one codec for every message between processes: msgpack over multiprocess pipes.
+
+A message is a dataclass from ``engine.step`` (or ``engine.ipc``); it travels as a
+msgpack map tagged with its class name. Lists of ints travel as raw little-endian int32
+bytes (msgpack ext type 1), never as msgpack lists.
+"""
+from __future__ import annotations
+
+import sys
+from array import array
+from dataclasses import dataclass, fields, is_dataclass
+
+import msgpack
+
+from .sampling import SamplingParams
+from .step import Abort, GenerationRequest, RowResult, Step, StepResult, StepRow, TokenEvent
+
+_INT32_LIST = 1
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A shard has loaded its weights and sized its KV cache."""
+    rank: int
+    num_slots: int
+
+
+@dataclass(frozen=True)
+class ShardError:
+    rank: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RouterStatus:
+    """Router -> front end: health and the numbers /metrics shows."""
+    healthy: bool
+    queue_size: int = 0
+    batch_size: int = 0
+    kv_used: int = 0
+    kv_capacity: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Events:
+    """Router -> front end: every token event of one step."""
+    events: list
+
+
+MESSAGE_TYPES = {cls.__name__: cls for cls in (
+    GenerationRequest, Abort, TokenEvent, Step, StepRow, StepResult, RowResult, SamplingParams,
+    Ready, ShardError, Shutdown, RouterStatus, Events,
+)}
+
+
+def encode(message) -> bytes:
+    return msgpack.packb(_pack(message), use_bin_type=True)
+
+
+def decode(data: bytes):
+    return _unpack(msgpack.unpackb(data, raw=False, ext_hook=_ext_hook, strict_map_key=False))
+
+
+def _pack(value):
+    if is_dataclass(value):
+        body = {f.name: _pack(getattr(value, f.name)) for f in fields(value)}
+        body["~"] = type(value).__name__
+        return body
+    if isinstance(value, (list, tuple, frozenset, set)):
+        items = list(value)
+        if items and all(type(v) is int and _INT32_MIN <= v <= _INT32_MAX for v in items):
+            packed = array("i", items)
+            if sys.byteorder != "little":
+                packed.byteswap()
+            return msgpack.ExtType(_INT32_LIST, packed.tobytes())
+        return [_pack(v) for v in items]
+    return value
+
+
+def _ext_hook(code: int, data: bytes):
+    if code != _INT32_LIST:
+        raise ValueError(f"unknown msgpack ext type {code}")
+    values = array("i")
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()
+
+
+def _unpack(value):
+    if isinstance(value, dict):
+        name = value.pop("~", None)
+        body = {k: _unpack(v) for k, v in value.items()}
+        if name is None:
+            return body
+        cls = MESSAGE_TYPES.get(name)
+        if cls is None:
+            raise ValueError(f"unknown message type {name!r}")
+        return cls(**body)
+    if isinstance(value, list):
+        return [_unpack(v) for v in value]
+    return value

@@ -1,0 +1,66 @@
+"""Rotary-embedding tables for every rope variant the Llama family uses.
+
+The table has one row per position: ``cat(cos(p * inv_freq), sin(p * inv_freq))``,
+``head_dim`` wide, float32 values rounded through the model dtype (Hugging Face casts
+cos/sin to the activation dtype before it multiplies, so the kernels see the same
+numbers). The rotary kernel is variant-agnostic; only ``inv_freq`` differs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .model_config import ModelConfig, RopeConfig
+
+
+def base_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig, max_positions: int) -> torch.Tensor:
+    old_context = rope.original_max_position_embeddings or max_positions
+    low_wavelen = old_context / rope.low_freq_factor
+    high_wavelen = old_context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def dynamic_inv_freq(config: ModelConfig, seq_lens: torch.Tensor) -> torch.Tensor:
+    """NTK-aware inverse frequencies [len(seq_lens), head_dim/2] (HF `dynamic`)."""
+    rope, dim, max_pos = config.rope, config.head_dim, config.max_position_embeddings
+    base = rope.theta * ((rope.factor * seq_lens.double() / max_pos) - (rope.factor - 1)) ** (dim / (dim - 2))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return (1.0 / (base[:, None].float() ** exponents[None, :]))
+
+
+def inv_freq_for(config: ModelConfig) -> torch.Tensor:
+    rope = config.rope
+    inv_freq = base_inv_freq(rope.theta, config.head_dim)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return llama3_inv_freq(inv_freq, rope, config.max_position_embeddings)
+    return inv_freq
+
+
+def build_cos_sin_cache(config: ModelConfig, num_positions: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[num_positions, head_dim] float32 table; see the module docstring.
+
+    ``dynamic`` scaling: positions below ``max_position_embeddings`` use the plain
+    base; a position p beyond it uses the NTK base for a sequence of p + 1 tokens,
+    which is what Hugging Face applies to each decoded token.
+    """
+    positions = torch.arange(num_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq_for(config))
+    start = config.max_position_embeddings
+    if config.rope.rope_type == "dynamic" and num_positions > start:
+        beyond = positions[start:]
+        freqs[start:] = beyond[:, None] * dynamic_inv_freq(config, beyond + 1)
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return table.to(dtype).to(torch.float32).to(device)

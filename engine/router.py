@@ -1,0 +1,77 @@
+"""One router step: schedule -> run on the shards -> stop criteria -> token events.
+
+The same ``Router`` serves the in-process ``Engine`` (shards = a local worker) and the
+router process of the server (shards = worker processes behind pipes).
+"""
+from __future__ import annotations
+
+import logging
+import random
+from typing import Protocol
+
+from .scheduler import Request, Scheduler
+from .step import GenerationRequest, Step, StepResult, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class Shards(Protocol):
+    def run(self, step: Step) -> StepResult: ...
+
+
+class LocalShards:
+    """A single in-process worker."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def run(self, step: Step) -> StepResult:
+        return self.worker.execute(step)
+
+
+class Router:
+    def __init__(self, scheduler: Scheduler, shards: Shards, eos_token_ids: tuple[int, ...]):
+        self.scheduler = scheduler
+        self.shards = shards
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request; ValueError if it can never fit (too long for the limits)."""
+        params = request.params
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        stops = self.eos_token_ids if request.stop_token_ids is None else frozenset(request.stop_token_ids)
+        self.scheduler.add(Request(
+            request_id=request.request_id, prompt_ids=list(request.prompt_ids),
+            max_new_tokens=request.max_new_tokens, params=params, seed=seed, stop_token_ids=stops,
+        ))
+        log.debug("request %s queued: %d prompt tokens", request.request_id, len(request.prompt_ids))
+
+    def abort(self, request_id: int) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenEvent]:
+        step = self.scheduler.schedule()
+        if not step.rows and not step.released:
+            return []
+        result = self.shards.run(step)
+        return [self._event(request, res, reason) for request, res, reason in self.scheduler.process(step, result)]
+
+    def fail_all(self, message: str) -> list[TokenEvent]:
+        """End every queued and running request with an error (a shard died)."""
+        requests = list(self.scheduler.waiting) + list(self.scheduler.running)
+        for request in requests:
+            self.scheduler.abort(request.request_id)
+        return [TokenEvent(request_id=r.request_id, error=message) for r in requests]
+
+    @staticmethod
+    def _event(request: Request, res, reason: str | None) -> TokenEvent:
+        first = len(request.generated) == 1
+        return TokenEvent(
+            request_id=request.request_id, token_id=res.token_id, logprob=res.logprob,
+            top_ids=res.top_ids, top_logprobs=res.top_logprobs, finish_reason=reason,
+            seed=request.seed if request.params.do_sample else None,
+            prompt_logprobs=request.prompt_logprobs if (first and request.params.prompt_logprobs) else None,
+        )

@@ -1,0 +1,187 @@
+"""Token selection for one step: penalties, warpers, greedy or seeded sampling, logprobs.
+
+Order follows transformers / TGI: repetition, frequency and presence penalties on the
+raw logits; then, for sampled rows, temperature, top-k, top-p and typical-p; the
+reported logprobs are ``log_softmax`` of the processed scores (as TGI reports them).
+
+Sampling is reproducible and free of host syncs and per-row generator objects: the
+token is ``argmax(p / E)`` with ``E ~ Exp(1)`` (the exponential race, equivalent to a
+categorical draw), where each E comes from a counter-based hash of
+(seed, generated-token index, vocab id). The same seed gives the same tokens whatever
+else shares the batch, on any device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    top_n_tokens: int = 0
+    prompt_logprobs: bool = False
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature > 0, "temperature must be > 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 < self.typical_p <= 1, "typical_p must be in (0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.top_n_tokens >= 0, "top_n_tokens must be >= 0"),
+            (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+@dataclass
+class RowSampling:
+    """What the sampler needs for one row: its parameters and its token history."""
+    params: SamplingParams
+    seed: int
+    step: int                                    # index of the token being generated
+    token_counts: dict[int, int] = field(default_factory=dict)  # prompt + generated tokens
+    num_tokens: int = 0
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] uniforms in (0, 1) from a murmur3-style mix of (seed, step, vocab id)."""
+    device = seeds.device
+    ids = torch.arange(vocab_size, device=device, dtype=torch.int64)[None, :]
+    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
+    x = (lo[:, None] * 0x9E3779B1 + hi[:, None] * 0x85EBCA77 + steps[:, None] * 0xC2B2AE3D) & _MASK32
+    x = (_fmix32(x) + ids * 0x27D4EB2F) & _MASK32
+    x = _fmix32(x ^ (hi[:, None] * 0x165667B1 & _MASK32))
+    return (x.double() + 0.5) / 4294967296.0
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+class Sampler:
+    def __init__(self, ops, device: torch.device):
+        self.ops = ops
+        self.device = device
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
+        scores = logits.float()
+        if any(r.params.has_penalties for r in rows):
+            self._apply_penalties(scores, rows)
+        sampled = [i for i, r in enumerate(rows) if r.params.do_sample]
+        if sampled:
+            scores[sampled] = self._warp(scores[sampled], [rows[i].params for i in sampled])
+        logprobs = torch.log_softmax(scores, dim=-1)
+        chosen = scores.argmax(dim=-1)
+        if sampled:
+            chosen[sampled] = self._draw(logprobs[sampled], [rows[i] for i in sampled])
+        return self._output(logprobs, chosen, rows)
+
+    def _apply_penalties(self, scores: torch.Tensor, rows: list[RowSampling]) -> None:
+        ids, counts, starts = [], [], [0]
+        for r in rows:
+            if r.params.has_penalties:
+                ids.extend(r.token_counts.keys())
+                counts.extend(r.token_counts.values())
+            starts.append(len(ids))
+        # TGI's frequency penalty scales by each token's share of the sequence.
+        freq = [r.params.frequency_penalty / max(r.num_tokens, 1) for r in rows]
+        as_tensor = lambda v, dt: torch.tensor(v, dtype=dt, device=self.device)  # noqa: E731
+        self.ops.apply_penalties(
+            scores, as_tensor(ids, torch.int32), as_tensor(counts, torch.int32), as_tensor(starts, torch.int32),
+            as_tensor([r.params.repetition_penalty for r in rows], torch.float32),
+            as_tensor(freq, torch.float32),
+            as_tensor([r.params.presence_penalty for r in rows], torch.float32),
+        )
+
+    def _warp(self, scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        temps = torch.tensor([p.temperature for p in params], device=scores.device)
+        scores = scores / temps[:, None]
+        neg_inf = torch.finfo(scores.dtype).min
+        top_k = [i for i, p in enumerate(params) if p.top_k > 0]
+        if top_k:
+            ks = torch.tensor([min(params[i].top_k, scores.shape[1]) for i in top_k], device=scores.device)
+            kth = scores[top_k].sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
+            scores[top_k] = scores[top_k].masked_fill(scores[top_k] < kth, neg_inf)
+        top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        if top_p:
+            masses = torch.tensor([params[i].top_p for i in top_p], device=scores.device)
+            scores[top_p] = _top_p(scores[top_p], masses, neg_inf)
+        typical = [i for i, p in enumerate(params) if p.typical_p < 1.0]
+        if typical:
+            masses = torch.tensor([params[i].typical_p for i in typical], device=scores.device)
+            scores[typical] = _typical_p(scores[typical], masses, neg_inf)
+        return scores
+
+    def _draw(self, logprobs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+        seeds = torch.tensor([r.seed - 2**64 if r.seed >= 2**63 else r.seed for r in rows],
+                             dtype=torch.int64, device=logprobs.device)
+        steps = torch.tensor([r.step for r in rows], dtype=torch.int64, device=logprobs.device)
+        exponential = -torch.log(hash_uniform(seeds, steps, logprobs.shape[1]))
+        race = logprobs.double() - torch.log(exponential)   # log(p / E)
+        return race.argmax(dim=-1)
+
+    def _output(self, logprobs: torch.Tensor, chosen: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
+        chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+        max_n = max(r.params.top_n_tokens for r in rows)
+        top_ids, top_lp = [[] for _ in rows], [[] for _ in rows]
+        if max_n:
+            values, indices = logprobs.topk(min(max_n, logprobs.shape[1]), dim=-1)
+            values, indices = values.tolist(), indices.tolist()
+            for i, r in enumerate(rows):
+                n = r.params.top_n_tokens
+                top_ids[i], top_lp[i] = indices[i][:n], values[i][:n]
+        return SampleOutput(chosen.tolist(), chosen_logprobs.tolist(), top_ids, top_lp)
+
+
+def _top_p(scores: torch.Tensor, masses: torch.Tensor, fill: float) -> torch.Tensor:
+    """transformers' TopPLogitsWarper with a per-row mass (keeps at least one token)."""
+    sorted_scores, sorted_idx = scores.sort(dim=-1, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove = cumulative <= (1 - masses[:, None])
+    remove[:, -1] = False
+    return scores.masked_fill(remove.scatter(1, sorted_idx, remove), fill)
+
+
+def _typical_p(scores: torch.Tensor, masses: torch.Tensor, fill: float) -> torch.Tensor:
+    """transformers' TypicalLogitsWarper with a per-row mass (keeps at least one token)."""
+    normalized = torch.log_softmax(scores, dim=-1)
+    entropy = -(normalized * normalized.exp()).nansum(-1, keepdim=True)
+    shifted = (-normalized - entropy).abs()
+    sorted_shifted, sorted_idx = shifted.sort(dim=-1, descending=False)
+    cumulative = scores.gather(-1, sorted_idx).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < masses[:, None]).sum(dim=1).clamp(max=scores.shape[1] - 1)
+    remove = sorted_shifted > sorted_shifted.gather(1, last[:, None])
+    remove[:, 0] = False
+    return scores.masked_fill(remove.scatter(1, sorted_idx, remove), fill)

@@ -1,0 +1,349 @@
+"""The server's processes and their lifecycle (spawned by ``launcher.py``).
+
+    supervisor (launcher) --spawn--> shard 0..N-1   (ModelWorker; torch.distributed when N > 1)
+                          --spawn--> router         (Router: scheduler + allocator + step loop)
+                          --spawn--> front end      (uvicorn + tgi_compat), binds its port only
+                                                    after the router reported every shard Ready
+Pipes (multiprocess, spawn context, msgpack via engine.ipc):
+    front end <-> router : GenerationRequest / Abort  ->   <- Events / RouterStatus
+    router <-> shard r   : Step / Shutdown  ->             <- Ready, ShardError; StepResult (rank 0)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from .ipc import Events, Ready, RouterStatus, ShardError, Shutdown, decode, encode
+from .step import Abort, GenerationRequest, Step, StepResult, TokenEvent
+
+log = logging.getLogger("engine.server")
+
+STATUS_INTERVAL_S = 0.25
+
+
+class ShardFailure(RuntimeError):
+    """A shard died or reported an error; the message names the rank and cause."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    worker_config: object          # engine.worker.WorkerConfig
+
+
+# ---- shard process -------------------------------------------------------------------
+
+def shard_main(spec: ShardSpec, conn, log_level: str = "INFO") -> None:
+    _child_setup(log_level)
+    try:
+        from .worker import ModelWorker
+
+        worker = ModelWorker(spec.worker_config)
+        conn.send_bytes(encode(Ready(spec.rank, worker.num_slots)))
+        log.info("shard %d ready: %d KV slots", spec.rank, worker.num_slots)
+        while True:
+            message = decode(conn.recv_bytes())
+            if isinstance(message, Shutdown):
+                return
+            result = worker.execute(message)
+            if spec.rank == 0:
+                conn.send_bytes(encode(result))
+    except (EOFError, KeyboardInterrupt):
+        return
+    except BaseException as e:
+        log.error("shard %d failed: %s: %s", spec.rank, type(e).__name__, e)
+        try:
+            conn.send_bytes(encode(ShardError(spec.rank, f"{type(e).__name__}: {e}")))
+        except OSError:
+            pass
+        os._exit(1)
+
+
+class PipeShards:
+    """The router's view of the shards: the same Step bytes to all, the result from rank 0."""
+
+    def __init__(self, conns):
+        self.conns = conns
+
+    def wait_ready(self) -> int:
+        """The KV capacity every shard can hold (the minimum over ranks)."""
+        slots = [self._receive(rank, Ready).num_slots for rank in range(len(self.conns))]
+        return min(slots)
+
+    def run(self, step: Step) -> StepResult:
+        data = encode(step)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except OSError as e:
+                raise ShardFailure(f"shard {rank} is gone ({e})") from e
+        return self._receive(0, StepResult)
+
+    def shutdown(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send_bytes(encode(Shutdown()))
+            except OSError:
+                pass
+
+    def _receive(self, rank: int, expected: type):
+        try:
+            message = decode(self.conns[rank].recv_bytes())
+        except (EOFError, OSError) as e:
+            raise ShardFailure(f"shard {rank} died") from e
+        if isinstance(message, ShardError):
+            raise ShardFailure(f"shard {message.rank} failed: {message.message}")
+        if not isinstance(message, expected):
+            raise ShardFailure(f"shard {rank} sent {type(message).__name__}, expected {expected.__name__}")
+        return message
+
+
+# ---- router process ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RouterSpec:
+    max_requests: int
+    scheduler_config: object       # engine.scheduler.SchedulerConfig
+    eos_token_ids: tuple[int, ...]
+    max_batch_total_tokens: int | None = None
+
+
+def router_main(spec: RouterSpec, frontend_conn, shard_conns, log_level: str = "INFO") -> None:
+    _child_setup(log_level)
+    shards = PipeShards(shard_conns)
+    try:
+        capacity = shards.wait_ready()
+    except ShardFailure as e:
+        log.error("startup failed: %s", e)
+        frontend_conn.send_bytes(encode(RouterStatus(healthy=False, error=str(e))))
+        return
+    if spec.max_batch_total_tokens:
+        capacity = min(capacity, spec.max_batch_total_tokens)
+    loop = RouterLoop(spec, capacity, shards, frontend_conn)
+    log.info("router ready: %d KV slots, %d request rows", capacity, spec.max_requests)
+    try:
+        loop.run()
+    finally:
+        shards.shutdown()
+
+
+class RouterLoop:
+    def __init__(self, spec: RouterSpec, capacity: int, shards: PipeShards, conn):
+        from .allocator import SlotAllocator
+        from .router import Router
+        from .scheduler import Scheduler
+
+        self.allocator = SlotAllocator(capacity, spec.max_requests)
+        self.router = Router(Scheduler(self.allocator, spec.scheduler_config), shards, spec.eos_token_ids)
+        self.conn = conn
+        self.healthy = True
+        self.error: str | None = None
+        self._last_status = 0.0
+
+    def run(self) -> None:
+        self._send_status(force=True)
+        while True:
+            if not self._read_inbox(timeout=0 if self.router.has_work() else STATUS_INTERVAL_S):
+                return
+            if self.healthy and self.router.has_work():
+                self._step()
+            elif self.healthy:
+                self.allocator.check_integrity()
+            self._send_status()
+
+    def _read_inbox(self, timeout: float) -> bool:
+        """Handle every waiting message; False when the front end is gone."""
+        try:
+            ready = self.conn.poll(timeout)
+            while ready:
+                self._handle(decode(self.conn.recv_bytes()))
+                ready = self.conn.poll(0)
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _handle(self, message) -> None:
+        if isinstance(message, Abort):
+            if self.router.abort(message.request_id):
+                log.info("request %s aborted", message.request_id)
+        elif isinstance(message, GenerationRequest):
+            if not self.healthy:
+                self._send_events([TokenEvent(request_id=message.request_id, error=self.error)])
+                return
+            try:
+                self.router.submit(message)
+            except ValueError as e:
+                self._send_events([TokenEvent(request_id=message.request_id, error=f"Input validation error: {e}")])
+
+    def _step(self) -> None:
+        try:
+            events = self.router.step()
+        except ShardFailure as e:
+            log.error("%s", e)
+            self.healthy = False
+            self.error = f"Request failed during generation: {e}"
+            events = self.router.fail_all(self.error)
+        if events:
+            self._send_events(events)
+
+    def _send_events(self, events: list[TokenEvent]) -> None:
+        self.conn.send_bytes(encode(Events(events)))
+
+    def _send_status(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_status < STATUS_INTERVAL_S:
+            return
+        self._last_status = now
+        scheduler = self.router.scheduler
+        self.conn.send_bytes(encode(RouterStatus(
+            healthy=self.healthy, queue_size=len(scheduler.waiting), batch_size=len(scheduler.running),
+            kv_used=self.allocator.used_slots, kv_capacity=self.allocator.num_slots, error=self.error,
+        )))
+
+
+def _child_setup(log_level: str) -> None:
+    """Children leave Ctrl-C to the supervisor, which stops them in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# ---- front end process ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FrontendSpec:
+    model_dir: str
+    hostname: str
+    port: int
+    settings: object               # tgi_compat.settings.ServerSettings
+
+
+def frontend_main(spec: FrontendSpec, conn, log_level: str = "INFO") -> None:
+    """Load the tokenizer, wait for the router's Ready, then bind the port and serve."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the supervisor stops us with SIGTERM
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from tgi_compat.app import create_app
+
+    from .client import RouterClient
+
+    client = RouterClient(conn)
+    tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+    status = client.wait_ready()
+    if not status.healthy:
+        log.error("not serving: %s", status.error)
+        raise SystemExit(1)
+    app = create_app(spec.settings, tokenizer, client)
+    log.info("serving on http://%s:%d", spec.hostname, spec.port)
+    uvicorn.run(app, host=spec.hostname, port=spec.port, log_level="warning", timeout_graceful_shutdown=2)
+
+
+# ---- the plan the supervisor starts --------------------------------------------------
+
+@dataclass(frozen=True)
+class ServerPlan:
+    shards: tuple[ShardSpec, ...]
+    router: RouterSpec
+    frontend: FrontendSpec
+    log_level: str = "INFO"
+
+    def start(self) -> list:
+        """Spawn the shards, the router and the front end, wired with pipes; in that order."""
+        import multiprocess as mp
+
+        ctx = mp.get_context("spawn")
+        router_ends, shard_ends = zip(*(ctx.Pipe(duplex=True) for _ in self.shards))
+        front_router, front_end = ctx.Pipe(duplex=True)
+        processes = [ctx.Process(target=shard_main, args=(spec, end, self.log_level), name=f"shard-{spec.rank}")
+                     for spec, end in zip(self.shards, shard_ends)]
+        processes.append(ctx.Process(target=router_main, name="router",
+                                     args=(self.router, front_router, list(router_ends), self.log_level)))
+        processes.append(ctx.Process(target=frontend_main, args=(self.frontend, front_end, self.log_level),
+                                     name="frontend"))
+        for p in processes:
+            p.start()
+        return processes
+
+
+def plan_server(config) -> ServerPlan:
+    """From the launcher's config to the processes to start; ValueError on any bad input."""
+    import torch
+
+    from weights.checkpoint import open_checkpoint
+    from weights.hub import model_info, resolve_model
+
+    from .launch_config import resolve_limits
+    from .model_config import load_model_config
+    from .models.llama import IGNORED_CHECKPOINT_NAMES, checkpoint_shapes
+    from .scheduler import SchedulerConfig
+    from .worker import WorkerConfig, resolve_dtype
+
+    model_dir = str(resolve_model(config.model_id, config.revision, config.huggingface_hub_cache, config.hf_token))
+    model_config = load_model_config(model_dir)
+    with open_checkpoint(model_dir) as checkpoint:
+        checkpoint.check(checkpoint_shapes(model_config), ignore_unexpected=IGNORED_CHECKPOINT_NAMES)
+    limits = resolve_limits(config, model_config.max_context, None)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    num_shards = config.num_shard or 1
+    if num_shards != 1:
+        raise ValueError(f"--num-shard {num_shards}: tensor parallelism is not available yet; use --num-shard 1")
+    dtype = resolve_dtype(config.dtype, model_config, device)
+    max_requests = min(config.max_concurrent_requests * max(config.max_best_of, 1), 1024)
+    worker = WorkerConfig(model_dir=model_dir, dtype=dtype, device=device,
+                          kernel_backend="triton" if device.type == "cuda" else "torch",
+                          max_requests=max_requests, max_seq_len=limits.max_total_tokens,
+                          num_slots=limits.max_batch_total_tokens, memory_fraction=0.9 * config.cuda_memory_fraction,
+                          warmup_tokens=limits.max_batch_prefill_tokens)
+    shards = tuple(ShardSpec(rank, num_shards, config.master_addr, config.master_port, worker)
+                   for rank in range(num_shards))
+    router = RouterSpec(
+        max_requests=max_requests,
+        scheduler_config=SchedulerConfig(
+            max_prefill_tokens=limits.max_batch_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
+            max_waiting_steps=config.max_waiting_tokens, max_seq_len=limits.max_total_tokens),
+        eos_token_ids=_eos_ids(model_dir, model_config),
+        max_batch_total_tokens=limits.max_batch_total_tokens,
+    )
+    sha, pipeline_tag = model_info(config.model_id, config.revision)
+    frontend = FrontendSpec(model_dir, config.hostname, config.port,
+                            _settings(config, limits, sha, pipeline_tag, dtype, device, num_shards))
+    return ServerPlan(shards, router, frontend, config.log_level or "INFO")
+
+
+def _eos_ids(model_dir: str, model_config) -> tuple[int, ...]:
+    """config.json's EOS ids plus generation_config.json's (Llama 3 lists several there)."""
+    import json
+    from pathlib import Path
+
+    ids = list(model_config.eos_token_ids)
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        value = json.loads(path.read_text()).get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
+def _settings(config, limits, sha, pipeline_tag, dtype, device, num_shards):
+    from tgi_compat.settings import ServerSettings
+
+    return ServerSettings(
+        model_id=config.model_id, model_sha=sha, model_pipeline_tag=pipeline_tag,
+        max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens,
+        max_concurrent_requests=config.max_concurrent_requests, max_best_of=config.max_best_of,
+        max_stop_sequences=config.max_stop_sequences, max_top_n_tokens=config.max_top_n_tokens,
+        max_client_batch_size=config.max_client_batch_size, validation_workers=config.validation_workers,
+        api_key=config.api_key, payload_limit=config.payload_limit,
+        disable_grammar_support=config.disable_grammar_support,
+        model_dtype=str(dtype).removeprefix("torch."), model_device_type=device.type, num_shards=num_shards,
+        max_batch_total_tokens=limits.max_batch_total_tokens, waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=config.max_waiting_tokens, max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+    )

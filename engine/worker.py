@@ -1,0 +1,192 @@
+"""A shard worker: the model, its KV buffers and the sampler; runs one Step at a time.
+
+The worker keeps no request bookkeeping beyond what sampling needs (parameters, seed,
+token counts for penalties); the router owns slots and rows and tells it everything.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from weights.checkpoint import open_checkpoint
+
+from .forward_batch import ForwardBatch
+from .kv_cache import KVCache
+from .model_config import ModelConfig, load_model_config
+from .models import model_class_for
+from .ops import KernelOps, default_backend
+from .sampling import RowSampling, Sampler, SamplingParams
+from .step import RowResult, Step, StepResult, StepRow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_dir: str
+    dtype: torch.dtype
+    device: torch.device
+    kernel_backend: str
+    max_requests: int
+    max_seq_len: int
+    num_slots: int | None = None          # None: size from free device memory
+    memory_fraction: float = 0.9          # of the memory free after weights and warm-up (CUDA)
+    warmup_tokens: int = 4096             # the largest step (prefill budget) the warm-up runs
+
+
+def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """--dtype if given; else the checkpoint's half precision on a GPU, float32 on a CPU."""
+    if requested:
+        names = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+        if requested not in names:
+            raise ValueError(f"--dtype {requested!r} is not supported; use float16 or bfloat16")
+        return names[requested]
+    if device.type == "cpu":
+        return torch.float32
+    if config.checkpoint_dtype in (torch.float16, torch.bfloat16):
+        return config.checkpoint_dtype
+    return torch.bfloat16
+
+
+class ModelWorker:
+    def __init__(self, config: WorkerConfig, model_config: ModelConfig | None = None):
+        self.config = config
+        self.model_config = model_config or load_model_config(config.model_dir)
+        self.device = config.device
+        self.ops = KernelOps.create(config.kernel_backend or default_backend(config.device))
+        model_cls = model_class_for(self.model_config)
+        self.model = model_cls(self.model_config, self.ops, config.dtype, config.device, config.max_seq_len)
+        with open_checkpoint(config.model_dir) as checkpoint:
+            self.model.load_weights(checkpoint)
+        self.sampler = Sampler(self.ops, config.device)
+        self._sampling: dict[int, RowSampling] = {}
+        self.kv_cache: KVCache | None = None
+        num_slots = self._size_slots()
+        self.kv_cache = KVCache(self.model_config.num_layers, num_slots, self.model_config.num_kv_heads,
+                                self.model_config.head_dim, config.max_requests, config.max_seq_len,
+                                config.dtype, config.device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv_cache.num_slots
+
+    def _size_slots(self) -> int:
+        """KV capacity: as configured; on CUDA what the memory left after a max-size warm-up holds."""
+        if self.config.num_slots:
+            return self.config.num_slots
+        if self.device.type != "cuda":
+            return max(self.config.max_seq_len, 16384)
+        c = self.model_config
+        per_slot = KVCache.bytes_per_slot(c.num_layers, c.num_kv_heads, c.head_dim, self.config.dtype)
+        activations = self._warmup_peak_bytes()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        slots = int(free * self.config.memory_fraction - activations) // per_slot
+        if slots < self.config.max_seq_len:
+            raise MemoryError(f"after the weights only {slots} KV slots fit on {self.device}; one request of "
+                              f"{self.config.max_seq_len} tokens needs more: lower --max-total-tokens or add shards")
+        log.info("KV cache: %d slots (%.1f GiB); warm-up activations %.2f GiB", slots,
+                 slots * per_slot / 2**30, activations / 2**30)
+        return slots
+
+    def _warmup_peak_bytes(self) -> int:
+        """Run the largest step once on a scratch cache; return its peak activation memory."""
+        cfg = self.config
+        tokens = min(cfg.warmup_tokens, cfg.max_requests * cfg.max_seq_len)
+        num_rows = min(cfg.max_requests, tokens)
+        per_row = [tokens // num_rows + (1 if i < tokens % num_rows else 0) for i in range(num_rows)]
+        params = SamplingParams(do_sample=True, top_k=50, top_p=0.9, repetition_penalty=1.1, top_n_tokens=5)
+        rows, next_slot = [], 0
+        for i, n in enumerate(per_row):
+            rows.append(StepRow(request_id=-1 - i, row=i, start_pos=0, input_ids=[1] * n,
+                                slots=list(range(next_slot, next_slot + n)), sample=True, params=params))
+            next_slot += n
+        self.kv_cache = KVCache(self.model_config.num_layers, tokens, self.model_config.num_kv_heads,
+                                self.model_config.head_dim, cfg.max_requests, cfg.max_seq_len, cfg.dtype, self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self.execute(Step(rows=rows, released=[]))
+        self.execute(Step(rows=[], released=[r.request_id for r in rows]))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- one step ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, step: Step) -> StepResult:
+        for request_id in step.released:
+            self._sampling.pop(request_id, None)
+        if not step.rows:
+            return StepResult([])
+        self._track_rows(step)
+        batch = self._forward_batch(step)
+        hidden = self.model.forward(batch, self.kv_cache)
+        return self._results(step, hidden)
+
+    def _track_rows(self, step: Step) -> None:
+        for r in step.rows:
+            state = self._sampling.get(r.request_id)
+            if state is None:
+                state = self._sampling[r.request_id] = RowSampling(params=r.params, seed=r.seed, step=0)
+            if state.params.has_penalties:
+                for token in r.input_ids:
+                    state.token_counts[token] = state.token_counts.get(token, 0) + 1
+            state.num_tokens += len(r.input_ids)
+
+    def _forward_batch(self, step: Step) -> ForwardBatch:
+        ids, positions, slots, token_rows, q_start, q_len, seq_len = [], [], [], [], [], [], []
+        for r in step.rows:
+            n = len(r.input_ids)
+            q_start.append(len(ids))
+            ids.extend(r.input_ids)
+            positions.extend(range(r.start_pos, r.start_pos + n))
+            slots.extend(r.slots)
+            token_rows.extend([r.row] * n)
+            q_len.append(n)
+            seq_len.append(r.start_pos + n)
+        dev = self.device
+        as_tensor = lambda v, dt: torch.tensor(v, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
+        positions_t = as_tensor(positions, torch.int64)
+        slots_t = as_tensor(slots, torch.int64)
+        self.kv_cache.write_table(as_tensor(token_rows, torch.int64), positions_t, slots_t)
+        return ForwardBatch(
+            input_ids=as_tensor(ids, torch.int64), positions=positions_t, out_slots=slots_t,
+            req_rows=as_tensor([r.row for r in step.rows], torch.int32), q_start=as_tensor(q_start, torch.int32),
+            q_len=as_tensor(q_len, torch.int32), seq_len=as_tensor(seq_len, torch.int32),
+            max_q_len=max(q_len), is_decode=max(q_len) == 1,
+        )
+
+    def _results(self, step: Step, hidden: torch.Tensor) -> StepResult:
+        results = [RowResult(r.request_id) for r in step.rows]
+        offsets, offset = [], 0
+        for r in step.rows:
+            offsets.append(offset)
+            offset += len(r.input_ids)
+        self._prompt_logprobs(step, hidden, offsets, results)
+        sampled = [i for i, r in enumerate(step.rows) if r.sample]
+        if sampled:
+            last = torch.tensor([offsets[i] + len(step.rows[i].input_ids) - 1 for i in sampled], device=self.device)
+            states = [self._sampling[step.rows[i].request_id] for i in sampled]
+            out = self.sampler(self.model.compute_logits(hidden[last]), states)
+            for j, i in enumerate(sampled):
+                res = results[i]
+                res.token_id, res.logprob = out.token_ids[j], out.logprobs[j]
+                res.top_ids, res.top_logprobs = out.top_ids[j], out.top_logprobs[j]
+                states[j].step += 1
+        return StepResult(results)
+
+    def _prompt_logprobs(self, step: Step, hidden, offsets: list[int], results: list[RowResult]) -> None:
+        for i, r in enumerate(step.rows):
+            if not r.logprob_targets:
+                if r.logprob_targets is not None:
+                    results[i].prompt_logprobs = []
+                continue
+            n = len(r.logprob_targets)
+            logits = self.model.compute_logits(hidden[offsets[i] : offsets[i] + n])
+            targets = torch.tensor(r.logprob_targets, device=self.device)[:, None]
+            results[i].prompt_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets)[:, 0].tolist()

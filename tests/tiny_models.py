@@ -1,0 +1,50 @@
+"""Tiny random checkpoints saved with transformers' ``save_pretrained`` (for tests).
+
+Weights use a larger init scale than transformers' default so that logits are peaked:
+greedy choices then never hinge on float rounding noise.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, vocab_size=384,
+              max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.15,
+              bos_token_id=1, eos_token_id=2)
+
+FAMILIES = {
+    # name: (config class, model class, overrides)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4)),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2,
+                                                             head_dim=8, sliding_window=4096)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1,
+                                                       tie_word_embeddings=True)),
+}
+
+
+def save_tiny_model(family: str, path: Path, seed: int = 0, dtype=torch.float32) -> Path:
+    config_cls, model_cls, overrides = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)   # transformers zero-inits biases; make them matter
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)  # and ones-inits norms
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf(path: Path, dtype=torch.float32):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation="eager")
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()

@@ -1,0 +1,96 @@
+"""Greedy tokens and logprobs of the engine equal transformers' on tiny checkpoints."""
+import pytest
+import torch
+
+from engine.generation import Engine, EngineConfig, GenerationRequest
+from engine.sampling import SamplingParams
+from tests.tiny_models import FAMILIES, load_hf, save_tiny_model
+
+NEW_TOKENS = 32
+PROMPT_LENGTHS = [5, 17, 1, 33]
+# On a GPU the same tests run the Triton kernels (float32 dots there use TF32: looser logprobs).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LOGPROB_TOL = {"torch": 1e-4, "triton": 1e-3 if DEVICE == "cpu" else 2e-2}
+
+
+def prompts(vocab=384, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_reference(hf, prompt):
+    out = hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=NEW_TOKENS, do_sample=False,
+                      output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+    return tokens, logprobs
+
+
+def run_engine_with_late_joiners(engine, all_prompts):
+    """Requests 0 and 1 start; 2 and 3 join after three decode steps."""
+    params = SamplingParams(top_n_tokens=3)
+    request = lambda i: GenerationRequest(i, all_prompts[i], NEW_TOKENS, params, stop_token_ids=[])  # noqa: E731
+    outputs = {i: [] for i in range(len(all_prompts))}
+    for i in (0, 1):
+        engine.add_request(request(i))
+    steps = 0
+    while engine.has_work() or steps < 4:
+        if steps == 4:
+            for i in (2, 3):
+                engine.add_request(request(i))
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        steps += 1
+    return outputs
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_tokens_and_logprobs_match_transformers(family, tmp_path):
+    path = save_tiny_model(family, tmp_path / family)
+    hf = load_hf(path).to(DEVICE)
+    backend = "torch" if DEVICE == "cpu" else "triton"
+    engine = Engine(EngineConfig(model_dir=str(path), device=DEVICE, kernel_backend=backend, num_slots=512,
+                                 max_requests=8, max_prefill_tokens=24))
+    all_prompts = prompts()
+    outputs = run_engine_with_late_joiners(engine, all_prompts)
+    for i, prompt in enumerate(all_prompts):
+        tokens, logprobs = hf_reference(hf, prompt)
+        ours = outputs[i]
+        assert [o.token_id for o in ours] == tokens, f"{family} prompt {i}"
+        for o, ref in zip(ours, logprobs):
+            assert o.logprob == pytest.approx(ref[o.token_id].item(), abs=LOGPROB_TOL[backend])
+            assert o.top_ids == ref.topk(3).indices.tolist()
+        assert ours[-1].finish_reason == "length"
+    assert engine.kv_usage()[0] == 0
+    engine.allocator.check_integrity()
+
+
+def test_triton_kernels_under_the_interpreter_match_transformers(tmp_path):
+    """End to end with every Triton kernel (TRITON_INTERPRET=1 on the CPU)."""
+    path = save_tiny_model("llama3", tmp_path / "llama3")
+    hf = load_hf(path).to(DEVICE)
+    engine = Engine(EngineConfig(model_dir=str(path), device=DEVICE, kernel_backend="triton", num_slots=512,
+                                 max_requests=8, max_prefill_tokens=24))
+    all_prompts = prompts(seed=1)
+    outputs = run_engine_with_late_joiners(engine, all_prompts)
+    for i, prompt in enumerate(all_prompts):
+        tokens, logprobs = hf_reference(hf, prompt)
+        assert [o.token_id for o in outputs[i]] == tokens
+        for o, ref in zip(outputs[i], logprobs):
+            assert o.logprob == pytest.approx(ref[o.token_id].item(), abs=LOGPROB_TOL["triton"])
+
+
+def test_prompt_logprobs_match_transformers(tmp_path):
+    path = save_tiny_model("qwen2", tmp_path / "qwen2")
+    hf = load_hf(path)
+    engine = Engine(EngineConfig(model_dir=str(path), device="cpu", kernel_backend="torch", num_slots=256,
+                                 max_prefill_tokens=7))   # the 33-token prompt is prefilled in 5 chunks
+    prompt = prompts()[3]
+    out = engine.generate([GenerationRequest(0, prompt, 2, SamplingParams(prompt_logprobs=True))])[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    expected = [None] + [ref[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)]
+    got = out[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(prompt)
+    assert got[1:] == pytest.approx(expected[1:], abs=1e-4)
+    assert out[1].prompt_logprobs is None

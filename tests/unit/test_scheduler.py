@@ -1,0 +1,132 @@
+import itertools
+import random
+
+import pytest
+
+from engine.allocator import SlotAllocator
+from engine.sampling import SamplingParams
+from engine.scheduler import Request, Scheduler, SchedulerConfig, peak_usage
+from engine.step import RowResult, StepResult
+
+
+def brute_force_peak(requests):
+    """Simulate every request generating its remaining tokens, one per step."""
+    peak, t = 0, 0
+    while True:
+        alive = [(rem, held) for rem, held in requests if rem >= t]
+        if not alive:
+            return peak
+        peak = max(peak, sum(held + t for rem, held in alive))
+        t += 1
+
+
+def test_peak_usage_matches_a_simulation():
+    rng = random.Random(1)
+    for _ in range(200):
+        reqs = [(rng.randint(1, 40), rng.randint(1, 60)) for _ in range(rng.randint(1, 8))]
+        assert peak_usage(reqs) == brute_force_peak(reqs)
+
+
+def make_request(rid, prompt_len, max_new, **params):
+    return Request(request_id=rid, prompt_ids=list(range(1, prompt_len + 1)), max_new_tokens=max_new,
+                   params=SamplingParams(**params), seed=0, stop_token_ids=frozenset({0}))
+
+
+def fake_result(step, token=7):
+    return StepResult([RowResult(r.request_id, token_id=token if r.sample else None, logprob=-1.0) for r in step.rows])
+
+
+def run_to_end(sched, alloc, token=7, max_steps=10_000):
+    """Drive the scheduler with a stand-in for the model that always answers `token`."""
+    max_used, finished = 0, {}
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return max_used, finished
+        step = sched.schedule()
+        max_used = max(max_used, alloc.used_slots)
+        for request, _, reason in sched.process(step, fake_result(step, token)):
+            if reason:
+                finished[request.request_id] = (reason, len(request.generated))
+        alloc.check_integrity()
+    raise AssertionError("scheduler did not finish")
+
+
+def test_admission_never_exceeds_capacity_and_every_request_finishes():
+    rng = random.Random(2)
+    alloc = SlotAllocator(num_slots=300, max_requests=16)
+    sched = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=64, max_seq_len=300))
+    lengths = {}
+    for rid in range(60):
+        prompt, new = rng.randint(1, 120), rng.randint(1, 100)
+        lengths[rid] = new
+        sched.add(make_request(rid, prompt, new))
+    max_used, finished = run_to_end(sched, alloc)
+    assert max_used <= 300
+    assert finished == {rid: ("length", n) for rid, n in lengths.items()}
+    assert alloc.used_slots == 0 and alloc.free_rows == 16
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_budget():
+    alloc = SlotAllocator(num_slots=1000, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=32, max_seq_len=1000))
+    sched.add(make_request(1, 100, 2, prompt_logprobs=True))
+    chunks = []
+    for _ in range(4):
+        step = sched.schedule()
+        (row,) = step.rows
+        chunks.append((row.start_pos, len(row.input_ids), row.sample, len(row.logprob_targets)))
+        sched.process(step, StepResult([RowResult(1, token_id=5 if row.sample else None,
+                                                   prompt_logprobs=[-1.0] * len(row.logprob_targets))]))
+    assert chunks == [(0, 32, False, 32), (32, 32, False, 32), (64, 32, False, 32), (96, 4, True, 3)]
+    request = sched.running[0]
+    assert len(request.prompt_logprobs) == 100 and request.prompt_logprobs[0] is None
+
+
+def test_eos_finishes_and_length_is_checked_first():
+    alloc = SlotAllocator(num_slots=100, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=100))
+    sched.add(make_request(1, 5, 1))
+    sched.add(make_request(2, 5, 3))
+    _, finished = run_to_end(sched, alloc, token=0)
+    assert finished == {1: ("length", 1), 2: ("eos_token", 1)}
+
+
+def test_abort_frees_slots_in_every_state():
+    alloc = SlotAllocator(num_slots=40, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=8, max_seq_len=40))
+    sched.add(make_request(1, 20, 10))
+    sched.add(make_request(2, 20, 10))   # does not fit next to 1: waits
+    step = sched.schedule()
+    assert [r.request_id for r in step.rows] == [1] and alloc.used_slots == 8
+    assert sched.abort(1) and sched.abort(2) and not sched.abort(3)
+    assert alloc.used_slots == 0 and not sched.has_work()
+    alloc.check_integrity()
+    assert sched.schedule().released == [1]
+
+
+def test_small_requests_overtake_a_huge_one_until_it_has_waited_enough():
+    alloc = SlotAllocator(num_slots=100, max_requests=8)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=100, max_waiting_steps=3))
+    def step():
+        s = sched.schedule()
+        sched.process(s, fake_result(s))
+
+    sched.add(make_request(1, 10, 50))    # running: peak 60
+    step()
+    sched.add(make_request(2, 60, 30))    # does not fit yet
+    sched.add(make_request(3, 5, 5))      # fits: admitted although 2 is ahead
+    step()
+    assert [r.request_id for r in sched.running] == [1, 3]
+    for _ in range(2):
+        step()
+    sched.add(make_request(4, 5, 5))      # 2 has now waited 3 steps: 4 must queue behind it
+    step()
+    assert [r.request_id for r in sched.waiting] == [2, 4]
+
+
+def test_a_request_over_the_limits_is_refused():
+    sched = Scheduler(SlotAllocator(num_slots=50, max_requests=2), SchedulerConfig(max_seq_len=64))
+    with pytest.raises(ValueError, match="exceeds the limit of 50"):
+        sched.add(make_request(1, 40, 20))
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        sched.add(make_request(2, 0, 20))
