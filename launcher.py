@@ -57,6 +57,8 @@ class _Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         self.processes = self.plan.start()
+        for p in self.processes:
+            log.info("started %s (pid %d)", p.name, p.pid)
         code = self._watch()
         self._stop_all()
         return code

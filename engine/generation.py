@@ -39,6 +39,10 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     waiting_served_ratio: float = 0.0
     max_waiting_steps: int = 20
+    cuda_graphs: tuple[int, ...] | None = None   # decode batch sizes to capture (None: defaults; (): eager)
+    num_shards: int = 1                   # > 1: tensor parallel over shard processes
+    master_addr: str = "localhost"
+    master_port: int = 29500
 
     def worker_config(self, model_config) -> WorkerConfig:
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -50,6 +54,8 @@ class EngineConfig:
             max_requests=self.max_requests,
             max_seq_len=self.max_seq_len or model_config.max_context,
             num_slots=self.num_slots,
+            warmup_tokens=self.max_prefill_tokens,
+            cuda_graphs=self.cuda_graphs,
         )
 
     def scheduler_config(self, max_seq_len: int) -> SchedulerConfig:
@@ -60,14 +66,57 @@ class EngineConfig:
 
 
 class Engine:
+    """With ``num_shards`` > 1 the model runs tensor-parallel in shard processes; call
+    ``close()`` (or use ``with Engine(...) as engine``) to stop them."""
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = load_model_config(config.model_dir)
         worker_config = config.worker_config(self.model_config)
-        self.worker = ModelWorker(worker_config, self.model_config)
-        self.allocator = SlotAllocator(self.worker.num_slots, config.max_requests)
+        self.worker = None
+        self._processes: list = []
+        if config.num_shards == 1:
+            self.worker = ModelWorker(worker_config, self.model_config)
+            shards, capacity = LocalShards(self.worker), self.worker.num_slots
+        else:
+            shards, capacity = self._start_shards(worker_config)
+        self.allocator = SlotAllocator(capacity, config.max_requests)
         scheduler = Scheduler(self.allocator, config.scheduler_config(worker_config.max_seq_len))
-        self.router = Router(scheduler, LocalShards(self.worker), self.model_config.eos_token_ids)
+        self.router = Router(scheduler, shards, self.model_config.eos_token_ids)
+
+    def _start_shards(self, worker_config):
+        from .parallel import TensorParallel
+        from .server import PipeShards, ShardSpec, spawn_shards
+
+        TensorParallel(0, self.config.num_shards).check(self.model_config)
+        specs = [ShardSpec(rank, self.config.num_shards, self.config.master_addr, self.config.master_port,
+                           worker_config) for rank in range(self.config.num_shards)]
+        self._processes, ends = spawn_shards(specs, "WARNING")
+        shards = PipeShards(ends)
+        try:
+            return shards, shards.wait_ready()
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._processes:
+            from .server import PipeShards
+
+            shards = self.router.shards if hasattr(self, "router") else None
+            if isinstance(shards, PipeShards):
+                shards.shutdown()
+            for p in self._processes:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+            self._processes = []
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request; ValueError if prompt + max_new_tokens exceeds the limits."""

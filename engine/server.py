@@ -22,6 +22,7 @@ from .step import Abort, GenerationRequest, Step, StepResult, TokenEvent
 log = logging.getLogger("engine.server")
 
 STATUS_INTERVAL_S = 0.25
+RENDEZVOUS_S = 60
 
 
 class ShardFailure(RuntimeError):
@@ -42,9 +43,11 @@ class ShardSpec:
 def shard_main(spec: ShardSpec, conn, log_level: str = "INFO") -> None:
     _child_setup(log_level)
     try:
+        from .parallel import TensorParallel
         from .worker import ModelWorker
 
-        worker = ModelWorker(spec.worker_config)
+        worker_config = _join_group(spec)
+        worker = ModelWorker(worker_config, tp=TensorParallel(spec.rank, spec.world_size))
         conn.send_bytes(encode(Ready(spec.rank, worker.num_slots)))
         log.info("shard %d ready: %d KV slots", spec.rank, worker.num_slots)
         while True:
@@ -63,6 +66,29 @@ def shard_main(spec: ShardSpec, conn, log_level: str = "INFO") -> None:
         except OSError:
             pass
         os._exit(1)
+
+
+def _join_group(spec: ShardSpec):
+    """Pick this rank's device and join torch.distributed (NCCL on GPUs, gloo on the CPU)."""
+    from dataclasses import replace
+    from datetime import timedelta
+
+    import torch
+
+    config = spec.worker_config
+    if config.device.type == "cuda":
+        torch.cuda.set_device(spec.rank)
+        config = replace(config, device=torch.device("cuda", spec.rank))
+    if spec.world_size > 1:
+        backend = "nccl" if config.device.type == "cuda" else "gloo"
+        address = f"tcp://{spec.master_addr}:{spec.master_port}"
+        try:
+            torch.distributed.init_process_group(backend, init_method=address, rank=spec.rank,
+                                                 world_size=spec.world_size, timeout=timedelta(seconds=RENDEZVOUS_S))
+        except Exception as e:
+            raise RuntimeError(f"shard {spec.rank} could not join the group at {address} "
+                               f"(--master-addr/--master-port) within {RENDEZVOUS_S} s: {e}") from None
+    return config
 
 
 class PipeShards:
@@ -245,6 +271,23 @@ def frontend_main(spec: FrontendSpec, conn, log_level: str = "INFO") -> None:
     uvicorn.run(app, host=spec.hostname, port=spec.port, log_level="warning", timeout_graceful_shutdown=2)
 
 
+def spawn_context():
+    import multiprocess as mp
+
+    return mp.get_context("spawn")
+
+
+def spawn_shards(specs, log_level: str = "INFO") -> tuple[list, list]:
+    """Start one shard process per spec; returns (processes, the router's pipe ends)."""
+    ctx = spawn_context()
+    router_ends, shard_ends = zip(*(ctx.Pipe(duplex=True) for _ in specs))
+    processes = [ctx.Process(target=shard_main, args=(spec, end, log_level), name=f"shard-{spec.rank}", daemon=True)
+                 for spec, end in zip(specs, shard_ends)]
+    for p in processes:
+        p.start()
+    return processes, list(router_ends)
+
+
 # ---- the plan the supervisor starts --------------------------------------------------
 
 @dataclass(frozen=True)
@@ -256,15 +299,11 @@ class ServerPlan:
 
     def start(self) -> list:
         """Spawn the shards, the router and the front end, wired with pipes; in that order."""
-        import multiprocess as mp
-
-        ctx = mp.get_context("spawn")
-        router_ends, shard_ends = zip(*(ctx.Pipe(duplex=True) for _ in self.shards))
+        ctx = spawn_context()
+        processes, router_ends = spawn_shards(self.shards, self.log_level)
         front_router, front_end = ctx.Pipe(duplex=True)
-        processes = [ctx.Process(target=shard_main, args=(spec, end, self.log_level), name=f"shard-{spec.rank}")
-                     for spec, end in zip(self.shards, shard_ends)]
         processes.append(ctx.Process(target=router_main, name="router",
-                                     args=(self.router, front_router, list(router_ends), self.log_level)))
+                                     args=(self.router, front_router, router_ends, self.log_level)))
         processes.append(ctx.Process(target=frontend_main, args=(self.frontend, front_end, self.log_level),
                                      name="frontend"))
         for p in processes:

@@ -12,11 +12,13 @@ import torch
 
 from weights.checkpoint import open_checkpoint
 
+from .decode_graphs import PaddedDecoder
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
 from .model_config import ModelConfig, load_model_config
 from .models import model_class_for
 from .ops import KernelOps, default_backend
+from .parallel import TensorParallel
 from .sampling import RowSampling, Sampler, SamplingParams
 from .step import RowResult, Step, StepResult, StepRow
 
@@ -34,6 +36,7 @@ class WorkerConfig:
     num_slots: int | None = None          # None: size from free device memory
     memory_fraction: float = 0.9          # of the memory free after weights and warm-up (CUDA)
     warmup_tokens: int = 4096             # the largest step (prefill budget) the warm-up runs
+    cuda_graphs: tuple[int, ...] | None = None   # decode batch sizes to capture; () = eager (CUDA only)
 
 
 def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -51,22 +54,32 @@ def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.devi
 
 
 class ModelWorker:
-    def __init__(self, config: WorkerConfig, model_config: ModelConfig | None = None):
+    def __init__(self, config: WorkerConfig, model_config: ModelConfig | None = None,
+                 tp: TensorParallel = TensorParallel()):
         self.config = config
         self.model_config = model_config or load_model_config(config.model_dir)
         self.device = config.device
+        self.tp = tp
         self.ops = KernelOps.create(config.kernel_backend or default_backend(config.device))
         model_cls = model_class_for(self.model_config)
-        self.model = model_cls(self.model_config, self.ops, config.dtype, config.device, config.max_seq_len)
+        self.model = model_cls(self.model_config, self.ops, config.dtype, config.device, config.max_seq_len, tp)
         with open_checkpoint(config.model_dir) as checkpoint:
             self.model.load_weights(checkpoint)
         self.sampler = Sampler(self.ops, config.device)
         self._sampling: dict[int, RowSampling] = {}
         self.kv_cache: KVCache | None = None
         num_slots = self._size_slots()
-        self.kv_cache = KVCache(self.model_config.num_layers, num_slots, self.model_config.num_kv_heads,
-                                self.model_config.head_dim, config.max_requests, config.max_seq_len,
-                                config.dtype, config.device)
+        self.kv_cache = self._new_cache(num_slots)
+        self.decoder = None
+        if self.device.type == "cuda":
+            graphs = config.cuda_graphs
+            self.decoder = PaddedDecoder(self.model, self.kv_cache, config.max_requests, graphs or None,
+                                         use_graphs=graphs is None or len(graphs) > 0)
+
+    def _new_cache(self, num_slots: int) -> KVCache:
+        c, cfg = self.model_config, self.config
+        return KVCache(c.num_layers, num_slots, self.model.num_kv_heads, c.head_dim, cfg.max_requests,
+                       cfg.max_seq_len, cfg.dtype, cfg.device)
 
     @property
     def num_slots(self) -> int:
@@ -79,7 +92,7 @@ class ModelWorker:
         if self.device.type != "cuda":
             return max(self.config.max_seq_len, 16384)
         c = self.model_config
-        per_slot = KVCache.bytes_per_slot(c.num_layers, c.num_kv_heads, c.head_dim, self.config.dtype)
+        per_slot = KVCache.bytes_per_slot(c.num_layers, self.model.num_kv_heads, c.head_dim, self.config.dtype)
         activations = self._warmup_peak_bytes()
         free, _ = torch.cuda.mem_get_info(self.device)
         slots = int(free * self.config.memory_fraction - activations) // per_slot
@@ -102,8 +115,7 @@ class ModelWorker:
             rows.append(StepRow(request_id=-1 - i, row=i, start_pos=0, input_ids=[1] * n,
                                 slots=list(range(next_slot, next_slot + n)), sample=True, params=params))
             next_slot += n
-        self.kv_cache = KVCache(self.model_config.num_layers, tokens, self.model_config.num_kv_heads,
-                                self.model_config.head_dim, cfg.max_requests, cfg.max_seq_len, cfg.dtype, self.device)
+        self.kv_cache = self._new_cache(tokens)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -124,6 +136,10 @@ class ModelWorker:
         if not step.rows:
             return StepResult([])
         self._track_rows(step)
+        if self.decoder is not None and self.decoder.accepts(step):
+            logits = self.decoder.run(step)
+            results = [RowResult(r.request_id) for r in step.rows]
+            return self._sample(step, list(range(len(step.rows))), logits, results)
         batch = self._forward_batch(step)
         hidden = self.model.forward(batch, self.kv_cache)
         return self._results(step, hidden)
@@ -171,13 +187,20 @@ class ModelWorker:
         sampled = [i for i, r in enumerate(step.rows) if r.sample]
         if sampled:
             last = torch.tensor([offsets[i] + len(step.rows[i].input_ids) - 1 for i in sampled], device=self.device)
-            states = [self._sampling[step.rows[i].request_id] for i in sampled]
-            out = self.sampler(self.model.compute_logits(hidden[last]), states)
-            for j, i in enumerate(sampled):
-                res = results[i]
-                res.token_id, res.logprob = out.token_ids[j], out.logprobs[j]
-                res.top_ids, res.top_logprobs = out.top_ids[j], out.top_logprobs[j]
-                states[j].step += 1
+            logits = self.model.compute_logits(hidden[last])     # a collective: every rank computes
+            return self._sample(step, sampled, logits, results)
+        return StepResult(results)
+
+    def _sample(self, step: Step, sampled: list[int], logits: torch.Tensor, results: list[RowResult]) -> StepResult:
+        if self.tp.rank != 0:
+            return StepResult(results)                             # only rank 0 samples and replies
+        states = [self._sampling[step.rows[i].request_id] for i in sampled]
+        out = self.sampler(logits, states)
+        for j, i in enumerate(sampled):
+            res = results[i]
+            res.token_id, res.logprob = out.token_ids[j], out.logprobs[j]
+            res.top_ids, res.top_logprobs = out.top_ids[j], out.top_logprobs[j]
+            states[j].step += 1
         return StepResult(results)
 
     def _prompt_logprobs(self, step: Step, hidden, offsets: list[int], results: list[RowResult]) -> None:
@@ -188,5 +211,7 @@ class ModelWorker:
                 continue
             n = len(r.logprob_targets)
             logits = self.model.compute_logits(hidden[offsets[i] : offsets[i] + n])
+            if self.tp.rank != 0:
+                continue
             targets = torch.tensor(r.logprob_targets, device=self.device)[:, None]
             results[i].prompt_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets)[:, 0].tolist()

@@ -48,3 +48,31 @@ def load_hf(path: Path, dtype=torch.float32):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+TOKENIZER_CORPUS = ["the quick brown fox jumps over the lazy dog. hello world, hello there! def main(): return 0\n"
+                    "generation inference server tokens stream of text: 0123456789 " * 8]
+
+
+def save_tiny_tokenizer(path: Path, vocab_size: int = 384) -> Path:
+    """A byte-level BPE tokenizer (<unk>=0, <s>=1, </s>=2; prompts start with <s>) trained on
+    ASCII text, so non-ASCII characters stay split into byte-level tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
+    return path
+
+
+def save_tiny_server_model(family: str, path: Path, seed: int = 0) -> Path:
+    """A tiny checkpoint with a tokenizer: what `launcher.py --model-id` needs."""
+    save_tiny_model(family, path, seed)
+    return save_tiny_tokenizer(path)

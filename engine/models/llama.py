@@ -22,6 +22,7 @@ from ..forward_batch import ForwardBatch
 from ..kv_cache import KVCache
 from ..model_config import ModelConfig
 from ..ops import KernelOps
+from ..parallel import FULL, Slice, TensorParallel, read
 from ..rope import build_cos_sin_cache
 
 # Buffers some checkpoints carry that the model recomputes.
@@ -64,9 +65,15 @@ class LayerWeights:
 
 class LlamaFamilyModel:
     def __init__(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device,
-                 max_positions: int):
+                 max_positions: int, tp: TensorParallel = TensorParallel()):
+        tp.check(config)
         self.config = config
         self.ops = ops
+        self.tp = tp
+        self.num_heads = tp.heads(config)          # on this shard
+        self.num_kv_heads = tp.kv_heads(config)
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.dtype = dtype
         self.device = torch.device(device)
         self.sm_scale = config.head_dim**-0.5
@@ -81,13 +88,25 @@ class LlamaFamilyModel:
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         return checkpoint_shapes(self.config)
 
+    def weight_slices(self) -> dict[str, Slice]:
+        """The part of each checkpoint tensor this shard holds."""
+        tp, c = self.tp, self.config
+        column, row, kv = tp.column(), tp.row(), tp.kv_column(c)
+        by_suffix = {"q_proj": column, "k_proj": kv, "v_proj": kv, "o_proj": row, "gate_proj": column,
+                     "up_proj": column, "down_proj": row, "embed_tokens": column, "lm_head": column}
+        slices = {}
+        for name in self.checkpoint_shapes():
+            module = name.rsplit(".", 2)[-2]
+            slices[name] = by_suffix.get(module, FULL)
+        return slices
+
     def load_weights(self, checkpoint) -> None:
-        """Strictly check the checkpoint, then read every tensor once (with a progress bar)."""
+        """Strictly check the checkpoint, then read this shard's slice of every tensor once."""
         checkpoint.check(self.checkpoint_shapes(), ignore_unexpected=IGNORED_CHECKPOINT_NAMES)
-        names = list(self.checkpoint_shapes())
         tensors = {}
-        for name in checkpoint.progress(names, desc="Loading weights"):
-            tensors[name] = checkpoint.read(name, dtype=self.dtype, device=self.device)
+        slices = self.weight_slices()
+        for name in checkpoint.progress(list(slices), desc=f"Loading weights (shard {self.tp.rank})"):
+            tensors[name] = read(checkpoint, name, slices[name], self.dtype, self.device)
         self._assemble(tensors)
 
     def _assemble(self, t: dict[str, torch.Tensor]) -> None:
@@ -116,7 +135,7 @@ class LlamaFamilyModel:
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of every new token."""
         eps = self.config.rms_norm_eps
-        residual = self.embed_tokens[batch.input_ids]
+        residual = self._embed(batch.input_ids)
         hidden = self.ops.rmsnorm(residual, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
             attn = self._attention(hidden, layer, batch, kv_cache.layer(index), kv_cache.req_to_token)
@@ -126,13 +145,22 @@ class LlamaFamilyModel:
             hidden = self.ops.add_rmsnorm(mlp, residual, next_norm, eps)
         return hidden
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return self.embed_tokens[input_ids]
+        local = input_ids - self.tp.vocab_start(self.config)
+        outside = (local < 0) | (local >= self.embed_tokens.shape[0])
+        hidden = self.embed_tokens[local.masked_fill(outside, 0)]
+        hidden.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(hidden)
+
     def _attention(self, hidden, layer: LayerWeights, batch: ForwardBatch, kv_layer, req_to_token):
         c, ops = self.config, self.ops
         qkv = torch.nn.functional.linear(hidden, layer.w_qkv, layer.b_qkv)
-        tokens = qkv.shape[0]
-        q = qkv[:, : c.q_size].view(tokens, c.num_heads, c.head_dim)
-        k = qkv[:, c.q_size : c.q_size + c.kv_size].view(tokens, c.num_kv_heads, c.head_dim)
-        v = qkv[:, c.q_size + c.kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
+        tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
+        q = qkv[:, :q_size].view(tokens, self.num_heads, c.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, c.head_dim)
+        v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, c.head_dim)
         ops.rotary_embedding(q, k, batch.positions, self.cos_sin_cache)
         ops.copy_kv(k, v, kv_layer, batch.out_slots)
         if batch.is_decode:
@@ -140,12 +168,12 @@ class LlamaFamilyModel:
         else:
             out = ops.prefill_attention(q, kv_layer, req_to_token, batch.req_rows, batch.q_start, batch.q_len,
                                         batch.seq_len, self.sm_scale, batch.max_q_len)
-        return torch.nn.functional.linear(out.reshape(tokens, c.q_size), layer.w_o)
+        return self.tp.all_reduce(torch.nn.functional.linear(out.reshape(tokens, q_size), layer.w_o))
 
     def _mlp(self, hidden, layer: LayerWeights):
         gate_up = torch.nn.functional.linear(hidden, layer.w_gate_up)
-        return torch.nn.functional.linear(self.ops.silu_and_mul(gate_up), layer.w_down)
+        return self.tp.all_reduce(torch.nn.functional.linear(self.ops.silu_and_mul(gate_up), layer.w_down))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, vocab] float32 logits (the GEMM in the model dtype, as transformers does)."""
-        return torch.nn.functional.linear(hidden, self.lm_head).float()
+        return self.tp.gather_columns(torch.nn.functional.linear(hidden, self.lm_head)).float()

@@ -29,6 +29,11 @@ def test_greedy_tokens_equal_transformers_on_llama2_7b(llama2_7b_dir):
     engine = Engine(EngineConfig(model_dir=llama2_7b_dir, num_slots=8192, max_requests=8))
     requests = [GenerationRequest(i, p, NEW_TOKENS, SamplingParams(), stop_token_ids=[]) for i, p in enumerate(prompts)]
     got = engine.generate(requests)
+    del engine
+    eager = Engine(EngineConfig(model_dir=llama2_7b_dir, num_slots=8192, max_requests=8, cuda_graphs=()))
+    eager_tokens = {i: [e.token_id for e in events] for i, events in eager.generate(requests).items()}
+    assert eager_tokens == {i: [e.token_id for e in events] for i, events in got.items()}, "graphs != eager"
+    del eager
     report = []
     for i in range(len(prompts)):
         tokens = [e.token_id for e in got[i]]

@@ -1,0 +1,101 @@
+"""Decode steps on CUDA: padded to a bucket size and replayed from captured CUDA graphs.
+
+A decode step has one new token per request. Its inputs travel in one pinned host
+buffer and one copy:
+
+    inputs[0]  input ids      inputs[3]  request rows (padding: the dummy row)
+    inputs[1]  positions      inputs[4]  sequence lengths (padding: 1)
+    inputs[2]  KV slots (padding: the dummy slot)
+
+Padding rows read and write only the dummy slot, so they never touch a request's KV.
+Each bucket's forward and logits are captured once; ``run`` copies the inputs, writes
+the new table entries and replays. With graphs off the same padded forward runs
+eagerly, so eager and graph decoding compute exactly the same numbers.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .forward_batch import ForwardBatch
+from .step import Step
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class PaddedDecoder:
+    def __init__(self, model, kv_cache, max_requests: int, buckets: tuple[int, ...] | None, use_graphs: bool):
+        self.model = model
+        self.kv_cache = kv_cache
+        chosen = sorted({b for b in (buckets or DEFAULT_BUCKETS) if b <= max_requests} | {max_requests})
+        self.buckets = chosen
+        device = kv_cache.req_to_token.device
+        size = self.buckets[-1]
+        self.host = torch.empty((5, size), dtype=torch.int64, pin_memory=True)
+        self.inputs = torch.empty((5, size), dtype=torch.int64, device=device)
+        self.q_start = torch.arange(size, dtype=torch.int32, device=device)
+        self.q_len = torch.ones(size, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if use_graphs:
+            self._capture_all()
+
+    def accepts(self, step: Step) -> bool:
+        return len(step.rows) <= self.buckets[-1] and all(
+            len(r.input_ids) == 1 and r.logprob_targets is None for r in step.rows)
+
+    def run(self, step: Step) -> torch.Tensor:
+        """float32 logits [len(step.rows), vocab] of a decode step."""
+        count = len(step.rows)
+        size = next(b for b in self.buckets if b >= count)
+        self._fill(step.rows, size)
+        self.inputs[:, :size].copy_(self.host[:, :size], non_blocking=True)
+        self.kv_cache.write_table(self.inputs[3, :count], self.inputs[1, :count], self.inputs[2, :count])
+        if size in self.graphs:
+            graph, logits = self.graphs[size]
+            graph.replay()
+        else:
+            logits = self._forward(size)
+        return logits[:count]
+
+    def _fill(self, rows, size: int) -> None:
+        host, count = self.host, len(rows)
+        host[0, :count] = torch.tensor([r.input_ids[0] for r in rows])
+        host[1, :count] = torch.tensor([r.start_pos for r in rows])
+        host[2, :count] = torch.tensor([r.slots[0] for r in rows])
+        host[3, :count] = torch.tensor([r.row for r in rows])
+        host[4, :count] = host[1, :count] + 1
+        self._pad(count, size)
+
+    def _pad(self, start: int, size: int) -> None:
+        pad = self.host[:, start:size]
+        pad[0], pad[1], pad[4] = 0, 0, 1
+        pad[2] = self.kv_cache.num_slots      # the dummy slot
+        pad[3] = self.kv_cache.max_requests   # the dummy row
+
+    def _forward(self, size: int) -> torch.Tensor:
+        x = self.inputs
+        batch = ForwardBatch(
+            input_ids=x[0, :size], positions=x[1, :size], out_slots=x[2, :size],
+            req_rows=x[3, :size].to(torch.int32), q_start=self.q_start[:size], q_len=self.q_len[:size],
+            seq_len=x[4, :size].to(torch.int32), max_q_len=1, is_decode=True,
+        )
+        return self.model.compute_logits(self.model.forward(batch, self.kv_cache))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        for size in reversed(self.buckets):     # the largest first: smaller graphs reuse its pool
+            self._pad(0, size)
+            self.inputs[:, :size].copy_(self.host[:, :size])
+            self._forward(size)                 # compile and warm up outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)

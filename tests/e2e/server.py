@@ -1,0 +1,67 @@
+"""Start the real launcher as a subprocess on a free loopback port, for end-to-end tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchedServer:
+    def __init__(self, model_dir: str | Path, *args: str, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, str(REPO / "launcher.py"), "--model-id", str(model_dir), "--hostname", "127.0.0.1",
+               "--port", str(self.port), *args]
+        child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        child_env.update({"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})})
+        self.log_path = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"server-{self.port}.log"
+        self.log = open(self.log_path, "w+")
+        self.process = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=self.log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+
+    def wait_healthy(self, timeout: float = 120.0) -> "LaunchedServer":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.output()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def children(self) -> list[int]:
+        """PIDs of every process in the server's session (the launcher's process group)."""
+        out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+        return [int(pid) for pid, sid in (line.split() for line in out.splitlines()) if int(sid) == self.process.pid]
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode

@@ -1,0 +1,94 @@
+"""Tensor parallelism on the CPU (gloo): TP=2 equals TP=1, and each rank reads only its slices."""
+import pytest
+import torch
+
+from engine.generation import Engine, EngineConfig, GenerationRequest
+from engine.model_config import load_model_config
+from engine.models.llama import LlamaFamilyModel
+from engine.ops import KernelOps
+from engine.parallel import ShardingError, TensorParallel
+from tests.e2e.server import free_port
+from tests.tiny_models import save_tiny_model
+from weights.checkpoint import open_checkpoint
+
+PROMPTS = [[5, 9, 11], list(range(3, 40)), [7], list(range(100, 120))]
+
+
+def generate(path, num_shards):
+    config = EngineConfig(model_dir=str(path), device="cpu", kernel_backend="torch", num_slots=400, max_requests=8,
+                          max_prefill_tokens=16, num_shards=num_shards, master_port=free_port())
+    with Engine(config) as engine:
+        out = engine.generate([GenerationRequest(i, p, 16, stop_token_ids=[]) for i, p in enumerate(PROMPTS)])
+        assert engine.kv_usage()[0] == 0
+    return {i: [(e.token_id, round(e.logprob, 3)) for e in events] for i, events in out.items()}
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2"])
+def test_two_shards_give_the_same_tokens_as_one(family, tmp_path):
+    """llama: MHA; llama3: GQA with as many KV heads as shards; qwen2: 1 KV head (replicated) + biases."""
+    path = save_tiny_model(family, tmp_path / family)
+    assert generate(path, 2) == generate(path, 1)
+
+
+class CountingCheckpoint:
+    """Wraps a checkpoint and counts the elements each read returns."""
+
+    def __init__(self, inner):
+        self.inner, self.elements, self.full_reads = inner, 0, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def read(self, name, **kw):
+        tensor = self.inner.read(name, **kw)
+        self.elements += tensor.numel()
+        self.full_reads.append(name)
+        return tensor
+
+    def read_slice(self, name, *args, **kw):
+        tensor = self.inner.read_slice(name, *args, **kw)
+        self.elements += tensor.numel()
+        return tensor
+
+
+def load_rank(path, rank, world):
+    config = load_model_config(path)
+    model = LlamaFamilyModel(config, KernelOps.create("torch"), torch.float32, "cpu", 64, TensorParallel(rank, world))
+    with open_checkpoint(path) as checkpoint:
+        counting = CountingCheckpoint(checkpoint)
+        model.load_weights(counting)
+    return model, counting
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_shards_concatenate_to_the_full_weights_and_read_only_their_slices(family, tmp_path):
+    path = save_tiny_model(family, tmp_path / family)
+    full, full_count = load_rank(path, 0, 1)
+    shards = [load_rank(path, r, 2) for r in range(2)]
+    (a, ca), (b, cb) = shards
+    assert torch.equal(torch.cat([a.embed_tokens, b.embed_tokens]), full.embed_tokens)
+    assert torch.equal(torch.cat([a.lm_head, b.lm_head]), full.lm_head)
+    for la, lb, lf in zip(a.layers, b.layers, full.layers):
+        assert torch.equal(torch.cat([la.w_o, lb.w_o], dim=1), lf.w_o)
+        assert torch.equal(torch.cat([la.w_down, lb.w_down], dim=1), lf.w_down)
+        inter = la.w_gate_up.shape[0] // 2
+        gate = torch.cat([la.w_gate_up[:inter], lb.w_gate_up[:inter]])
+        assert torch.equal(gate, lf.w_gate_up[: 2 * inter])
+        q = a.q_size
+        assert torch.equal(torch.cat([la.w_qkv[:q], lb.w_qkv[:q]]), lf.w_qkv[: 2 * q])
+        if full.config.num_kv_heads >= 2:
+            k = torch.cat([la.w_qkv[q : q + a.kv_size], lb.w_qkv[q : q + a.kv_size]])
+            assert torch.equal(k, lf.w_qkv[2 * q : 2 * q + full.kv_size])
+        else:   # one KV head, replicated on both ranks
+            assert torch.equal(la.w_qkv[q:], lf.w_qkv[2 * q :]) and torch.equal(lb.w_qkv[q:], lf.w_qkv[2 * q :])
+        if lf.b_qkv is not None:
+            assert torch.equal(torch.cat([la.b_qkv[:q], lb.b_qkv[:q]]), lf.b_qkv[: 2 * q])
+    # only norms are read whole; every rank reads about half of the weights
+    assert all("norm" in name for name in ca.full_reads + cb.full_reads)
+    assert ca.elements < 0.62 * full_count.elements and cb.elements < 0.62 * full_count.elements
+
+
+def test_a_model_that_does_not_divide_is_refused(tmp_path):
+    path = save_tiny_model("llama", tmp_path / "llama")   # 4 heads
+    with pytest.raises(ShardingError, match="num_attention_heads=4 does not divide over --num-shard 3"):
+        TensorParallel(0, 3).check(load_model_config(path))
