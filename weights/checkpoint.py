@@ -1,0 +1,241 @@
+"""Reading Hugging Face checkpoints (safetensors only) from a local directory.
+
+A checkpoint is either one ``model.safetensors`` or shards listed by
+``model.safetensors.index.json`` (its ``weight_map`` decides which file holds which
+tensor). One ``safe_open`` handle is kept per shard file; ``read_slice`` goes through
+``get_slice`` so a tensor-parallel rank reads only the bytes of its part.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+_LIST_LIMIT = 10  # names shown per problem kind in check()
+
+# safetensors dtype strings -> torch dtypes.
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says what was wrong and what to do."""
+
+
+def read_config(model_dir: str | Path) -> dict:
+    """The model's ``config.json`` as a dict."""
+    path = Path(model_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a Hugging Face model directory must hold config.json "
+                              f"next to its weights; point --model-id at such a directory")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}); expected the model's config.json: "
+                              f"re-download or regenerate it") from err
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(config).__name__}, expected an object; "
+                              f"re-download or regenerate it")
+    return config
+
+
+def open_checkpoint(model_dir: str | Path) -> "Checkpoint":
+    """Open the safetensors weights in ``model_dir`` (single file or index + shards)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist (or is not a directory); "
+                              f"expected a local Hugging Face checkpoint directory: check the path")
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        return Checkpoint(model_dir, _weight_map_from_index(index_path))
+    if (model_dir / SINGLE_FILE).is_file():
+        return Checkpoint(model_dir, None, files=[SINGLE_FILE])
+    files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if files:  # shards without an index: each file's own header says what it holds
+        return Checkpoint(model_dir, None, files=files)
+    if list(model_dir.glob("pytorch_model*.bin")):
+        raise CheckpointError(
+            f"{model_dir} holds only PyTorch .bin weights; safetensors required: convert it (e.g. transformers "
+            f"`save_pretrained(..., safe_serialization=True)`) or use a repo that ships .safetensors")
+    raise CheckpointError(f"no weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE} with its shards; "
+                          f"download the model's safetensors files into this directory")
+
+
+def _weight_map_from_index(index_path: Path) -> dict[str, str]:
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{index_path} is not a valid safetensors index ({err!r}); expected JSON with a "
+                              f"'weight_map' of tensor name -> shard file: re-download it") from err
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path} has an empty or malformed 'weight_map'; expected tensor name -> "
+                              f"shard file: re-download it")
+    missing = sorted({f for f in weight_map.values() if not (index_path.parent / f).is_file()})
+    if missing:
+        raise CheckpointError(f"{index_path.name} lists shard file(s) that are absent from {index_path.parent}: "
+                              f"{_short_list(missing)}; download the missing shard(s) (or the whole repo) again")
+    return dict(weight_map)
+
+
+def _short_list(items: list, limit: int = _LIST_LIMIT) -> str:
+    shown = ", ".join(str(i) for i in items[:limit])
+    return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
+
+
+class Checkpoint:
+    """Named tensors of one checkpoint, read lazily from safetensors files.
+
+    ``weight_map`` (tensor name -> file name) comes from the index; without an index the
+    headers of ``files`` are read. Handles stay open until ``close()``.
+    """
+
+    def __init__(self, model_dir: Path, weight_map: dict[str, str] | None, files: list[str] | None = None):
+        self.model_dir = Path(model_dir)
+        self._handles: dict[str, object] = {}
+        if weight_map is None:
+            weight_map = {}
+            for file in files or []:
+                for name in self._handle(file).keys():
+                    if name in weight_map:
+                        raise CheckpointError(
+                            f"tensor {name!r} is in both {weight_map[name]} and {file} in {self.model_dir}; "
+                            f"expected each tensor in one file: add a {INDEX_FILE} or remove the extra file")
+                    weight_map[name] = file
+        self._weight_map = weight_map
+
+    # -- handles -----------------------------------------------------------------------
+    def _handle(self, file: str):
+        handle = self._handles.get(file)
+        if handle is None:
+            path = self.model_dir / file
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as err:  # safetensors raises its own error types
+                raise CheckpointError(f"cannot open {path} as safetensors ({err}); the file is corrupt or "
+                                      f"truncated: download it again") from err
+            self._handles[file] = handle
+        return handle
+
+    def _file_of(self, name: str) -> str:
+        try:
+            return self._weight_map[name]
+        except KeyError:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {self.model_dir}; "
+                                  f"it holds {len(self._weight_map)} tensors (see Checkpoint.names())") from None
+
+    def _slice(self, name: str):
+        return self._handle(self._file_of(name)).get_slice(name)
+
+    # -- metadata ----------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return sorted(self._weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._weight_map
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        code = self._slice(name).get_dtype()
+        if code not in _DTYPES:
+            raise CheckpointError(f"tensor {name!r} has safetensors dtype {code}, which torch {torch.__version__} "
+                                  f"cannot hold; expected one of {sorted(_DTYPES)}")
+        return _DTYPES[code]
+
+    # -- reading -----------------------------------------------------------------------
+    def read(self, name: str, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+        """The full tensor, cast to ``dtype`` and moved to ``device`` when given."""
+        tensor = self._handle(self._file_of(name)).get_tensor(name)
+        return _cast(tensor, dtype, device)
+
+    def read_slice(self, name: str, dim: int, part: int, num_parts: int,
+                   dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+        """Part ``part`` of ``num_parts`` equal parts of the tensor along ``dim`` (0 or 1).
+
+        Only that part's bytes are read (``get_slice``).
+        """
+        source = self._slice(name)
+        shape = tuple(source.get_shape())
+        if dim not in (0, 1) or dim >= len(shape):
+            raise CheckpointError(f"cannot slice {name!r} (shape {shape}) along dim {dim}; "
+                                  f"expected dim 0 or 1 of a tensor that has it")
+        if num_parts < 1 or not 0 <= part < num_parts:
+            raise CheckpointError(f"part {part} of {num_parts} is out of range for {name!r}; "
+                                  f"expected 0 <= part < num_parts")
+        size = shape[dim]
+        if size % num_parts:
+            raise CheckpointError(f"{name!r} has size {size} along dim {dim} (shape {shape}), which does not divide "
+                                  f"into {num_parts} equal parts; choose a --num-shard that divides {size}")
+        step = size // num_parts
+        window = slice(part * step, (part + 1) * step)
+        tensor = source[window] if dim == 0 else source[:, window]
+        return _cast(tensor, dtype, device)
+
+    # -- validation ----------------------------------------------------------------------
+    def check(self, expected: dict[str, tuple[int, ...]], ignore_unexpected: tuple[str, ...] = ()) -> None:
+        """Raise CheckpointError unless the checkpoint holds exactly ``expected`` (name -> shape).
+
+        Names matching any regex in ``ignore_unexpected`` may be present in addition.
+        """
+        present = set(self._weight_map)
+        missing = sorted(set(expected) - present)
+        patterns = [re.compile(p) for p in ignore_unexpected]
+        unexpected = sorted(n for n in present - set(expected) if not any(p.search(n) for p in patterns))
+        misshaped = [f"{n} {self.shape(n)} (expected {tuple(expected[n])})"
+                     for n in sorted(set(expected) & present) if self.shape(n) != tuple(expected[n])]
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} missing: {_short_list(missing)}")
+        if unexpected:
+            problems.append(f"{len(unexpected)} unexpected: {_short_list(unexpected)}")
+        if misshaped:
+            problems.append(f"{len(misshaped)} with the wrong shape: {_short_list(misshaped)}")
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {self.model_dir} does not match the model its config.json describes: "
+                + "; ".join(problems)
+                + ". Use a checkpoint whose weights match its config.json (same architecture and sizes).")
+
+    def progress(self, names: Iterable[str], desc: str = "Loading weights") -> Iterator[str]:
+        """``names`` wrapped in one tqdm bar on stderr (shown even when stderr is not a tty)."""
+        names = list(names)
+        return iter(tqdm(names, desc=desc, total=len(names), unit="tensor", file=sys.stderr,
+                         disable=False, dynamic_ncols=True, mininterval=0.5))
+
+    # -- lifetime ----------------------------------------------------------------------
+    def close(self) -> None:
+        self._handles.clear()  # safe_open handles release their mmap when dropped
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.model_dir)!r}, {len(self._weight_map)} tensors)"
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Tensor:
+    if device is not None:
+        tensor = tensor.to(device)
+    if dtype is not None:
+        tensor = tensor.to(dtype)
+    return tensor.contiguous()

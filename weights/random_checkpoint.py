@@ -1,0 +1,278 @@
+"""Random checkpoints with a real model's exact config, in Hugging Face format.
+
+No weights can be downloaded on the build machines, so GPU tests and benchmarks run on
+checkpoints written here: the real ``config.json`` (Llama-2-7B, Llama-3-8B, Mistral-7B,
+Qwen2-7B, ...), tensors with the real names and shapes, sharded safetensors + index, a
+synthetic tokenizer of the exact vocab size. Both our server (``--model-id DIR``) and
+transformers (``from_pretrained(DIR)``) load them.
+
+    python -m weights.random_checkpoint --config llama-2-7b --out /tmp/llama2-7b --device cuda
+
+Tensors are generated one at a time on ``device`` (seeded per tensor, so the values do
+not depend on sharding), moved to the host and written one shard at a time: host memory
+never holds more than one shard.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .tokenizer_builder import write_tokenizer
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+_LLAMA_2 = {
+    "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "initializer_range": 0.02, "max_position_embeddings": 4096, "model_type": "llama", "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "tie_word_embeddings": False, "torch_dtype": "float16",
+    "use_cache": True, "vocab_size": 32000,
+}
+_LLAMA_3 = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 128256,
+}
+_LLAMA_31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+
+# config.json of each public repo, key for key (transformers_version left out).
+REAL_CONFIGS: dict[str, dict] = {
+    "llama-2-7b": {  # meta-llama/Llama-2-7b-hf
+        **_LLAMA_2, "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 32},
+    "llama-2-13b": {  # meta-llama/Llama-2-13b-hf
+        **_LLAMA_2, "hidden_size": 5120, "intermediate_size": 13824, "num_attention_heads": 40,
+        "num_hidden_layers": 40, "num_key_value_heads": 40},
+    "llama-3-8b": dict(_LLAMA_3),  # meta-llama/Meta-Llama-3-8B
+    "llama-3.1-8b": {  # meta-llama/Llama-3.1-8B
+        **_LLAMA_3, "max_position_embeddings": 131072, "mlp_bias": False, "rope_scaling": _LLAMA_31_SCALING},
+    "mistral-7b-v0.1": {  # mistralai/Mistral-7B-v0.1
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+        "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 32000},
+    "qwen2-7b": {  # Qwen/Qwen2-7B (q/k/v biases are implied by model_type qwen2)
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+        "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
+        "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064},
+    # Tiny members of the same families, for CPU tests: same keys, small sizes.
+    "tiny-llama": {
+        **_LLAMA_2, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 2048,
+        "rope_theta": 10000.0, "torch_dtype": "bfloat16"},
+    "tiny-llama3": {  # 8 q heads / 2 kv heads, head_dim 16; 256 specials from bos like Llama-3.1
+        **_LLAMA_3, "hidden_size": 128, "intermediate_size": 352, "num_attention_heads": 8,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 1024, "bos_token_id": 768,
+        "eos_token_id": 769, "max_position_embeddings": 2048, "mlp_bias": False,
+        "rope_scaling": {**_LLAMA_31_SCALING, "original_max_position_embeddings": 256}},
+    "tiny-mistral": {  # 8 q heads / 2 kv heads, head_dim 16
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 128, "initializer_range": 0.02, "intermediate_size": 352,
+        "max_position_embeddings": 2048, "model_type": "mistral", "num_attention_heads": 8,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+        "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 512},
+    "tiny-qwen2": {  # 4 q heads / 2 kv heads, head_dim 16, tied embeddings
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 960,
+        "eos_token_id": 960, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+        "intermediate_size": 160, "max_position_embeddings": 2048, "max_window_layers": 2,
+        "model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 2048, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 1024},
+}
+
+
+def resolve_config(config: str | dict) -> dict:
+    """A copy of the config: a REAL_CONFIGS name, a path to a config.json (or its directory), or a dict."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if config in REAL_CONFIGS:
+        return copy.deepcopy(REAL_CONFIGS[config])
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    raise ValueError(f"unknown config {config!r}: expected one of {', '.join(REAL_CONFIGS)} "
+                     f"or a path to a config.json; see --list")
+
+
+def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape for a Llama / Mistral / Qwen2 causal LM config."""
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r} is not supported; expected one of {ARCHITECTURES}")
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    vocab = config["vocab_size"]
+    qkv_bias = config.get("model_type") == "qwen2" or bool(config.get("attention_bias"))
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        })
+        if qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (heads * head_dim,),
+                           p + "self_attn.k_proj.bias": (kv_heads * head_dim,),
+                           p + "self_attn.v_proj.bias": (kv_heads * head_dim,)})
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, heads * head_dim)
+        if config.get("attention_bias") and config.get("model_type") != "qwen2":
+            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+        shapes.update({
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        })
+        if config.get("mlp_bias"):
+            shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
+                           p + "mlp.down_proj.bias": (hidden,)})
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def _plan_shards(shapes: dict[str, tuple[int, ...]], element_bytes: int, max_shard_bytes: int) -> list[list[str]]:
+    """Names grouped into shards of at most max_shard_bytes (a bigger tensor gets a shard of its own)."""
+    shards, current, size = [], [], 0
+    for name, shape in shapes.items():
+        nbytes = element_bytes * _numel(shape)
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _random_tensor(name: str, shape, index: int, seed: int, dtype, device, std: float) -> torch.Tensor:
+    """normal(0, std) matrices, ones for norms, normal(0, std) biases; seeded per tensor."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed * 1_000_003 + index)
+    tensor = torch.randn(shape, generator=generator, dtype=dtype, device=device)
+    return tensor.mul_(std)
+
+
+def write_random_checkpoint(out_dir: str | Path, config: str | dict, dtype: str = "bfloat16", seed: int = 0,
+                            device: str | torch.device = "cpu", max_shard_bytes: int = 2 * 1024**3,
+                            std: float = 0.02) -> Path:
+    """Write config.json, generation_config.json, random safetensors weights and a tokenizer to ``out_dir``.
+
+    One ``model.safetensors`` when the weights fit in ``max_shard_bytes``, else
+    ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(_DTYPES)}")
+    config = resolve_config(config)
+    config["torch_dtype"] = dtype
+    torch_dtype, device = _DTYPES[dtype], torch.device(device)
+    shapes = tensor_shapes(config)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in list(out_dir.glob("model*.safetensors")) + list(out_dir.glob("model*.safetensors.index.json")):
+        stale.unlink()  # never leave shards of an earlier, different checkpoint next to the new one
+
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = {"_from_model_config": True, "bos_token_id": config.get("bos_token_id"),
+                  "eos_token_id": config.get("eos_token_id")}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_tokenizer(out_dir, config)
+
+    element_bytes = torch.empty((), dtype=torch_dtype).element_size()
+    shards = _plan_shards(shapes, element_bytes, max_shard_bytes)
+    order = {name: i for i, name in enumerate(shapes)}
+    total_bytes = element_bytes * sum(_numel(s) for s in shapes.values())
+    weight_map = {}
+    with tqdm(total=total_bytes, desc=f"Writing random weights to {out_dir}", unit="B", unit_scale=True,
+              file=sys.stderr, disable=False, dynamic_ncols=True) as bar:
+        for i, names in enumerate(shards):
+            file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {}
+            for name in names:
+                tensor = _random_tensor(name, shapes[name], order[name], seed, torch_dtype, device, std)
+                tensors[name] = tensor.to("cpu")
+                weight_map[name] = file
+                bar.update(tensor.numel() * element_bytes)
+            save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+            del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out_dir
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m weights.random_checkpoint",
+        description="Write a random checkpoint with a real model's exact config.json, in Hugging Face format "
+                    "(sharded safetensors + index, tokenizer), loadable with --model-id DIR and by transformers.")
+    parser.add_argument("--config", help="a name from --list (e.g. llama-2-7b) or a path to a config.json")
+    parser.add_argument("--out", help="output directory (created; earlier model*.safetensors in it are replaced)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES),
+                        help="dtype of the written tensors; also written as torch_dtype in config.json "
+                             "(default: %(default)s)")
+    parser.add_argument("--device", default="cpu",
+                        help="where tensors are generated, e.g. cuda for a 7B checkpoint in seconds "
+                             "(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same tensors (default: 0)")
+    parser.add_argument("--std", type=float, default=0.02,
+                        help="standard deviation of weights and biases; norm weights are ones (default: 0.02)")
+    parser.add_argument("--max-shard-bytes", type=int, default=2 * 1024**3,
+                        help="largest shard file in bytes; more weights are split into shards + index "
+                             "(default: 2 GiB)")
+    parser.add_argument("--list", action="store_true", help="print the known config names and exit")
+    args = parser.parse_args(argv)
+    if not args.list and (not args.config or not args.out):
+        parser.error("--config and --out are required (or use --list)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    if args.list:
+        for name, config in REAL_CONFIGS.items():
+            print(f"{name:18s} {config['architectures'][0]:20s} hidden={config['hidden_size']} "
+                  f"layers={config['num_hidden_layers']} heads={config['num_attention_heads']}/"
+                  f"{config.get('num_key_value_heads')} vocab={config['vocab_size']}")
+        return 0
+    path = write_random_checkpoint(args.out, args.config, dtype=args.dtype, seed=args.seed, device=args.device,
+                                   max_shard_bytes=args.max_shard_bytes, std=args.std)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
