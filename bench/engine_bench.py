@@ -33,8 +33,7 @@ def ours_decode_tokens_per_s(engine: Engine, workload: Workload) -> float:
         engine.add_request(_requests(workload, first_id=10_000 + attempt)[0])
         stamps = []
         while engine.has_work():
-            events = engine.step()
-            torch.cuda.synchronize()
+            events = engine.step()          # returns once the step's tokens are on the host
             stamps.extend(time.perf_counter() for _ in events)
         best = max(best, (len(stamps) - 1) / (stamps[-1] - stamps[0]))
     return best
@@ -42,10 +41,8 @@ def ours_decode_tokens_per_s(engine: Engine, workload: Workload) -> float:
 
 def ours_batch_tokens_per_s(engine: Engine, workload: Workload) -> tuple[float, int]:
     requests = _requests(workload, first_id=20_000)
-    torch.cuda.synchronize()
     start = time.perf_counter()
     results = engine.generate(requests)
-    torch.cuda.synchronize()
     generated = sum(len(v) for v in results.values())
     assert generated == workload.total_new_tokens, (generated, workload.total_new_tokens)
     return generated / (time.perf_counter() - start), generated
@@ -56,17 +53,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--model-dir", required=True, help="checkpoint directory (e.g. a random Llama-2-7B)")
     parser.add_argument("--requests", type=int, default=256, help="requests in the throughput workload")
     parser.add_argument("--no-peer", action="store_true", help="skip the transformers runs")
+    parser.add_argument("--num-shards", type=int, default=1, help="tensor-parallel shards (one GPU each)")
+    parser.add_argument("--cuda-graphs", choices=["on", "off"], default="on", help="decode CUDA graphs")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
     from engine.model_config import load_model_config
 
     vocab = load_model_config(args.model_dir).vocab_size
     single, batch = batch1(vocab), many(vocab, count=args.requests)
-    engine = Engine(EngineConfig(model_dir=args.model_dir, max_requests=max(args.requests, 8)))
+    engine = Engine(EngineConfig(model_dir=args.model_dir, max_requests=max(args.requests, 8),
+                                 num_shards=args.num_shards, cuda_graphs=None if args.cuda_graphs == "on" else ()))
     engine.generate(_requests(Workload("warm-up", batch.prompts[:8], 8), first_id=30_000))
     numbers = {"ours_decode": ours_decode_tokens_per_s(engine, single),
                "ours_batch": ours_batch_tokens_per_s(engine, batch)[0],
-               "kv_slots": engine.kv_usage()[1]}
+               "kv_slots": engine.kv_usage()[1], "num_shards": args.num_shards, "cuda_graphs": args.cuda_graphs}
+    engine.close()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -91,7 +92,7 @@ def _print_table(n: dict, requests: int) -> None:
         ratio = f"{n[ours] / peer_value:6.1f}x" if peer_value else "-"
         peer_text = f"{peer_value:10.1f} ({how})" if peer_value else "-"
         print(f"{label:58} {n[ours]:10.1f} {peer_text:>14} {ratio:>7}")
-    print(f"KV capacity: {n['kv_slots']} token slots")
+    print(f"KV capacity: {n['kv_slots']} token slots; shards: {n['num_shards']}; CUDA graphs: {n['cuda_graphs']}")
 
 
 if __name__ == "__main__":

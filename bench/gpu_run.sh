@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
-#   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, bench (default: all)
+#   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, bench (default), tp (2 GPUs)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -29,8 +29,22 @@ for stage in $stages; do
       rc=${PIPESTATUS[0]} ;;
     parity7b)
       ensure_7b
-      LLAMA2_7B_DIR=$MODEL_7B python3 -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/parity7b.log" | tail -25
+      LLAMA2_7B_DIR=$MODEL_7B python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_parity_7b.py 2>&1 \
+        | tee "$OUT/parity7b.log" | tail -25
       rc=${PIPESTATUS[0]} ;;
+    tp)
+      ensure_7b
+      LLAMA2_7B_DIR=$MODEL_7B python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_7b.py 2>&1 \
+        | tee "$OUT/tp.log" | tail -25
+      rc=${PIPESTATUS[0]}
+      for shards in 1 2; do
+        python3 -m bench.engine_bench --model-dir "$MODEL_7B" --no-peer --num-shards $shards \
+          --json "$OUT/tp$shards.json" 2>&1 | tee -a "$OUT/tp.log" | grep -E "tokens/s|capacity" ; done
+      MODEL_13B=${MODEL_13B:-/tmp/llama2-13b}
+      [ -f "$MODEL_13B/config.json" ] || python3 -m weights.random_checkpoint --config llama-2-13b \
+        --out "$MODEL_13B" --dtype bfloat16 --device cuda 2>&1 | tail -2
+      python3 -m bench.engine_bench --model-dir "$MODEL_13B" --no-peer --num-shards 2 --json "$OUT/tp2_13b.json" \
+        2>&1 | tee -a "$OUT/tp.log" | grep -E "tokens/s|capacity" ;;
     bench)
       ensure_7b
       python3 -m bench.engine_bench --model-dir "$MODEL_7B" --json "$OUT/engine_bench.json" 2>&1 \

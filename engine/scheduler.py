@@ -19,6 +19,8 @@ from .step import RowResult, Step, StepResult, StepRow
 
 log = logging.getLogger(__name__)
 
+ADMISSION_RULES = ("peak", "reserve")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -26,6 +28,11 @@ class SchedulerConfig:
     waiting_served_ratio: float = 0.0    # TGI: admit only when waiting >= ratio * running
     max_waiting_steps: int = 20          # TGI's --max-waiting-tokens: then admit anyway
     max_seq_len: int = 4096              # prompt + new tokens of one request
+    admission: str = "peak"              # "peak": LightLLM's rule; "reserve": TGI-style sum of maxima
+
+    def __post_init__(self):
+        if self.admission not in ADMISSION_RULES:
+            raise ValueError(f"admission {self.admission!r} is not one of {', '.join(ADMISSION_RULES)}")
 
 
 @dataclass
@@ -127,7 +134,8 @@ class Scheduler:
         admitted = [(r.remaining, r.held_tokens) for r in self.running]
         for request in list(self.waiting):
             candidate = (request.remaining, request.held_tokens)
-            fits = self.allocator.free_rows > 0 and peak_usage(admitted + [candidate]) <= self.allocator.num_slots
+            usage = peak_usage if self.config.admission == "peak" else reserved_usage
+            fits = self.allocator.free_rows > 0 and usage(admitted + [candidate]) <= self.allocator.num_slots
             if fits:
                 self.waiting.remove(request)
                 self.allocator.open_request(request.request_id)
@@ -197,6 +205,11 @@ class Scheduler:
         self.running.remove(request)
         self.allocator.release(request.request_id)
         self._released.append(request.request_id)
+
+
+def reserved_usage(requests: list[tuple[int, int]]) -> int:
+    """TGI-style reservation: every request holds room for its maximum length from the start."""
+    return sum(remaining + tokens for remaining, tokens in requests)
 
 
 def peak_usage(requests: list[tuple[int, int]]) -> int:

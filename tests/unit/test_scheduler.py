@@ -130,3 +130,24 @@ def test_a_request_over_the_limits_is_refused():
         sched.add(make_request(1, 40, 20))
     with pytest.raises(ValueError, match="at least one prompt token"):
         sched.add(make_request(2, 0, 20))
+
+
+def test_peak_admission_runs_more_requests_at_once_than_reservation():
+    def max_running(admission):
+        alloc = SlotAllocator(num_slots=400, max_requests=64)
+        sched = Scheduler(alloc, SchedulerConfig(max_seq_len=400, admission=admission))
+        for rid in range(40):
+            sched.add(make_request(rid, 20, 10 + 5 * (rid % 8)))
+        most = 0
+        while sched.has_work():
+            step = sched.schedule()
+            most = max(most, len(sched.running))
+            sched.process(step, fake_result(step))
+            assert alloc.used_slots <= 400
+        return most
+
+    peak, reserve = max_running("peak"), max_running("reserve")
+    assert reserve <= 400 // (20 + 10)   # each holds at least prompt 20 + 10 new tokens
+    assert peak > reserve
+    with pytest.raises(ValueError, match="admission 'fifo'"):
+        SchedulerConfig(admission="fifo")

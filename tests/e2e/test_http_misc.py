@@ -1,0 +1,100 @@
+"""/info, health routes, /metrics, /tokenize, request ids in the logs."""
+from __future__ import annotations
+
+import logging
+import re
+
+import requests
+
+from tgi_compat import create_app
+
+from .conftest import make_settings, serve
+
+INFO_FIELDS = {"model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of",
+               "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers",
+               "max_client_batch_size", "router", "version", "sha", "docker_label"}
+LEGACY_FIELDS = {"max_input_length", "model_dtype", "model_device_type", "waiting_served_ratio",
+                 "max_batch_total_tokens", "max_waiting_tokens"}
+
+
+def test_info(server_url):
+    info = requests.get(server_url + "/info", timeout=10).json()
+    assert INFO_FIELDS | LEGACY_FIELDS <= set(info)
+    assert info["model_id"] == "tiny-llama" and info["max_input_tokens"] == info["max_input_length"] == 64
+    assert info["max_total_tokens"] == 128 and info["max_best_of"] == 2 and info["max_concurrent_requests"] == 16
+    assert info["max_batch_total_tokens"] == 4096       # the engine's KV capacity
+
+
+def test_health_routes(server_url):
+    for path in ("/health", "/", "/ping"):
+        response = requests.get(server_url + path, timeout=10)
+        assert response.status_code == 200 and response.content == b"", path
+
+
+class UnhealthyBackend:
+    """The real backend, reporting itself unhealthy (as after a failed engine step)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def healthy(self):
+        return False
+
+    def stats(self):
+        return self.backend.stats()
+
+    def generate(self, request):
+        return self.backend.generate(request)
+
+
+def test_unhealthy_is_503(hf_tokenizer, engine_backend):
+    with serve(create_app(make_settings(), hf_tokenizer, UnhealthyBackend(engine_backend))) as url:
+        for path in ("/health", "/", "/ping"):
+            response = requests.get(url + path, timeout=10)
+            assert response.status_code == 503
+            assert response.json() == {"error": "unhealthy", "error_type": "healthcheck"}
+
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_metrics_count_requests(hf_tokenizer, engine_backend):
+    with serve(create_app(make_settings(num_shards=1), hf_tokenizer, engine_backend)) as url:
+        for _ in range(2):
+            requests.post(url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 3}}, timeout=30)
+        requests.post(url + "/generate", json={"inputs": "hello", "parameters": {"top_k": 0}}, timeout=30)
+        text = requests.get(url + "/metrics", timeout=10).text
+    assert metric(text, "tgi_request_count") == 3 and metric(text, "tgi_request_success") == 2
+    assert metric(text, 'tgi_request_failure{err="validation"}') == 1
+    assert metric(text, "tgi_request_duration_count") == 2
+    assert metric(text, "tgi_request_generated_tokens_sum") <= 6
+    assert metric(text, "tgi_request_input_length_count") == 2
+    assert metric(text, "tgi_batch_max_total_tokens") == 4096
+    assert 0.0 <= metric(text, "tgi_kv_cache_usage") <= 1.0 and metric(text, "tgi_num_shards") == 1
+
+
+def test_tokenize(server_url, hf_tokenizer):
+    text = "hello é world"
+    tokens = requests.post(server_url + "/tokenize", json={"inputs": text}, timeout=10).json()
+    assert [t["id"] for t in tokens] == hf_tokenizer(text).input_ids
+    assert tokens[0] == {"id": 1, "text": "", "start": 0, "stop": 0}
+    raw = text.encode()
+    for token in tokens:
+        assert token["text"] == raw[token["start"]:token["stop"]].decode("utf-8", errors="replace")
+    assert tokens[-1]["stop"] == len(raw)                  # byte offsets: "é" is two bytes
+    truncated = requests.post(server_url + "/tokenize", json={"inputs": text, "parameters": {"truncate": 2}},
+                              timeout=10).json()
+    assert truncated == tokens[-2:]
+
+
+def test_one_log_line_per_event_with_increasing_request_ids(server_url, caplog):
+    caplog.set_level(logging.INFO, logger="tgi_compat")
+    for _ in range(2):
+        requests.post(server_url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}, timeout=30)
+    received = [int(m.group(1)) for r in caplog.records
+                if r.name == "tgi_compat" and (m := re.match(r"request (\d+) received", r.getMessage()))]
+    finished = [r for r in caplog.records if r.name == "tgi_compat" and " finished: " in r.getMessage()]
+    assert len(received) == 2 and received[0] < received[1] and len(finished) == 2

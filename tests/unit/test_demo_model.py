@@ -1,0 +1,85 @@
+"""The bundled demo model (weights/demo): loads everywhere, matches transformers, writes Python."""
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from engine.generation import Engine, EngineConfig, GenerationRequest
+from engine.sampling import SamplingParams
+
+DEMO = Path(__file__).resolve().parents[2] / "weights" / "demo"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(DEMO)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(EngineConfig(model_dir=str(DEMO), device="cpu", kernel_backend="torch", num_slots=8192,
+                               max_requests=16, max_prefill_tokens=2048))
+
+
+def test_the_folder_is_complete_and_small():
+    names = {p.name for p in DEMO.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json", "heldout.txt", "README.md"} <= names
+    assert sum(p.stat().st_size for p in DEMO.rglob("*") if p.is_file()) <= 40 * 2**20
+    assert (DEMO / "heldout.txt").stat().st_size <= 200 * 1024
+    config = json.loads((DEMO / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["num_key_value_heads"] < config["num_attention_heads"]     # grouped-query attention
+    tok_config = json.loads((DEMO / "tokenizer_config.json").read_text())
+    assert tok_config.get("chat_template") and tok_config.get("eos_token") and tok_config.get("bos_token")
+
+
+def test_greedy_tokens_equal_transformers(engine, tokenizer):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(DEMO, torch_dtype=torch.float32).eval()
+    prompts = ["def ", "import os\n", "class Parser:\n    def __init__(self", "for i in range("]
+    requests = [GenerationRequest(i, tokenizer(p)["input_ids"], 24, stop_token_ids=[]) for i, p in enumerate(prompts)]
+    ours = engine.generate(requests)
+    for i, r in enumerate(requests):
+        out = hf.generate(torch.tensor([r.prompt_ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+        assert [e.token_id for e in ours[i]] == out[0, len(r.prompt_ids):].tolist(), prompts[i]
+
+
+def recorded_heldout_loss() -> float:
+    card = (DEMO / "README.md").read_text()
+    return float(re.search(r"held-out loss[^0-9]*([0-9]+\.[0-9]+)", card, re.I).group(1))
+
+
+def test_heldout_loss_computed_by_our_engine_is_what_the_card_says(engine, tokenizer):
+    """Mean next-token cross-entropy over 512-token windows of heldout.txt, from prompt logprobs."""
+    ids = tokenizer((DEMO / "heldout.txt").read_text())["input_ids"]
+    windows = [ids[i : i + 512] for i in range(0, len(ids), 512) if len(ids[i : i + 512]) >= 2]
+    requests = [GenerationRequest(i, w, 1, SamplingParams(prompt_logprobs=True)) for i, w in enumerate(windows)]
+    out = engine.generate(requests)
+    logprobs = [lp for i in range(len(windows)) for lp in out[i][0].prompt_logprobs[1:]]
+    loss = -sum(logprobs) / len(logprobs)
+    assert loss < recorded_heldout_loss() + 0.05, loss
+
+
+def test_a_greedy_completion_of_def_is_the_start_of_a_python_function(engine, tokenizer):
+    prompt = "def "
+    out = engine.generate([GenerationRequest(0, tokenizer(prompt)["input_ids"], 96, stop_token_ids=[])])[0]
+    text = prompt + tokenizer.decode([e.token_id for e in out], skip_special_tokens=True)
+    head = text.split("\n\n")[0]
+    lines = head.splitlines()
+    assert re.match(r"def [A-Za-z_][A-Za-z_0-9]*\(", lines[0]), text
+    # the signature and the body up to the first blank line compile once the last line is closed off
+    candidates = ["\n".join(lines[:k]) + "\n    pass\n" for k in range(len(lines), 0, -1)]
+    assert any(_compiles(c) for c in candidates), text
+
+
+def _compiles(source: str) -> bool:
+    try:
+        ast.parse(source)
+        return True
+    except SyntaxError:
+        return False

@@ -1,0 +1,155 @@
+"""One generation request from validated body to result: permits, validation, backend,
+metrics and the request's log lines. The HTTP handlers (``routes``) only translate.
+
+Order as TGI: best_of limits, then the concurrency permits (429), then validation (422),
+then generation (424/500). Streams report everything after body parsing in-band.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from engine.client import Backend
+
+from .concurrency import ConcurrencyLimiter
+from .errors import (GenerationError, IncompleteGenerationError, IncompleteGenerationStreamError,
+                     InputValidationError, TGIError)
+from .generation import generate_best_of, generate_result, generate_steps
+from .metrics import ServerMetrics
+from .outputs import GenerationResult, Timing
+from .request_ids import next_request_id
+from .schema import GenerateRequest
+from .settings import ServerSettings
+from .sse import error_event, step_event
+from .tokenization import TokenizerAdapter
+from .validation import ValidRequest, Validator, validate_best_of
+
+log = logging.getLogger("tgi_compat")
+
+
+@dataclass
+class GenerateOutcome:
+    request: ValidRequest
+    best: GenerationResult
+    others: list[GenerationResult]
+
+    def text(self, result: GenerationResult) -> str:
+        """generated_text as returned: the prompt prepended when `return_full_text`."""
+        prefix = self.request.inputs if self.request.return_full_text else ""
+        return prefix + result.generated_text
+
+
+class GenerateService:
+    def __init__(self, settings: ServerSettings, tokenizer: TokenizerAdapter, backend: Backend,
+                 metrics: ServerMetrics):
+        self.settings, self.tokenizer, self.backend, self.metrics = settings, tokenizer, backend, metrics
+        self.limiter = ConcurrencyLimiter(settings.max_concurrent_requests)
+        self.validator = Validator(settings, tokenizer)
+
+    async def generate(self, request: GenerateRequest, full_text_default: bool) -> GenerateOutcome:
+        """Non-stream generation; raises ``TGIError`` (or is cancelled on disconnect)."""
+        request_id, timing = next_request_id(), Timing()
+        self._record_received(request_id, request, stream=False)
+        try:
+            best_of = validate_best_of(request.parameters.best_of, self.settings.max_best_of)
+            with self.limiter.permits(best_of):
+                valid = await self._validate(request_id, request, full_text_default, timing)
+                if best_of == 1:
+                    best = await generate_result(self.backend, self.tokenizer, valid, request_id, timing)
+                    others = []
+                else:
+                    ids = [request_id] + [next_request_id() for _ in range(best_of - 1)]
+                    best, others = await generate_best_of(self.backend, self.tokenizer, valid, ids, timing)
+        except TGIError as error:
+            self._record_failure(request_id, error)
+            raise
+        except asyncio.CancelledError:
+            self._record_dropped(request_id)
+            raise
+        except Exception as error:
+            raise self._unexpected(request_id, error) from error
+        self._record_success(best, valid)
+        return GenerateOutcome(valid, best, others)
+
+    async def stream(self, request: GenerateRequest, full_text_default: bool) -> AsyncIterator[bytes]:
+        """SSE bytes of a streamed generation; every error is an in-band event."""
+        request_id, timing = next_request_id(), Timing()
+        self._record_received(request_id, request, stream=True)
+        generated = 0
+        try:
+            _check_streamable(request)
+            with self.limiter.permits(1):
+                valid = await self._validate(request_id, request, full_text_default, timing)
+                steps = generate_steps(self.backend, self.tokenizer, valid, request_id, timing)
+                async for step in steps:
+                    generated = step.index
+                    text = None
+                    if step.result is not None:
+                        self._record_success(step.result, valid)
+                        text = (valid.inputs if valid.return_full_text else "") + step.result.generated_text
+                    yield step_event(step, text, valid.details)
+        except TGIError as error:
+            if isinstance(error, IncompleteGenerationError):
+                error = IncompleteGenerationStreamError()
+            self._record_failure(request_id, error)
+            yield error_event(error)
+        except (GeneratorExit, asyncio.CancelledError):
+            self._record_dropped(request_id, generated)
+            raise
+        except Exception as error:
+            yield error_event(self._unexpected(request_id, error))
+
+    async def _validate(self, request_id: int, request: GenerateRequest, full_text_default: bool,
+                        timing: Timing) -> ValidRequest:
+        valid = await self.validator.validate(request, full_text_default)
+        self.metrics.input_length.observe(valid.input_length)
+        self.metrics.max_new_tokens.observe(valid.max_new_tokens)
+        log.info("request %d validated: %d input tokens, max_new_tokens=%d, sampling=%s in %.1f ms",
+                 request_id, valid.input_length, valid.max_new_tokens, valid.params.do_sample,
+                 timing.total_s * 1000)
+        return valid
+
+    def _record_received(self, request_id: int, request: GenerateRequest, stream: bool) -> None:
+        self.metrics.request_count.inc()
+        log.info("request %d received: %s, %d characters", request_id,
+                 "stream" if stream else "generate", len(request.inputs))
+
+    def _record_failure(self, request_id: int, error: TGIError) -> None:
+        if error.metric_label:
+            self.metrics.request_failure.inc(err=error.metric_label)
+        log.info("request %d failed (%d %s): %s", request_id, error.status, error.error_type, error.message)
+
+    def _unexpected(self, request_id: int, error: Exception) -> GenerationError:
+        """A failure nobody classified (a backend bug): logged with its traceback, reported as 424."""
+        log.exception("request %d failed unexpectedly", request_id)
+        failure = GenerationError(f"{type(error).__name__}: {error}")
+        self._record_failure(request_id, failure)
+        return failure
+
+    def _record_dropped(self, request_id: int, generated: int | None = None) -> None:
+        self.metrics.request_failure.inc(err="dropped")
+        after = "" if generated is None else f" after {generated} tokens"
+        log.info("request %d cancelled: the client disconnected%s", request_id, after)
+
+    def _record_success(self, result: GenerationResult, request: ValidRequest) -> None:
+        m, t = self.metrics, result.timing
+        m.request_success.inc()
+        m.request_duration.observe(t.total_s)
+        m.validation_duration.observe(t.validation_s)
+        m.queue_duration.observe(t.queue_s)
+        m.inference_duration.observe(t.inference_s)
+        m.time_per_token.observe(result.time_per_token_s)
+        m.generated_tokens.observe(result.generated_tokens)
+        log.info("request %d finished: %s after %d tokens, seed=%s, %.1f ms total, %.1f ms to first token",
+                 result.request_id, result.finish_reason, result.generated_tokens, result.seed,
+                 t.total_s * 1000, (t.validation_s + t.queue_s) * 1000)
+
+
+def _check_streamable(request: GenerateRequest) -> None:
+    p = request.parameters
+    if p.best_of not in (None, 1):
+        raise InputValidationError("`best_of` != 1 is not supported when streaming tokens")
+    if p.decoder_input_details:
+        raise InputValidationError("`decoder_input_details` == true is not supported when streaming tokens")

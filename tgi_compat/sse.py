@@ -1,0 +1,45 @@
+"""Server-sent events exactly as TGI (axum) frames them on `/generate_stream` and `POST /`.
+
+Each event is ``data:<compact json>\\n\\n`` (no space after the colon, no `event:`/`id:`),
+there is no ``[DONE]`` sentinel, errors are in-band ``data:{"error","error_type"}``
+events, and the keep-alive is the comment ``:\\n\\n`` (axum's default, every 15 s).
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from sse_starlette.event import ServerSentEvent
+from sse_starlette.sse import EventSourceResponse
+
+from .errors import TGIError
+from .outputs import GeneratedStep
+from .responses import json_bytes, stream_details_json, stream_event_json
+
+
+def sse_data(payload: dict) -> bytes:
+    return b"data:" + json_bytes(payload) + b"\n\n"
+
+
+def step_event(step: GeneratedStep, final_text: str | None, details: bool) -> bytes:
+    """One token event; ``final_text`` and StreamDetails only on the last step."""
+    result = step.result
+    stream_details = stream_details_json(result) if (result is not None and details) else None
+    return sse_data(stream_event_json(step.index, step.token, step.top_tokens,
+                                      final_text if result is not None else None, stream_details))
+
+
+def error_event(error: TGIError) -> bytes:
+    return sse_data(error.body())
+
+
+class _KeepAlive(ServerSentEvent):
+    def encode(self) -> bytes:
+        return b":\n\n"
+
+
+def sse_response(events: AsyncIterator[bytes], headers: dict[str, str], keep_alive_s: float) -> EventSourceResponse:
+    """Stream pre-encoded events. sse-starlette watches for the client's disconnect and
+    then cancels ``events``, which closes the backend iterator (the request is aborted)."""
+    return EventSourceResponse(
+        events, headers={"Cache-Control": "no-cache", **headers}, ping=keep_alive_s, sep="\n",
+        ping_message_factory=_KeepAlive)

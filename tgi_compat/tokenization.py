@@ -1,0 +1,65 @@
+"""The tokenizer as the front end uses it: encode off the event loop, decode, special ids.
+
+Wraps a Hugging Face fast tokenizer (``transformers.AutoTokenizer.from_pretrained``)
+and calls its Rust backend directly: ``encode`` never changes the tokenizer's
+truncation/padding state, so it is safe from several worker threads at once.
+"""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Encoding:
+    ids: list[int]
+    offsets: list[tuple[int, int]]    # byte offsets into the UTF-8 input, one per token
+
+    def keep_last(self, count: int | None) -> "Encoding":
+        """TGI's `truncate`: keep the last ``count`` tokens."""
+        if count is None or count >= len(self.ids):
+            return self
+        return Encoding(self.ids[-count:], self.offsets[-count:])
+
+
+class TokenizerAdapter:
+    def __init__(self, tokenizer, workers: int):
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        if self._backend is None:
+            raise TypeError(f"a fast (Rust) tokenizer is required, got {type(tokenizer).__name__}")
+        self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tgi-tokenizer")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def encode(self, text: str) -> Encoding:
+        """Tokenize with the model's special tokens, on the validation worker threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.encode_sync, text)
+
+    def encode_sync(self, text: str) -> Encoding:
+        encoding = self._backend.encode(text, add_special_tokens=True)
+        return Encoding(list(encoding.ids), _byte_offsets(text, encoding.offsets))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """A token decoded alone, special tokens kept (top tokens, prefill tokens)."""
+        return self._backend.decode([token_id], skip_special_tokens=False)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.special_ids
+
+
+def _byte_offsets(text: str, char_offsets: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Character offsets (what `tokenizers` reports to Python) -> UTF-8 byte offsets."""
+    if text.isascii():
+        return [(int(a), int(b)) for a, b in char_offsets]
+    byte_at = [0] * (len(text) + 1)
+    for i, ch in enumerate(text):
+        byte_at[i + 1] = byte_at[i] + len(ch.encode("utf-8"))
+    return [(byte_at[a], byte_at[b]) for a, b in char_offsets]
