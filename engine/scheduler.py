@@ -9,6 +9,7 @@ stays within the slot capacity, so a step can never run out of KV slots.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from .step import RowResult, Step, StepResult, StepRow
 log = logging.getLogger(__name__)
 
 ADMISSION_RULES = ("peak", "reserve")
+MAX_SKIPPED = 16     # waiting requests tried per step after one did not fit
 
 
 @dataclass(frozen=True)
@@ -131,18 +133,22 @@ class Scheduler:
             for request in self.waiting:
                 request.waited_steps += 1
             return
-        admitted = [(r.remaining, r.held_tokens) for r in self.running]
+        usage = peak_usage if self.config.admission == "peak" else reserved_usage
+        admitted = sorted(((r.remaining, r.held_tokens) for r in self.running), key=_longest_first)
+        misses = 0
         for request in list(self.waiting):
             candidate = (request.remaining, request.held_tokens)
-            usage = peak_usage if self.config.admission == "peak" else reserved_usage
-            fits = self.allocator.free_rows > 0 and usage(admitted + [candidate]) <= self.allocator.num_slots
-            if fits:
+            trial = admitted.copy()
+            bisect.insort(trial, candidate, key=_longest_first)
+            if self.allocator.free_rows > 0 and usage(trial, presorted=True) <= self.allocator.num_slots:
                 self.waiting.remove(request)
                 self.allocator.open_request(request.request_id)
                 self.running.append(request)
-                admitted.append(candidate)
-            elif request is head and head.waited_steps >= self.config.max_waiting_steps:
-                break   # the head has waited long enough: nobody overtakes it any more
+                admitted = trial
+                continue
+            misses += 1
+            if (request is head and head.waited_steps >= self.config.max_waiting_steps) or misses >= MAX_SKIPPED:
+                break   # the head has waited long enough (nobody overtakes it), or enough was tried
         for request in self.waiting:
             request.waited_steps += 1
 
@@ -207,15 +213,20 @@ class Scheduler:
         self._released.append(request.request_id)
 
 
-def reserved_usage(requests: list[tuple[int, int]]) -> int:
+def _longest_first(request: tuple[int, int]) -> int:
+    return -request[0]
+
+
+def reserved_usage(requests: list[tuple[int, int]], presorted: bool = False) -> int:
     """TGI-style reservation: every request holds room for its maximum length from the start."""
     return sum(remaining + tokens for remaining, tokens in requests)
 
 
-def peak_usage(requests: list[tuple[int, int]]) -> int:
+def peak_usage(requests: list[tuple[int, int]], presorted: bool = False) -> int:
     """max_k (k * L_k + sum_{j<=k} R_j) over (L, R) pairs sorted by L descending."""
     peak, held = 0, 0
-    for k, (remaining, tokens) in enumerate(sorted(requests, key=lambda x: -x[0]), start=1):
+    ordered = requests if presorted else sorted(requests, key=_longest_first)
+    for k, (remaining, tokens) in enumerate(ordered, start=1):
         held += tokens
         peak = max(peak, held + k * remaining)
     return peak

@@ -321,6 +321,7 @@ def plan_server(config) -> ServerPlan:
     from .launch_config import resolve_limits
     from .model_config import load_model_config
     from .models.llama import IGNORED_CHECKPOINT_NAMES, checkpoint_shapes
+    from .parallel import TensorParallel
     from .scheduler import SchedulerConfig
     from .worker import WorkerConfig, resolve_dtype
 
@@ -330,9 +331,9 @@ def plan_server(config) -> ServerPlan:
         checkpoint.check(checkpoint_shapes(model_config), ignore_unexpected=IGNORED_CHECKPOINT_NAMES)
     limits = resolve_limits(config, model_config.max_context, None)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    num_shards = config.num_shard or 1
-    if num_shards != 1:
-        raise ValueError(f"--num-shard {num_shards}: tensor parallelism is not available yet; use --num-shard 1")
+    num_shards = _num_shards(config, device)
+    TensorParallel(0, num_shards).check(model_config)
+    _check_master_address(config.master_addr, config.master_port, num_shards)
     dtype = resolve_dtype(config.dtype, model_config, device)
     max_requests = min(config.max_concurrent_requests * max(config.max_best_of, 1), 1024)
     worker = WorkerConfig(model_dir=model_dir, dtype=dtype, device=device,
@@ -354,6 +355,35 @@ def plan_server(config) -> ServerPlan:
     frontend = FrontendSpec(model_dir, config.hostname, config.port,
                             _settings(config, limits, sha, pipeline_tag, dtype, device, num_shards))
     return ServerPlan(shards, router, frontend, config.log_level or "INFO")
+
+
+def _num_shards(config, device) -> int:
+    """--num-shard, else every visible GPU (1 on a CPU); more shards than GPUs is an error."""
+    import torch
+
+    visible = torch.cuda.device_count() if device.type == "cuda" else 0
+    shards = config.num_shard or max(visible, 1)
+    if config.sharded is False and shards > 1:
+        raise ValueError(f"--sharded false contradicts --num-shard {shards}")
+    if config.sharded and shards < 2:
+        raise ValueError("--sharded true needs at least 2 shards: set --num-shard or make more GPUs visible")
+    if device.type == "cuda" and shards > visible:
+        raise ValueError(f"--num-shard {shards} needs {shards} GPUs but {visible} are visible "
+                         f"(CUDA_VISIBLE_DEVICES); lower --num-shard")
+    return shards
+
+
+def _check_master_address(host: str, port: int, num_shards: int) -> None:
+    """Fail fast on a master address that does not resolve (the shards would wait for it)."""
+    import socket
+
+    if num_shards < 2:
+        return
+    try:
+        socket.getaddrinfo(host, port)
+    except OSError as e:
+        raise ValueError(f"--master-addr {host!r} cannot be resolved ({e}); use an address of this host, "
+                         f"e.g. localhost") from None
 
 
 def _eos_ids(model_dir: str, model_config) -> tuple[int, ...]:
