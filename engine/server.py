@@ -214,6 +214,7 @@ class RouterLoop:
             log.error("%s", e)
             self.healthy = False
             self.error = f"Request failed during generation: {e}"
+            self._send_status(force=True)          # /health answers 503 from now on
             events = self.router.fail_all(self.error)
         if events:
             self._send_events(events)
@@ -281,7 +282,7 @@ def spawn_shards(specs, log_level: str = "INFO") -> tuple[list, list]:
     """Start one shard process per spec; returns (processes, the router's pipe ends)."""
     ctx = spawn_context()
     router_ends, shard_ends = zip(*(ctx.Pipe(duplex=True) for _ in specs))
-    processes = [ctx.Process(target=shard_main, args=(spec, end, log_level), name=f"shard-{spec.rank}", daemon=True)
+    processes = [ctx.Process(target=shard_main, args=(spec, end, log_level), name=f"shard-{spec.rank}")
                  for spec, end in zip(specs, shard_ends)]
     for p in processes:
         p.start()
@@ -302,59 +303,75 @@ class ServerPlan:
         ctx = spawn_context()
         processes, router_ends = spawn_shards(self.shards, self.log_level)
         front_router, front_end = ctx.Pipe(duplex=True)
-        processes.append(ctx.Process(target=router_main, name="router",
-                                     args=(self.router, front_router, router_ends, self.log_level)))
-        processes.append(ctx.Process(target=frontend_main, args=(self.frontend, front_end, self.log_level),
-                                     name="frontend"))
-        for p in processes:
+        others = [ctx.Process(target=router_main, name="router",
+                              args=(self.router, front_router, router_ends, self.log_level)),
+                  ctx.Process(target=frontend_main, args=(self.frontend, front_end, self.log_level), name="frontend")]
+        for p in others:
             p.start()
-        return processes
+        return processes + others
 
 
 def plan_server(config) -> ServerPlan:
     """From the launcher's config to the processes to start; ValueError on any bad input."""
     import torch
 
-    from weights.checkpoint import open_checkpoint
     from weights.hub import model_info, resolve_model
 
     from .launch_config import resolve_limits
     from .model_config import load_model_config
-    from .models.llama import IGNORED_CHECKPOINT_NAMES, checkpoint_shapes
     from .parallel import TensorParallel
-    from .scheduler import SchedulerConfig
-    from .worker import WorkerConfig, resolve_dtype
+    from .worker import resolve_dtype
 
     model_dir = str(resolve_model(config.model_id, config.revision, config.huggingface_hub_cache, config.hf_token))
     model_config = load_model_config(model_dir)
-    with open_checkpoint(model_dir) as checkpoint:
-        checkpoint.check(checkpoint_shapes(model_config), ignore_unexpected=IGNORED_CHECKPOINT_NAMES)
+    _check_checkpoint(model_dir, model_config)
     limits = resolve_limits(config, model_config.max_context, None)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     num_shards = _num_shards(config, device)
     TensorParallel(0, num_shards).check(model_config)
     _check_master_address(config.master_addr, config.master_port, num_shards)
     dtype = resolve_dtype(config.dtype, model_config, device)
-    max_requests = min(config.max_concurrent_requests * max(config.max_best_of, 1), 1024)
-    worker = WorkerConfig(model_dir=model_dir, dtype=dtype, device=device,
-                          kernel_backend="triton" if device.type == "cuda" else "torch",
-                          max_requests=max_requests, max_seq_len=limits.max_total_tokens,
-                          num_slots=limits.max_batch_total_tokens, memory_fraction=0.9 * config.cuda_memory_fraction,
-                          warmup_tokens=limits.max_batch_prefill_tokens)
+    max_requests = config.max_batch_size or min(config.max_concurrent_requests * config.max_best_of, 1024)
+    worker = _worker_config(config, limits, model_dir, dtype, device, max_requests)
     shards = tuple(ShardSpec(rank, num_shards, config.master_addr, config.master_port, worker)
                    for rank in range(num_shards))
-    router = RouterSpec(
-        max_requests=max_requests,
-        scheduler_config=SchedulerConfig(
-            max_prefill_tokens=limits.max_batch_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
-            max_waiting_steps=config.max_waiting_tokens, max_seq_len=limits.max_total_tokens),
-        eos_token_ids=_eos_ids(model_dir, model_config),
-        max_batch_total_tokens=limits.max_batch_total_tokens,
-    )
+    router = _router_spec(config, limits, max_requests, _eos_ids(model_dir, model_config))
     sha, pipeline_tag = model_info(config.model_id, config.revision)
-    frontend = FrontendSpec(model_dir, config.hostname, config.port,
-                            _settings(config, limits, sha, pipeline_tag, dtype, device, num_shards))
-    return ServerPlan(shards, router, frontend, config.log_level or "INFO")
+    settings = _settings(config, limits, sha, pipeline_tag, dtype, device, num_shards)
+    return ServerPlan(shards, router, FrontendSpec(model_dir, config.hostname, config.port, settings),
+                      config.log_level or "INFO")
+
+
+def _check_checkpoint(model_dir: str, model_config) -> None:
+    """Strict name and shape check before any process starts (reads the headers only)."""
+    from weights.checkpoint import open_checkpoint
+
+    from .models.llama import IGNORED_CHECKPOINT_NAMES, checkpoint_shapes
+
+    with open_checkpoint(model_dir) as checkpoint:
+        checkpoint.check(checkpoint_shapes(model_config), ignore_unexpected=IGNORED_CHECKPOINT_NAMES)
+
+
+def _worker_config(config, limits, model_dir, dtype, device, max_requests):
+    from .launch_config import cuda_graph_sizes
+    from .worker import WorkerConfig
+
+    return WorkerConfig(model_dir=model_dir, dtype=dtype, device=device,
+                        kernel_backend="triton" if device.type == "cuda" else "torch",
+                        max_requests=max_requests, max_seq_len=limits.max_total_tokens,
+                        num_slots=limits.max_batch_total_tokens, memory_fraction=0.9 * config.cuda_memory_fraction,
+                        warmup_tokens=limits.max_batch_prefill_tokens, cuda_graphs=cuda_graph_sizes(config))
+
+
+def _router_spec(config, limits, max_requests, eos_ids) -> RouterSpec:
+    from .scheduler import SchedulerConfig
+
+    scheduler = SchedulerConfig(
+        max_prefill_tokens=limits.max_batch_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_steps=config.max_waiting_tokens, max_seq_len=limits.max_total_tokens,
+        admission=config.admission)
+    return RouterSpec(max_requests=max_requests, scheduler_config=scheduler, eos_token_ids=eos_ids,
+                      max_batch_total_tokens=limits.max_batch_total_tokens)
 
 
 def _num_shards(config, device) -> int:

@@ -55,6 +55,13 @@ class LaunchedServer:
         out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
         return [int(pid) for pid, sid in (line.split() for line in out.splitlines()) if int(sid) == self.process.pid]
 
+    def wait_no_children(self, timeout: float = 5.0) -> list[int]:
+        """Wait for every process of the session to go; returns the ones left (should be [])."""
+        deadline = time.monotonic() + timeout
+        while self.children() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.children()
+
     def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(sig)

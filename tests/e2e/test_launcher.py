@@ -123,22 +123,25 @@ def test_200_concurrent_streams_equal_one_at_a_time(server):
 
     together = asyncio.run(stream_all())
     client = text_generation.Client(server.url, timeout=60)
-    for i in range(0, 200, 9):   # a spread of them, one at a time
+    for i in range(200):   # each again, one at a time (the model may end a sequence with EOS early)
         alone = client.generate(prompts[i], max_new_tokens=lengths[i])
         assert together[i] == [t.id for t in alone.details.tokens], i
-    assert [len(t) for t in together] == lengths
+        assert len(together[i]) == lengths[i] or alone.details.finish_reason == "eos_token"
     wait_until_idle(server)
 
 
 def test_clients_that_disconnect_mid_stream_free_their_slots(server):
-    body = {"inputs": "hello world", "parameters": {"max_new_tokens": 200}}
+    body = {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 240}}
     responses = []
     for _ in range(5):
         r = requests.post(server.url + "/generate_stream", json=body, stream=True, timeout=30)
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith(b"data:"))
         responses.append(r)
-    assert metric(server, "tgi_kv_cache_usage") > 0
+    deadline = time.monotonic() + 5
+    while metric(server, "tgi_kv_cache_usage") == 0:   # the router reports every 0.25 s
+        assert time.monotonic() < deadline, "the open streams hold no KV slots"
+        time.sleep(0.05)
     for r in responses:
         r.close()
     wait_until_idle(server)
@@ -185,7 +188,7 @@ def test_bad_bodies_get_422_and_the_server_keeps_serving(server, body, message):
     if message:   # validation errors arrive in-band on streams, with HTTP 200
         assert stream.status_code == 200 and '"error_type":"validation"' in stream.text
         # TGI rejects any best_of != 1 on streams before the other checks
-        expected = "`best_of` != 1 is not supported when streaming tokens" if "best_of" in body["parameters"] else message
+        expected = "`best_of` != 1 is not supported when streaming tokens" if "best_of" in body.get("parameters", {}) else message
         assert expected in stream.text
 
 
@@ -243,7 +246,7 @@ def test_a_killed_shard_fails_requests_marks_unhealthy_and_stops_the_launcher(sm
     assert requests.get(small_server.url + "/health", timeout=5).status_code == 503
     small_server.process.wait(30)
     assert small_server.process.returncode != 0
-    assert small_server.children() == []
+    assert small_server.wait_no_children() == []
 
 
 def test_sigterm_stops_every_process_within_seconds(model_dir):
@@ -254,6 +257,5 @@ def test_sigterm_stops_every_process_within_seconds(model_dir):
     srv.process.send_signal(signal.SIGTERM)
     assert srv.process.wait(15) == 0
     assert time.monotonic() - start < 10
-    time.sleep(0.5)
-    assert srv.children() == []
+    assert srv.wait_no_children() == []
     srv.stop()
