@@ -1,0 +1,223 @@
+"""Split-K flash-decoding over the TokenAttention table, GQA-aware.
+
+Request ``b`` has one query ``q[b]`` at position ``b_seq_len[b] - 1``; it attends to
+positions ``0..b_seq_len[b] - 1`` whose K/V rows are ``kv_layer[req_to_token[b_req_row[b], pos]]``.
+
+Stage 1, grid (request, kv head, split): the program loads the ``Hq // Hk`` q heads that
+share its kv head (padded to 16 rows for ``tl.dot``), so each K/V row is read once, and
+walks its chunk of positions ``[split * chunk, (split + 1) * chunk)`` with
+``chunk = ceil(b_seq_len[b] / num_splits)``; it writes the normalised partial output and
+the log2-sum-exp of its chunk (``-inf`` for an empty chunk).
+Stage 2, grid (request, q head): merges the splits by their log-sum-exp.
+The chunk is derived on the device from ``b_seq_len``, so no host lengths are needed and
+the launch can be captured in a CUDA graph.
+
+| buffer   | shape                      | dtype   |
+| -------- | -------------------------- | ------- |
+| mid_out  | [B, Hq, num_splits, D]     | float32 |
+| mid_lse  | [B, Hq, num_splits] (log2) | float32 |
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import (
+    check_last_dim_contiguous,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+    upcast_dots,
+)
+from ._rounding import round_to
+
+MAX_SPLITS = 64
+CPU_SPLITS = 3
+
+
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base, stride_kv_slot,
+                  d_mask, scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """Online-softmax update of (m_i, l_i, acc) with the keys at positions [start_n, min(start_n + BLOCK_N, end))."""
+    pos = start_n + tl.arange(0, BLOCK_N)
+    n_mask = pos < end
+    slots = tl.load(table_row + pos, mask=n_mask, other=0).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0.0)
+    if UPCAST:  # IEEE fp32 dots, not TF32
+        qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * scale_log2
+    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0.0)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kv_ptr, req_to_token_ptr, b_req_row_ptr, b_seq_len_ptr, mid_out_ptr, mid_lse_ptr,
+    scale_log2,
+    stride_q_batch, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
+    stride_mid_batch, stride_mid_head, stride_mid_split, stride_lse_batch, stride_lse_head,
+    kv_heads, group_size, head_dim, num_splits,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(b_seq_len_ptr + b)
+    table_row = req_to_token_ptr + tl.load(b_req_row_ptr + b).to(tl.int64) * stride_table_row
+    chunk = tl.cdiv(seq_len, num_splits)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * group_size + offs_h
+    h_mask = offs_h < group_size
+    d_mask = offs_d < head_dim
+    q_offs = b.to(tl.int64) * stride_q_batch + heads[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    k_base = kv_ptr + kv_head * stride_kv_head + offs_d[None, :]
+    v_base = k_base + kv_heads * stride_kv_head
+    if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
+        start_n = start
+        while start_n < end:
+            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base,
+                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST)
+            start_n += BLOCK_N
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base,
+                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST)
+
+    has_keys = l_i > 0
+    partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    mid_offs = b.to(tl.int64) * stride_mid_batch + heads[:, None] * stride_mid_head + split * stride_mid_split
+    tl.store(mid_out_ptr + mid_offs + offs_d[None, :], partial, mask=h_mask[:, None] & d_mask[None, :])
+    lse_offs = b.to(tl.int64) * stride_lse_batch + heads * stride_lse_head + split
+    tl.store(mid_lse_ptr + lse_offs, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_out_ptr, mid_lse_ptr, out_ptr,
+    stride_mid_batch, stride_mid_head, stride_mid_split, stride_lse_batch, stride_lse_head,
+    stride_out_batch, stride_out_head,
+    head_dim, num_splits,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < head_dim
+    lse = tl.load(mid_lse_ptr + b * stride_lse_batch + head * stride_lse_head + offs_s,
+                  mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # a request with no keys
+    weight = tl.exp2(lse - lse_max)
+    mid_offs = b * stride_mid_batch + head * stride_mid_head + offs_s[:, None] * stride_mid_split
+    partial = tl.load(mid_out_ptr + mid_offs + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                      other=0.0)
+    total = tl.sum(weight, 0)
+    merged = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_out_batch + head * stride_out_head + offs_d,
+             round_to(merged, out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def default_num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Enough (request, kv head, split) programs to fill the GPU about twice over."""
+    if device.type != "cuda":
+        return CPU_SPLITS
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * sms, max(1, batch * kv_heads))))
+
+
+def _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits) -> None:
+    check_tensor("q", q, 3)
+    device = q.device
+    check_tensor("kv_layer", kv_layer, 3, device=device)
+    check_same_dtype("kv_layer", kv_layer, q.dtype)
+    batch, q_heads, head_dim = q.shape
+    if kv_layer.shape[1] % 2 or kv_layer.shape[2] != head_dim:
+        raise ValueError(f"kv_layer has shape {tuple(kv_layer.shape)}; expected (slots, 2 * kv_heads, {head_dim})")
+    if q_heads % (kv_layer.shape[1] // 2):
+        raise ValueError(f"q heads ({q_heads}) must be a multiple of kv heads ({kv_layer.shape[1] // 2})")
+    check_tensor("req_to_token", req_to_token, 2, dtypes=(torch.int32,), device=device)
+    for name, t in (("b_req_row", b_req_row), ("b_seq_len", b_seq_len)):
+        check_tensor(name, t, 1, dtypes=(torch.int32,), device=device)
+        check_shape(name, t, (batch,))
+    for name, t in (("q", q), ("kv_layer", kv_layer), ("req_to_token", req_to_token)):
+        check_last_dim_contiguous(name, t)
+    if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be None or an int in 1..{MAX_SPLITS}, got {num_splits!r}")
+
+
+def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
+                     b_req_row: torch.Tensor, b_seq_len: torch.Tensor, sm_scale: float,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """q [B, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [B, Hq, D] in q's dtype."""
+    _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits)
+    batch, q_heads, head_dim = q.shape
+    kv_heads = kv_layer.shape[1] // 2
+    out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    splits = num_splits or default_num_splits(batch, kv_heads, q.device)
+    group = q_heads // kv_heads
+    mid_out = torch.empty((batch, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    mid_strides = (mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+    _decode_split_kernel[(batch, kv_heads, splits)](
+        q, kv_layer, req_to_token, b_req_row, b_seq_len, mid_out, mid_lse,
+        float(sm_scale) * math.log2(math.e),
+        q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), req_to_token.stride(0),
+        *mid_strides,
+        kv_heads, group, head_dim, splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64 if q.is_cuda else 32, BLOCK_D=block_d,
+        UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, num_warps=4, num_stages=2,
+    )
+    _decode_merge_kernel[(batch, q_heads)](
+        mid_out, mid_lse, out, *mid_strides, out.stride(0), out.stride(1), head_dim, splits,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
+def decode_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
+                         b_req_row: torch.Tensor, b_seq_len: torch.Tensor, sm_scale: float,
+                         num_splits: int | None = None) -> torch.Tensor:
+    q_heads = q.shape[1]
+    kv_heads = kv_layer.shape[1] // 2
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    for b, (row, seq_len) in enumerate(zip(b_req_row.tolist(), b_seq_len.tolist())):
+        slots = req_to_token[row, :seq_len].long()
+        k = kv_layer[slots, :kv_heads].float().repeat_interleave(q_heads // kv_heads, dim=1)
+        v = kv_layer[slots, kv_heads:].float().repeat_interleave(q_heads // kv_heads, dim=1)
+        probs = (torch.einsum("hd,khd->hk", q[b].float(), k) * sm_scale).softmax(-1)
+        out[b] = torch.einsum("hk,khd->hd", probs, v).to(q.dtype)
+    return out
+

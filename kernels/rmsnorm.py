@@ -1,0 +1,103 @@
+"""RMSNorm, and the fused residual add + RMSNorm, one program per token row.
+
+Rounding follows Hugging Face ``LlamaRMSNorm``: normalise in float32, round to the
+activation dtype, then multiply by the weight and round again. The fused variant first
+forms ``residual + x`` in the activation dtype (as HF's ``residual + hidden``) and
+writes it back into ``residual``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import (
+    check_last_dim_contiguous,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+)
+from ._rounding import round_to
+
+MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr,
+    stride_x, stride_residual, stride_out,
+    hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    h = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        # round the sum to the activation dtype, as the torch add does
+        summed = round_to(h + r.to(tl.float32), x.dtype)
+        tl.store(residual_ptr + row * stride_residual + cols, summed, mask=mask)
+        h = summed.to(tl.float32)
+    variance = tl.sum(h * h, axis=0) / hidden
+    normed = round_to(h * tl.math.rsqrt(variance + eps), x.dtype).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, round_to(w * normed, x.dtype), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_tensor("x", x, 2)
+    check_tensor("weight", weight, 1, device=x.device)
+    check_shape("weight", weight, (x.shape[1],))
+    check_same_dtype("weight", weight, x.dtype)
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
+    if x.shape[1] > MAX_HIDDEN:
+        raise ValueError(f"hidden size {x.shape[1]} exceeds the kernel's limit of {MAX_HIDDEN}")
+
+
+def _launch(x, residual, weight, out, eps: float) -> None:
+    tokens, hidden = x.shape
+    if tokens == 0:
+        return
+    block = triton.next_power_of_2(hidden)
+    num_warps = min(max(block // 256, 1), 16)
+    res = residual if residual is not None else x
+    _rmsnorm_kernel[(tokens,)](
+        x, res, weight, out,
+        x.stride(0), res.stride(0), out.stride(0),
+        hidden, float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+    )
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] (last dim contiguous), weight [H] -> new [T, H] tensor, x's dtype."""
+    _check(x, weight)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch(x, None, weight, out, eps)
+    return out
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """In place ``residual <- x + residual`` (in the dtype); returns rmsnorm(residual)."""
+    _check(x, weight)
+    check_tensor("residual", residual, 2, device=x.device)
+    check_shape("residual", residual, tuple(x.shape))
+    check_same_dtype("residual", residual, x.dtype)
+    check_last_dim_contiguous("residual", residual)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch(x, residual, weight, out, eps)
+    return out
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    residual.copy_(residual + x)
+    return rmsnorm_ref(residual, weight, eps)

@@ -1,0 +1,68 @@
+import math
+
+import pytest
+import torch
+from kernel_inputs import ATTENTION_TOL, ON_GPU, build_kv_cache
+
+from kernels.decode_attention import decode_attention, decode_attention_ref
+from kernels.prefill_attention import prefill_attention_ref
+
+SEQ_LENS = {
+    "single": [1],
+    "ragged": [1, 2, 17, 33, 64, 100],  # 17, 100: not divisible by the split counts below
+}
+if ON_GPU:
+    SEQ_LENS["long"] = [1, 4097, 513, 2000, 31, 128, 7, 1025]
+GQA = [(2, 2), (8, 2), (8, 1)] if not ON_GPU else [(32, 32), (32, 8), (32, 4), (28, 4)]
+HEAD_DIMS = [32] if not ON_GPU else [64, 128]
+
+
+def decode_inputs(seq_lens, q_heads, kv_heads, head_dim, dtype, device):
+    cache = build_kv_cache(seq_lens, kv_heads, head_dim, dtype, device)
+    # q as a strided view of a fused qkv projection
+    qkv = torch.randn(len(seq_lens), (q_heads + 2 * kv_heads) * head_dim, device=device).to(dtype)
+    q = qkv[:, : q_heads * head_dim].view(len(seq_lens), q_heads, head_dim)
+    return q, cache.kv_layer, cache.req_to_token, cache.b_req_row, cache.b_seq_len, 1 / math.sqrt(head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("q_heads,kv_heads", GQA)
+@pytest.mark.parametrize("lengths", list(SEQ_LENS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_decode_attention_matches_reference(device, dtype, q_heads, kv_heads, lengths, head_dim):
+    args = decode_inputs(SEQ_LENS[lengths], q_heads, kv_heads, head_dim, dtype, device)
+    out = decode_attention(*args)
+    expected = decode_attention_ref(*args)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    assert out.isfinite().all()  # every row written, no read of a NaN-poisoned slot
+    atol, rtol = ATTENTION_TOL[dtype]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
+def test_decode_attention_split_counts(device, num_splits):
+    """More splits than keys (empty splits) and chunks that do not divide the lengths."""
+    args = decode_inputs([1, 3, 37, 90], 8, 2, 24 if not ON_GPU else 96, torch.float16, device)
+    out = decode_attention(*args, num_splits=num_splits)
+    torch.testing.assert_close(out, decode_attention_ref(*args), atol=4e-3, rtol=4e-3)
+
+
+def test_decode_reference_is_the_last_row_of_prefill(device):
+    seq_lens = [1, 6, 19]
+    q, kv_layer, table, rows, seq_len, scale = decode_inputs(seq_lens, 4, 2, 16, torch.float32, device)
+    ones = torch.ones(len(seq_lens), dtype=torch.int32, device=device)
+    starts = torch.arange(len(seq_lens), dtype=torch.int32, device=device)
+    expected = prefill_attention_ref(q, kv_layer, table, rows, starts, ones, seq_len, scale, 1)
+    torch.testing.assert_close(decode_attention_ref(q, kv_layer, table, rows, seq_len, scale), expected)
+
+
+def test_decode_attention_rejects_bad_arguments(device):
+    q, kv_layer, table, rows, seq_len, scale = decode_inputs([3, 4], 4, 2, 16, torch.float16, device)
+    with pytest.raises(ValueError, match=r"kv_layer has shape \(\d+, 4, 8\); expected \(slots, 2 \* kv_heads, 16\)"):
+        decode_attention(q, kv_layer[..., :8], table, rows, seq_len, scale)
+    with pytest.raises(ValueError, match="req_to_token has dtype torch.int64"):
+        decode_attention(q, kv_layer, table.long(), rows, seq_len, scale)
+    with pytest.raises(ValueError, match=r"b_seq_len has shape \(3,\); expected \(2,\)"):
+        decode_attention(q, kv_layer, table, rows, torch.cat([seq_len, seq_len[:1]]), scale)
+    with pytest.raises(ValueError, match="num_splits must be None or an int in 1..64"):
+        decode_attention(q, kv_layer, table, rows, seq_len, scale, num_splits=0)

@@ -1,0 +1,81 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_inputs import ATTENTION_TOL, ON_GPU, build_kv_cache
+
+from kernels.prefill_attention import prefill_attention, prefill_attention_ref
+
+# (new tokens per request, cached prefix per request)
+LAYOUTS = {
+    "single_token": ([1], [0]),
+    "ragged": ([5, 1, 33, 17], [0, 0, 0, 0]),
+    "chunked": ([7, 1, 20, 3], [9, 40, 31, 0]),
+}
+if ON_GPU:
+    LAYOUTS["long"] = ([300, 1, 129, 64, 1000], [0, 513, 77, 0, 2000])
+GQA = [(2, 2), (8, 2), (8, 1)] if not ON_GPU else [(32, 32), (32, 8), (32, 4)]
+HEAD_DIMS = [32] if not ON_GPU else [64, 128]
+
+
+def prefill_inputs(q_lens, prefixes, q_heads, kv_heads, head_dim, dtype, device):
+    cache = build_kv_cache([q + p for q, p in zip(q_lens, prefixes)], kv_heads, head_dim, dtype, device)
+    tokens = sum(q_lens)
+    # q as a strided view of a fused qkv projection
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, device=device).to(dtype)
+    q = qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
+    b_q_start = torch.tensor([0] + q_lens[:-1], device=device).cumsum(0).int()
+    b_q_len = torch.tensor(q_lens, dtype=torch.int32, device=device)
+    return (q, cache.kv_layer, cache.req_to_token, cache.b_req_row, b_q_start, b_q_len, cache.b_seq_len,
+            1 / math.sqrt(head_dim), max(q_lens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("q_heads,kv_heads", GQA)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_prefill_attention_matches_reference(device, dtype, q_heads, kv_heads, layout, head_dim):
+    args = prefill_inputs(*LAYOUTS[layout], q_heads, kv_heads, head_dim, dtype, device)
+    out = prefill_attention(*args)
+    expected = prefill_attention_ref(*args)
+    assert out.shape == args[0].shape and out.dtype == dtype and out.is_contiguous()
+    assert out.isfinite().all()  # every row written, no read of a NaN-poisoned slot
+    atol, rtol = ATTENTION_TOL[dtype]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+def test_prefill_attention_odd_head_dim(device):
+    args = prefill_inputs([3, 18], [5, 0], 4, 2, 80 if ON_GPU else 24, torch.float16, device)
+    torch.testing.assert_close(prefill_attention(*args), prefill_attention_ref(*args), atol=4e-3, rtol=4e-3)
+
+
+def test_prefill_reference_matches_causal_sdpa_in_chunks(device):
+    """Prefilling a prompt in two chunks gives the rows of full causal attention."""
+    q_heads, kv_heads, head_dim, length, prefix = 4, 2, 16, 23, 9
+    args = list(prefill_inputs([length], [0], q_heads, kv_heads, head_dim, torch.float32, device))
+    q, kv_layer, req_to_token, b_req_row = args[:4]
+    slots = req_to_token[b_req_row[0], :length].long()
+    k = kv_layer[slots, :kv_heads].repeat_interleave(2, 1).transpose(0, 1)
+    v = kv_layer[slots, kv_heads:].repeat_interleave(2, 1).transpose(0, 1)
+    full = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True).transpose(0, 1)
+    chunk = q[prefix:]
+    b_q_len = torch.tensor([length - prefix], dtype=torch.int32, device=device)
+    out = prefill_attention_ref(chunk, kv_layer, req_to_token, b_req_row, args[4], b_q_len, args[6],
+                                args[7], length - prefix)
+    torch.testing.assert_close(out, full[prefix:], atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_attention_rejects_bad_arguments(device):
+    args = prefill_inputs([3, 4], [0, 2], 4, 2, 16, torch.float16, device)
+    q, kv_layer, table, rows, starts, lens, seq_lens, scale, max_len = args
+    with pytest.raises(ValueError, match=r"q heads \(3\) must be a multiple of kv heads \(2\)"):
+        prefill_attention(q[:, :3], *args[1:])
+    with pytest.raises(ValueError, match="kv_layer has dtype torch.bfloat16 but must match torch.float16"):
+        prefill_attention(q, kv_layer.bfloat16(), *args[2:])
+    with pytest.raises(ValueError, match="b_seq_len has dtype torch.int64"):
+        prefill_attention(q, kv_layer, table, rows, starts, lens, seq_lens.long(), scale, max_len)
+    with pytest.raises(ValueError, match=r"b_q_len has shape \(1,\); expected \(2,\)"):
+        prefill_attention(q, kv_layer, table, rows, starts, lens[:1], seq_lens, scale, max_len)
+    with pytest.raises(ValueError, match="max_q_len must be a host int"):
+        prefill_attention(q, kv_layer, table, rows, starts, lens, seq_lens, scale, lens.max())
