@@ -4,162 +4,351 @@
 its fields (name, type, default, help), and ``parse_args`` is the one place that reads
 the environment: each flag can be set through its upper-snake-case variable
 (``--max-total-tokens`` <-> ``MAX_TOTAL_TOKENS``), and the command line wins.
+``resolve_limits`` fills the token limits that depend on the model the way TGI does,
+and ``resolve_num_shard`` the shard count that depends on the visible GPUs.
+
+Flags of TGI that this engine does not implement are of two kinds: those that would
+change what is served (``--quantize``, ``--trust-remote-code``, ``--speculate``,
+``--kv-cache-dtype``, ``--lora-adapters``, ``--weights-cache-override``) are errors; those
+that only concern TGI's plumbing (``--shard-uds-path``, ``--otlp-endpoint``, ``--ngrok``,
+``--usage-stats``, ...) are accepted, and ``LaunchConfig.notices`` lists the ones set to
+something that is not applied, for the launcher to log.
 """
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
+from functools import cache
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, get_type_hints
 
 DEMO_MODEL = str(Path(__file__).resolve().parents[1] / "weights" / "demo")
+
+QUANTIZE_CHOICES = ("awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bitsandbytes",
+                    "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+NO_ENV = ""     # ``env=NO_ENV``: a flag that no environment variable sets
 
 
 class LaunchError(ValueError):
     """A flag, or a combination of flags, that cannot work; the message says which and why."""
 
 
-def _flag(help_text: str, default=None, choices=None, env: str | None = None):
-    return field(default=default, metadata={"help": help_text, "choices": choices, "env": env})
+def _flag(help_text: str, default=None, *, choices=None, env: str | None = None, short: str | None = None,
+          minimum=None, above=None, maximum=None, too_small: str | None = None, shown: str | None = None,
+          secret=False):
+    """A field with what its flag needs: ``minimum``/``above``/``maximum`` bound numbers
+    (``too_small`` is TGI's message when there is one), ``shown`` is the default as the help
+    prints it, ``secret`` keeps the value out of the repr (and so out of logs)."""
+    meta = {"help": help_text, "choices": choices, "env": env, "short": short, "minimum": minimum,
+            "above": above, "maximum": maximum, "too_small": too_small, "shown": shown}
+    return field(default=default, metadata=meta, repr=not secret)
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    model_id: str = _flag("Hugging Face hub id (downloaded with huggingface_hub) or a local directory with "
-                          "config.json, tokenizer and *.safetensors; default: the bundled demo model", DEMO_MODEL)
-    revision: str | None = _flag("hub revision (branch, tag or commit) of --model-id")
-    num_shard: int | None = _flag("tensor-parallel shards, one process and GPU each; default: every visible "
-                                  "GPU (1 on a CPU)")
-    sharded: bool | None = _flag("true requires at least 2 shards, false forbids them (as TGI)")
-    dtype: str | None = _flag("activation and weight dtype; default: the checkpoint's half precision on a GPU "
+    # ---- the model ----
+    model_id: str = _flag("Hugging Face hub id (downloaded with huggingface_hub into its cache) or a local "
+                          "directory with config.json, the tokenizer and *.safetensors", DEMO_MODEL,
+                          shown="weights/demo, the bundled demo model")
+    revision: str | None = _flag("hub revision of --model-id: a branch, tag or commit (e.g. refs/pr/2); "
+                                 "default: main")
+    dtype: str | None = _flag("weight and activation dtype; default: the checkpoint's half precision on a GPU "
                               "(float32 checkpoints run in bfloat16), float32 on a CPU",
                               choices=("float16", "bfloat16"))
-    max_concurrent_requests: int = _flag("requests served at once; more are answered 429 'Model is overloaded'", 128)
-    max_best_of: int = _flag("largest `best_of` a request may ask for", 2)
-    max_stop_sequences: int = _flag("most `stop` sequences a request may give", 4)
-    max_top_n_tokens: int = _flag("largest `top_n_tokens` a request may ask for", 5)
-    max_input_tokens: int | None = _flag("longest prompt in tokens; default: max_total_tokens - 1")
-    max_input_length: int | None = _flag("legacy name of --max-input-tokens (set one of them)")
-    max_total_tokens: int | None = _flag("prompt + max_new_tokens of one request; default: the model's context "
-                                         "length (capped by the KV memory)")
-    waiting_served_ratio: float = _flag("admit waiting requests into a running batch once waiting >= ratio x "
-                                        "running (or after --max-waiting-tokens steps)", 0.3)
-    max_batch_prefill_tokens: int | None = _flag("prompt tokens prefilled per step (longer prompts go in chunks); "
-                                                 "default: max(max_input_tokens + 50, 4096)")
-    max_batch_total_tokens: int | None = _flag("KV cache capacity in tokens; default: what the memory left after "
-                                               "the weights and a max-size warm-up holds")
-    max_waiting_tokens: int = _flag("decode steps after which waiting requests are admitted regardless of "
-                                    "--waiting-served-ratio", 20)
-    max_batch_size: int | None = _flag("largest running batch (default: --max-concurrent-requests x --max-best-of)")
-    max_client_batch_size: int = _flag("most prompts in one /v1/completions request", 4)
-    cuda_graphs: str | None = _flag("comma-separated decode batch sizes to capture as CUDA graphs; 0 disables "
-                                    "them; default: 1,2,4,8,16,24,32,48,64,... up to the batch size")
-    cuda_memory_fraction: float = _flag("fraction of the GPU memory this server may use", 1.0)
-    admission: str = _flag("KV admission rule: peak (LightLLM's peak future usage) or reserve (TGI-style sum of "
-                           "maxima, for comparison)", "peak", choices=("peak", "reserve"))
-    hostname: str = _flag("address the HTTP server listens on (env HOSTNAME, as TGI; shells often set it: "
-                          "prefer the flag)", "0.0.0.0")
-    port: int = _flag("HTTP port", 3000)
+    trust_remote_code: bool = _flag("not supported: this engine runs its own model code, never the hub's", False)
+    quantize: str | None = _flag("not supported yet: the weights run in --dtype", choices=QUANTIZE_CHOICES)
+    speculate: int | None = _flag("speculative tokens per step; not supported yet (0 or unset only)", minimum=0)
+    kv_cache_dtype: str | None = _flag("KV cache dtype; not supported yet: the cache uses the model's dtype",
+                                       choices=("fp8_e4m3fn", "fp8_e5m2"))
+    lora_adapters: str | None = _flag("comma-separated LoRA adapter ids to load; not supported yet")
+    rope_scaling: str | None = _flag("RoPE scaling to apply over the checkpoint's: linear or dynamic (factor "
+                                     "--rope-factor, 1.0 if unset); default: the checkpoint's config",
+                                     choices=("linear", "dynamic"))
+    rope_factor: float | None = _flag("RoPE scaling factor; alone it means linear scaling; the context length "
+                                      "grows by this factor; default: the checkpoint's config", above=0.0)
+    tokenizer_config_path: str | None = _flag("alternative tokenizer_config.json (e.g. for its chat template); "
+                                              "default: the model's")
+    weights_cache_override: str | None = _flag("not supported: point --model-id at a local directory instead")
+    huggingface_hub_cache: str | None = _flag("hub cache directory; default: huggingface_hub's "
+                                              "(HF_HUB_CACHE, else HF_HOME/hub)")
+    hf_token: str | None = _flag("token for gated or private hub models (prefer the environment variable; "
+                                 "HUGGING_FACE_HUB_TOKEN is read too); default: huggingface_hub's saved login",
+                                 env="HF_TOKEN", secret=True)
+    hf_hub_offline: bool = _flag("use the hub cache only, never the network", False, env="HF_HUB_OFFLINE")
+    # ---- sharding and the devices ----
+    num_shard: int | None = _flag("tensor-parallel shards, one process and GPU each; default: every visible "
+                                  "GPU (1 on a CPU)", minimum=1, too_small="`num_shard` cannot be < 1")
+    sharded: bool | None = _flag("true requires at least 2 shards, false allows only 1 (as TGI); default: unset, "
+                                 "--num-shard decides")
     master_addr: str = _flag("torch.distributed rendezvous address of the shards", "localhost")
-    master_port: int = _flag("torch.distributed rendezvous port of the shards", 29500)
-    huggingface_hub_cache: str | None = _flag("hub cache directory (default: huggingface_hub's, HF_HOME)")
-    api_key: str | None = _flag("require `Authorization: Bearer <key>` on the generation routes")
-    payload_limit: int = _flag("largest request body in bytes (413 beyond)", 2_000_000)
-    validation_workers: int = _flag("tokenizer threads of the front end", 2)
+    master_port: int = _flag("torch.distributed rendezvous port of the shards", 29500, minimum=1, maximum=65535)
+    cuda_memory_fraction: float = _flag("fraction of the GPU memory this server may use (0 < x <= 1)", 1.0,
+                                        above=0.0)
+    cuda_graphs: tuple[int, ...] | None = _flag(
+        "comma-separated decode batch sizes captured as CUDA graphs, 0 disables them; default: the engine's "
+        "sizes (1,2,4,8,16,24,32,48,64,... up to the batch size)")
+    disable_custom_kernels: bool = _flag("run the torch reference ops instead of the Triton kernels", False)
+    # ---- request limits ----
+    max_concurrent_requests: int = _flag("requests served at once; more are answered 429 'Model is overloaded'",
+                                         128, minimum=1)
+    max_best_of: int = _flag("largest `best_of` a request may ask for", 2, minimum=1,
+                             too_small="`max_best_of` must be >= 1")
+    max_stop_sequences: int = _flag("most `stop` sequences a request may give", 4, minimum=0)
+    max_top_n_tokens: int = _flag("largest `top_n_tokens` a request may ask for", 5, minimum=0)
+    max_input_tokens: int | None = _flag("longest prompt in tokens; default: --max-total-tokens - 1", minimum=1)
+    max_input_length: int | None = _flag("legacy name of --max-input-tokens (set only one of them); "
+                                         "default: unset", minimum=1)
+    max_total_tokens: int | None = _flag("prompt + max_new_tokens of one request; default: the model's context "
+                                         "length, capped by what the KV memory holds", minimum=2)
+    max_client_batch_size: int = _flag("most prompts in one /v1/completions request", 4, minimum=1)
+    payload_limit: int = _flag("largest request body in bytes (413 beyond)", 2_000_000, minimum=1)
+    # ---- batching ----
+    waiting_served_ratio: float = _flag("admit waiting requests into a running batch once waiting >= ratio x "
+                                        "running (or after --max-waiting-tokens steps)", 0.3, minimum=0.0)
+    max_batch_prefill_tokens: int | None = _flag("prompt tokens prefilled per step; default: "
+                                                 "max(max_input_tokens + 50, 4096), capped by the KV capacity",
+                                                 minimum=1)
+    max_batch_total_tokens: int | None = _flag("KV cache capacity in tokens; default: what the memory left after "
+                                               "the weights and a warm-up holds", minimum=1)
+    max_waiting_tokens: int = _flag("decode steps after which waiting requests are admitted regardless of "
+                                    "--waiting-served-ratio", 20, minimum=0)
+    max_batch_size: int | None = _flag("largest running batch; default: --max-concurrent-requests x "
+                                       "--max-best-of, at most 1024", minimum=1)
+    admission: str = _flag("KV admission rule (this engine's): peak (LightLLM's peak future usage) or reserve "
+                           "(TGI-style sum of maxima, for comparison)", "peak", choices=("peak", "reserve"))
+    # ---- the HTTP server ----
+    hostname: str = _flag("address the HTTP server listens on. As TGI, the environment variable is HOSTNAME, "
+                          "which shells and Docker set to the machine's name: a HOSTNAME equal to this "
+                          "machine's name is ignored; prefer the flag", "0.0.0.0")
+    port: int = _flag("HTTP port (TGI's Docker image sets PORT=80)", 3000, short="-p", minimum=1, maximum=65535)
+    api_key: str | None = _flag("require `Authorization: Bearer <key>` on the generation routes; default: no "
+                                "key", secret=True)
+    validation_workers: int = _flag("tokenizer threads of the front end", 2, minimum=1,
+                                    too_small="`validation_workers` must be > 0")
     disable_grammar_support: bool = _flag("refuse `grammar` in requests", False)
-    enable_prefill_logprobs: bool = _flag("accepted for TGI compatibility: prompt logprobs are always "
-                                          "available here (`decoder_input_details`)", False)
+    enable_prefill_logprobs: bool = _flag("accepted for TGI compatibility: prompt logprobs are always available "
+                                          "here (`decoder_input_details`)", False)
+    cors_allow_origin: tuple[str, ...] | None = _flag("comma-separated CORS origins; not applied: any origin is "
+                                                      "allowed; default: any")
+    prometheus_port: int = _flag("TGI's separate metrics port; not applied: /metrics is served on --port",
+                                 9000, minimum=1, maximum=65535)
+    watermark_gamma: float | None = _flag("TGI's watermark gamma; not applied: requests with `watermark` are "
+                                          "refused; default: unset")
+    watermark_delta: float | None = _flag("TGI's watermark delta; not applied: requests with `watermark` are "
+                                          "refused; default: unset")
+    graceful_termination_timeout: int = _flag("seconds the shards get to finish after SIGTERM", 90, short="-g",
+                                              minimum=0)
+    # ---- logs, tracing and TGI plumbing ----
     json_output: bool = _flag("log as JSON lines", False)
-    log_level: str = _flag("logging level", "INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), env="LOG_LEVEL")
-    trust_remote_code: bool = _flag("not supported: this engine runs its own model code", False)
-    quantize: str | None = _flag("not supported yet (weights run in --dtype)")
-    speculate: int | None = _flag("not supported yet")
-    hf_token: str | None = _flag("token for gated or private hub models", env="HF_TOKEN")
+    log_level: str = _flag("logging level: debug, info, warning or error", "INFO", env="LOG_LEVEL",
+                           choices=LOG_LEVELS)
+    env: bool = _flag("print the runtime environment (versions, devices) at start", False, env=NO_ENV, short="-e")
+    otlp_endpoint: str | None = _flag("OpenTelemetry endpoint; not applied: no traces are exported; default: "
+                                      "unset")
+    otlp_service_name: str = _flag("OpenTelemetry service name; not applied",
+                                   "text-generation-inference.router")
+    shard_uds_path: str = _flag("TGI's router-to-shard gRPC socket; not applied: the shards talk over pipes",
+                                "/tmp/text-generation-server")
+    ngrok: bool = _flag("TGI's ngrok tunnel; not applied", False)
+    ngrok_authtoken: str | None = _flag("ngrok token; not applied; default: unset", secret=True)
+    ngrok_edge: str | None = _flag("ngrok edge; not applied; default: unset")
+    usage_stats: str = _flag("TGI's usage telemetry: on, off or no-stack; this engine never sends any", "on",
+                             choices=("on", "off", "no-stack"))
 
     def __post_init__(self):
         _check(self)
 
+    @property
+    def notices(self) -> tuple[str, ...]:
+        """One line per flag set to a value this engine accepts but does not apply (for the log)."""
+        return tuple(f"--{_dashed(name)} is accepted for TGI compatibility but not applied: {why}"
+                     for name, why in NOT_APPLIED.items() if getattr(self, name) != _default(name))
 
-_UNSUPPORTED = {"trust_remote_code": "--trust-remote-code is not supported: this engine runs its own model code",
-                "quantize": "--quantize is not supported yet: the weights run in --dtype",
-                "speculate": "--speculate is not supported yet"}
+    @property
+    def rope(self) -> tuple[str, float] | None:
+        """(scaling type, factor) asked on the command line, TGI's way; None: the checkpoint's."""
+        if self.rope_scaling is None and self.rope_factor is None:
+            return None
+        return (self.rope_scaling or "linear", self.rope_factor if self.rope_factor is not None else 1.0)
+
+
+_UNSUPPORTED = {
+    "trust_remote_code": "--trust-remote-code is not supported: this engine runs its own model code",
+    "quantize": "--quantize is not supported yet: the weights run in --dtype; use an unquantized checkpoint",
+    "speculate": "--speculate is not supported yet: leave it unset",
+    "kv_cache_dtype": "--kv-cache-dtype is not supported yet: the KV cache uses the model's dtype",
+    "lora_adapters": "--lora-adapters is not supported yet: merge the adapter into the weights",
+    "weights_cache_override": "--weights-cache-override is not supported: point --model-id at a local directory",
+}
+NOT_APPLIED = {
+    "cors_allow_origin": "any origin is allowed",
+    "prometheus_port": "/metrics is served on --port",
+    "watermark_gamma": "requests with `watermark` are refused",
+    "watermark_delta": "requests with `watermark` are refused",
+    "otlp_endpoint": "no traces are exported",
+    "otlp_service_name": "no traces are exported",
+    "shard_uds_path": "the shards talk over pipes",
+    "ngrok": "no tunnel is opened; expose --port yourself",
+    "ngrok_authtoken": "no tunnel is opened",
+    "ngrok_edge": "no tunnel is opened",
+}
+
+
+def _dashed(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _default(name: str):
+    return _fields()[name].default
 
 
 def _check(c: LaunchConfig) -> None:
+    """The checks that need no model (TGI's launcher does them before starting anything)."""
     for name, message in _UNSUPPORTED.items():
         if getattr(c, name):
             raise LaunchError(message)
+    for f in fields(c):
+        value = getattr(c, f.name)
+        if value is not None and not isinstance(value, (bool, tuple, str)):
+            problem = _out_of_range(f, value)
+            if problem:
+                raise LaunchError(problem)
+        choices = f.metadata["choices"]
+        if choices and value is not None and value not in choices:
+            raise LaunchError(f"--{_dashed(f.name)} must be one of {', '.join(choices)}, got {value!r}")
     if c.max_input_tokens is not None and c.max_input_length is not None:
-        raise LaunchError("set either --max-input-tokens or its legacy name --max-input-length, not both")
-    positive = ["max_concurrent_requests", "max_best_of", "max_top_n_tokens", "validation_workers", "port",
-                "payload_limit", "max_client_batch_size"]
-    for name in positive:
-        if getattr(c, name) < (0 if name == "max_top_n_tokens" else 1):
-            raise LaunchError(f"--{name.replace('_', '-')} must be positive, got {getattr(c, name)}")
-    if c.num_shard is not None and c.num_shard < 1:
-        raise LaunchError(f"--num-shard must be >= 1, got {c.num_shard}")
-    if c.sharded is False and (c.num_shard or 1) > 1:
-        raise LaunchError(f"--sharded false contradicts --num-shard {c.num_shard}")
-    if c.sharded and c.num_shard == 1:
-        raise LaunchError("--sharded true contradicts --num-shard 1")
-    if not 0 < c.cuda_memory_fraction <= 1:
+        raise LaunchError(f"Both `max_input_tokens` ({c.max_input_tokens}) and `max_input_length` "
+                          f"({c.max_input_length}) are set: set only --max-input-tokens (--max-input-length is "
+                          f"its deprecated name)")
+    if c.sharded and c.num_shard is not None and c.num_shard <= 1:
+        raise LaunchError("`sharded` is true but `num_shard` <= 1")
+    if c.sharded is False and c.num_shard is not None and c.num_shard > 1:
+        raise LaunchError(f"`sharded` is false but `num_shard` is {c.num_shard} (--sharded false contradicts "
+                          f"--num-shard {c.num_shard}): drop one of the two flags")
+    if c.cuda_memory_fraction > 1:
         raise LaunchError(f"--cuda-memory-fraction must be in (0, 1], got {c.cuda_memory_fraction}")
-    if c.waiting_served_ratio < 0:
-        raise LaunchError(f"--waiting-served-ratio must be >= 0, got {c.waiting_served_ratio}")
+    if c.cuda_graphs is not None and any(size < 1 for size in c.cuda_graphs):
+        raise LaunchError(f"--cuda-graphs sizes must be >= 1 (or just 0 to disable), got {c.cuda_graphs}")
+    _check_limits(_input_tokens(c), c.max_total_tokens, c.max_batch_prefill_tokens, c.max_batch_total_tokens)
 
+
+def _out_of_range(f, value) -> str | None:
+    """Why ``value`` is outside the field's bounds, or None."""
+    low, above, high = f.metadata["minimum"], f.metadata["above"], f.metadata["maximum"]
+    if (low is not None and value < low) or (above is not None and value <= above):
+        bound = f">= {low}" if low is not None else f"> {above}"
+        return f.metadata["too_small"] or f"--{_dashed(f.name)} must be {bound}, got {value}"
+    if high is not None and value > high:
+        return f"--{_dashed(f.name)} must be <= {high}, got {value}"
+    return None
+
+
+def _input_tokens(c: LaunchConfig) -> int | None:
+    return c.max_input_tokens if c.max_input_tokens is not None else c.max_input_length
+
+
+def _check_limits(max_input: int | None, total: int | None, prefill: int | None, batch_total: int | None) -> None:
+    """TGI's token-limit checks (launcher and router), on whichever of the values are known."""
+    problems = [
+        (max_input, total, lambda: max_input >= total,
+         f"`max_input_tokens` must be < `max_total_tokens`. Given: {max_input} and {total}"),
+        (prefill, max_input, lambda: prefill < max_input,
+         f"`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: {prefill} and {max_input}"),
+        (total, batch_total, lambda: total > batch_total,
+         f"`max_total_tokens` must be <= `max_batch_total_tokens`. Given: {total} and {batch_total}"),
+        (prefill, batch_total, lambda: prefill > batch_total,
+         f"`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. Given: {prefill} and {batch_total}"),
+    ]
+    for a, b, bad, message in problems:
+        if a is not None and b is not None and bad():
+            raise LaunchError(message)
+
+
+# ---- limits that depend on the model and the memory ---------------------------------------------
 
 @dataclass(frozen=True)
 class Limits:
-    """The token limits after defaults are derived from the model (TGI's rules)."""
+    """The token limits after defaults are derived from the model (TGI's rules).
+
+    ``max_batch_total_tokens`` is None while the KV capacity is not known yet (before the
+    engine measured its memory and no --max-batch-total-tokens was given)."""
     max_input_tokens: int
     max_total_tokens: int
     max_batch_prefill_tokens: int
     max_batch_total_tokens: int | None
 
 
-def resolve_limits(config: LaunchConfig, max_position_embeddings: int, max_allocatable: int | None) -> Limits:
-    context = min(max_position_embeddings, max_allocatable or max_position_embeddings)
-    total = config.max_total_tokens or context
-    given_input = config.max_input_tokens if config.max_input_tokens is not None else config.max_input_length
-    max_input = given_input if given_input is not None else total - 1
-    prefill = config.max_batch_prefill_tokens or max(max_input + 50, 4096)
-    limits = Limits(max_input, total, prefill, config.max_batch_total_tokens)
-    problems = [
-        (total > max_position_embeddings,
-         f"`max_total_tokens` ({total}) must be <= the model's context length ({max_position_embeddings})"),
-        (max_input < 1, f"`max_input_tokens` must be >= 1, got {max_input}"),
-        (max_input >= total, f"`max_input_tokens` must be < `max_total_tokens`. Given: {max_input} and {total}"),
-        (prefill < max_input,
-         f"`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: {prefill} and {max_input}"),
-        (config.max_batch_total_tokens is not None and config.max_batch_total_tokens < total,
-         f"`max_batch_total_tokens` must be >= `max_total_tokens`. Given: {config.max_batch_total_tokens} "
-         f"and {total}"),
-        (config.max_batch_total_tokens is not None and prefill > config.max_batch_total_tokens,
-         f"`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. Given: {prefill} and "
-         f"{config.max_batch_total_tokens}"),
-    ]
-    for bad, message in problems:
-        if bad:
-            raise LaunchError(message)
-    return limits
+ResolvedLimits = Limits
+
+PREFILL_FLOOR = 4096    # TGI's default prefill budget when it cannot compute one
+
+
+def resolve_limits(config: LaunchConfig, max_position_embeddings: int, max_allocatable: int | None = None) -> Limits:
+    """Fill the limits the flags left unset, then check them all.
+
+    | limit                    | default                                                   |
+    | max_total_tokens         | min(max_allocatable, context length)                      |
+    | max_input_tokens         | max_total_tokens - 1                                      |
+    | max_batch_prefill_tokens | max(max_input_tokens + 50, 4096), capped by the KV capacity |
+    | max_batch_total_tokens   | --max-batch-total-tokens, else max_allocatable            |
+
+    The context length is ``max_position_embeddings``, times --rope-factor when given;
+    ``max_allocatable`` is how many tokens the KV memory holds (None: not measured yet).
+    """
+    context = int(max_position_embeddings * (config.rope[1] if config.rope else 1.0))
+    capacity = config.max_batch_total_tokens if config.max_batch_total_tokens is not None else max_allocatable
+    total = config.max_total_tokens or (min(context, max_allocatable) if max_allocatable else context)
+    max_input = _input_tokens(config)
+    max_input = max_input if max_input is not None else total - 1
+    if total > context:
+        raise LaunchError(f"`max_total_tokens` ({total}) must be <= the model's context length ({context}): "
+                          f"lower --max-total-tokens (or extend the context with --rope-scaling/--rope-factor)")
+    if capacity is not None and config.max_batch_total_tokens is None and total > capacity:
+        raise LaunchError(f"`max_total_tokens` ({total}) is more than the KV memory holds ({capacity} tokens): "
+                          f"lower --max-total-tokens or raise --cuda-memory-fraction")
+    prefill = config.max_batch_prefill_tokens
+    if prefill is None:
+        prefill = max(max_input + 50, PREFILL_FLOOR)
+        if capacity is not None:
+            prefill = max(min(prefill, capacity), max_input)
+    _check_limits(max_input, total, prefill, capacity)
+    if max_input < 1:
+        raise LaunchError(f"`max_input_tokens` must be >= 1, got {max_input}")
+    return Limits(max_input, total, prefill, capacity)
+
+
+def resolve_num_shard(config: LaunchConfig, visible_gpus: int) -> int:
+    """TGI's ``find_num_shards``: --num-shard, else every visible GPU (1 without any)."""
+    if config.sharded and config.num_shard is None and visible_gpus <= 1:
+        raise LaunchError(f"`sharded` is true but only found {visible_gpus} CUDA devices")
+    if config.num_shard is not None:
+        return config.num_shard
+    return 1 if config.sharded is False else max(visible_gpus, 1)
 
 
 def cuda_graph_sizes(config: LaunchConfig) -> tuple[int, ...] | None:
-    """None: the engine's default buckets; (): graphs off."""
-    if config.cuda_graphs is None:
-        return None
-    try:
-        sizes = tuple(int(x) for x in config.cuda_graphs.split(",") if x.strip())
-    except ValueError:
-        raise LaunchError(f"--cuda-graphs takes comma-separated batch sizes, got {config.cuda_graphs!r}") from None
-    return () if sizes in ((), (0,)) else sizes
+    """None: the engine's default sizes; (): graphs off."""
+    return config.cuda_graphs
 
 
-# ---- command line and environment ----------------------------------------------------------
+# ---- command line and environment ---------------------------------------------------------------
 
-def _env_name(f) -> str:
-    return f.metadata.get("env") or f.name.upper()
+@cache
+def _fields() -> dict:
+    return {f.name: f for f in fields(LaunchConfig)}
+
+
+@cache
+def _types() -> dict:
+    return get_type_hints(LaunchConfig)
+
+
+def env_name(name: str) -> str | None:
+    """The environment variable that sets field ``name`` (None for ``--env``)."""
+    given = _fields()[name].metadata["env"]
+    return name.upper() if given is None else (given or None)
 
 
 def _parse_bool(text: str) -> bool:
@@ -171,48 +360,116 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def _converter(f):
-    kind = str(f.type)
-    if "bool" in kind:
-        return _parse_bool
-    if "int" in kind:
-        return int
-    if "float" in kind:
-        return float
-    return str
+def _parse_int(text: str) -> int:
+    try:
+        return int(text.strip().replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _parse_float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes like 1,2,4,8 (0 disables), "
+                                         f"got {text!r}") from None
+    if any(size < 0 for size in sizes) or (0 in sizes and len(sizes) > 1):
+        raise argparse.ArgumentTypeError(f"expected batch sizes >= 1, or 0 alone to disable, got {text!r}")
+    return () if sizes in ((), (0,)) else sizes
+
+
+def _parse_names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _parse_log_level(text: str) -> str:
+    level = text.strip().upper()
+    return {"WARN": "WARNING", "TRACE": "DEBUG"}.get(level, level)
+
+
+def _converter(name: str):
+    """The parser of one field's text: its type, then its choices and bounds (an ArgumentTypeError)."""
+    f, kind = _fields()[name], str(_types()[name])
+    if name == "log_level":
+        parse = _parse_log_level
+    else:
+        parse = next((p for key, p in (("bool", _parse_bool), ("tuple[int", _parse_sizes),
+                                       ("tuple[str", _parse_names), ("int", _parse_int),
+                                       ("float", _parse_float)) if key in kind), str)
+
+    def convert(text: str):
+        value = parse(text)
+        choices = f.metadata["choices"]
+        if choices and value not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        problem = _out_of_range(f, value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if problem:
+            raise argparse.ArgumentTypeError(problem.removeprefix(f"--{_dashed(name)} "))
+        return value
+    return convert
+
+
+def _help(f) -> str:
+    default = f.metadata["shown"] or (None if f.default is None else f.default)
+    if isinstance(default, bool):
+        default = str(default).lower()
+    text = f.metadata["help"]
+    if default is not None:
+        text += f" (default: {default})"
+    elif "default" not in text:
+        text += " (default: unset)"
+    variable = env_name(f.name)
+    text += f" [env: {variable}]" if variable else " [no environment variable]"
+    return text.replace("%", "%%")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """One flag per ``LaunchConfig`` field; every default is None so that parse_args can tell
+    a flag given on the command line from one left to the environment or the dataclass."""
     parser = argparse.ArgumentParser(
-        prog="launcher.py", description="Serve a Hugging Face model with TGI's HTTP API. Every flag can also be "
-        "set through the environment variable named after it (e.g. --max-total-tokens <-> MAX_TOTAL_TOKENS); "
-        "the command line wins.")
+        prog="launcher.py", allow_abbrev=False, usage="%(prog)s [--model-id ID] [--num-shard N] [--port PORT] "
+        "[FLAG ...]   (all flags: --help)",
+        description="Serve a Hugging Face model with TGI's HTTP API. Every flag can also be set through the "
+        "environment variable named after it in upper snake case (--max-total-tokens <-> MAX_TOTAL_TOKENS); "
+        "the command line wins. HF_TOKEN (or HUGGING_FACE_HUB_TOKEN), HF_HUB_OFFLINE and LOG_LEVEL are read "
+        "too.")
     for f in fields(LaunchConfig):
-        default = f.default
-        shown = "" if default is None else f" (default: {default})"
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_converter(f),
-                            choices=f.metadata.get("choices"), default=None, metavar=f.name.upper(),
-                            nargs="?" if "bool" in str(f.type) else None,
-                            const=True if "bool" in str(f.type) else None,
-                            help=f"{f.metadata['help']}{shown} [env: {_env_name(f)}]")
-    parser.add_argument("-p", dest="port", type=int, default=None, help="short for --port")
+        boolean = _types()[f.name] in (bool, bool | None)
+        choices = f.metadata["choices"]
+        names = [n for n in (f.metadata["short"], f"--{_dashed(f.name)}") if n]
+        parser.add_argument(*names, dest=f.name, type=_converter(f.name), default=None,
+                            metavar="{" + ",".join(choices or ("true", "false")) + "}" if choices or boolean
+                            else f.name.upper(),
+                            nargs="?" if boolean else None, const=True if boolean else None, help=_help(f))
     return parser
 
 
 def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> LaunchConfig:
-    """Command line over environment over defaults; exits with a usage error on bad values."""
+    """Command line over environment over defaults: the one place that reads the environment.
+
+    Exits with argparse's usage error (status 2) on a bad value or a failed check; the
+    message names the flag or the environment variable, what was given and what is expected.
+    """
     parser = build_parser()
-    args = vars(parser.parse_args(argv))
+    given = vars(parser.parse_args(argv))
     environ = os.environ if environ is None else environ
     values = {}
-    for f in fields(LaunchConfig):
-        if args.get(f.name) is not None:
-            values[f.name] = args[f.name]
-        elif environ.get(_env_name(f)) not in (None, "") and not _skip_env(f.name, environ):
+    for name in _fields():
+        variable = env_name(name)
+        if given[name] is not None:
+            values[name] = given[name]
+        elif variable and environ.get(variable, "") != "" and not _ignored_env(name, environ):
             try:
-                values[f.name] = _converter(f)(environ[_env_name(f)])
-            except (ValueError, argparse.ArgumentTypeError) as e:
-                parser.error(f"environment variable {_env_name(f)}={environ[_env_name(f)]!r}: {e}")
+                values[name] = _converter(name)(environ[variable])
+            except argparse.ArgumentTypeError as e:
+                parser.error(f"environment variable {variable}={environ[variable]!r}: {e}")
     if "hf_token" not in values and environ.get("HUGGING_FACE_HUB_TOKEN"):
         values["hf_token"] = environ["HUGGING_FACE_HUB_TOKEN"]
     try:
@@ -221,10 +478,12 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         parser.error(str(e))
 
 
-def _skip_env(name: str, environ: Mapping[str, str]) -> bool:
-    """HOSTNAME is set by most shells to the machine's name, not an address to listen on."""
+def _ignored_env(name: str, environ: Mapping[str, str]) -> bool:
+    """HOSTNAME set to the machine's own name (shells and Docker do) is not an address to listen on."""
     return name == "hostname" and environ.get("HOSTNAME") == os.uname().nodename
 
 
-__all__ = ["LaunchConfig", "LaunchError", "Limits", "build_parser", "parse_args", "resolve_limits",
-           "cuda_graph_sizes", "replace", "DEMO_MODEL"]
+assert all(f.default is not MISSING for f in fields(LaunchConfig)), "every flag needs a default"
+
+__all__ = ["LaunchConfig", "LaunchError", "Limits", "ResolvedLimits", "build_parser", "parse_args", "env_name",
+           "resolve_limits", "resolve_num_shard", "cuda_graph_sizes", "replace", "DEMO_MODEL", "NOT_APPLIED"]
