@@ -1,0 +1,720 @@
+"""Train lightserve's bundled demo model: a small Llama that completes Python code.
+
+Corpus
+    The ``.py`` files of the running interpreter's standard library
+    (``sysconfig.get_paths()["stdlib"]``), so every machine has it and no download is
+    needed.  Directories named test, tests, idlelib, lib2to3, site-packages,
+    dist-packages and __pycache__ are skipped; files that are not valid UTF-8 are skipped.
+    Files are sorted by relative POSIX path.  Split by a stable hash of the relative
+    path: ``sha256(relpath) % 1000 < 20`` -> held-out (~2%), ``< 70`` -> validation
+    (~5%, used only to pick the best checkpoint), the rest -> train.  The exact list
+    depends on the Python version; training_log.json records it (version, counts).
+Tokenizer
+    Byte-level BPE (``tokenizers``), vocabulary 4096 including <unk>=0, <s>=1 (BOS),
+    </s>=2 (EOS), <pad>=3, trained on the train split only.  Encoding adds <s>; decoding
+    is byte-exact (ByteLevel decoder, no clean-up), so indentation round-trips.
+Model
+    transformers ``LlamaForCausalLM``, grouped-query attention (default: hidden 384,
+    8 layers, 6 heads, 2 KV heads, MLP 1024, untied embeddings, RoPE theta 10000,
+    ~15.7M parameters, ~31 MB in bf16).
+Training
+    Every file becomes ``<s> tokens </s>``; the files are concatenated and cut into
+    packed sequences of 512 (+1) tokens, reshuffled (with a random phase) every epoch.
+    AdamW (0.9, 0.95, wd 0.1), linear warmup then cosine decay to 10%, grad clip 1.0,
+    bf16 autocast on CUDA with fp32 master weights, fixed seeds.  The number of steps is
+    min(--max-steps, --epochs worth of steps, what fits in --max-minutes measured from
+    the start of the script); it is fixed after a short timing of the first steps and
+    recorded, so ``--max-steps N`` (with a large --max-minutes) repeats a run.  The
+    validation loss is measured every --eval-every steps and the best state is kept.
+Evaluation
+    The saved bf16 checkpoint is reloaded and scored in float32 on ``heldout.txt``
+    (held-out files, concatenated, <= 200 KB) with ``evaluate.mean_heldout_loss``:
+    mean token cross-entropy over non-overlapping 512-token windows.
+
+Usage (from the repository root)::
+
+    python weights/demo/train.py --out /tmp/demo --max-minutes 5
+    python weights/demo/train.py --smoke --out /tmp/demo_smoke      # CPU plumbing test
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import time
+
+T0 = time.time()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+try:  # imported as weights.demo.train
+    from .evaluate import WINDOW, mean_heldout_loss, hf_logits_fn  # type: ignore
+except ImportError:  # run as a script: load the sibling file explicitly (the name
+    import importlib.util  # "evaluate" would otherwise collide with the HF package)
+
+    _spec = importlib.util.spec_from_file_location(
+        "_demo_evaluate", os.path.join(os.path.dirname(os.path.abspath(__file__)), "evaluate.py"))
+    _ev = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_ev)
+    WINDOW, mean_heldout_loss, hf_logits_fn = _ev.WINDOW, _ev.mean_heldout_loss, _ev.hf_logits_fn
+
+EXCLUDED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages",
+                 "__pycache__"}
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0, 1, 2, 3
+UNK, BOS, EOS, PAD = 0, 1, 2, 3
+HELDOUT_PER_MILLE = 20
+VAL_PER_MILLE = 50
+HELDOUT_MAX_BYTES = 200_000
+# Prompts end inside a line: byte-level BPE merges a newline with the next line's
+# indentation, so a prompt ending in "\n" or " " is off-distribution at its last token.
+SAMPLE_PROMPTS = ['def fibonacci(n):\n    """Return', "import os\nimport sys\n\n\ndef main():\n    args",
+                  "class Stack:\n    def __init__(self):\n        self"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}### User:\n{{ message['content'] }}\n\n"
+    "{% else %}### Assistant:\n{{ message['content'] }}{{ eos_token }}\n\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}### Assistant:\n{% endif %}"
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- corpus
+def split_of(relpath: str) -> str:
+    h = int.from_bytes(hashlib.sha256(relpath.encode("utf-8")).digest()[:8], "big") % 1000
+    if h < HELDOUT_PER_MILLE:
+        return "heldout"
+    if h < HELDOUT_PER_MILLE + VAL_PER_MILLE:
+        return "val"
+    return "train"
+
+
+def load_corpus(stdlib: str) -> dict:
+    paths = []
+    for d, dirs, files in os.walk(stdlib):
+        dirs[:] = sorted(x for x in dirs if x not in EXCLUDED_DIRS)
+        for f in files:
+            if f.endswith(".py"):
+                paths.append(os.path.relpath(os.path.join(d, f), stdlib).replace(os.sep, "/"))
+    paths.sort()
+    corpus = {"train": [], "val": [], "heldout": []}
+    skipped = []
+    for rel in paths:
+        with open(os.path.join(stdlib, rel), "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped.append(rel)
+            continue
+        if not text.strip():
+            continue
+        corpus[split_of(rel)].append((rel, text))
+    corpus["skipped_non_utf8"] = skipped
+    return corpus
+
+
+# ------------------------------------------------------------------------ tokenizer
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    # Words keep ONE trailing space ("def ", "return "), unlike GPT-2's split that glues the
+    # space to the next word: a prompt typed as "def " is then an ordinary token the model
+    # has seen before every function name, not a lone space it has almost never seen.
+    words = Regex(r"[A-Za-z_][A-Za-z_0-9]* ?|[0-9]+ ?|[^\sA-Za-z_0-9]+ ?|\s+")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(words, behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    for i, s in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)])
+    return tok
+
+
+def save_tokenizer(tok, out: str, model_max_length: int) -> None:
+    tok.save(os.path.join(out, "tokenizer.json"))
+    added = {str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i, s in enumerate(SPECIAL_TOKENS)}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "padding_side": "left",
+        "model_input_names": ["input_ids", "attention_mask"],
+        "added_tokens_decoder": added,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
+    with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                   "pad_token": "<pad>"}, f, indent=2)
+        f.write("\n")
+
+
+def encode_docs(tok, texts: list[str]) -> list[list[int]]:
+    """Each document -> <s> tokens </s>."""
+    encs = tok.encode_batch(texts, add_special_tokens=False)
+    return [[BOS] + e.ids + [EOS] for e in encs]
+
+
+# ---------------------------------------------------------------------------- model
+def build_model(a, vocab_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        max_position_embeddings=a.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        use_cache=True,
+    )
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
+def patch_config_json(path: str) -> None:
+    """Write both the transformers 4.x and 5.x spellings of rope theta / dtype."""
+    with open(path) as f:
+        cfg = json.load(f)
+    rp = cfg.get("rope_parameters") or {}
+    cfg.setdefault("rope_theta", float(rp.get("rope_theta", 10000.0)))
+    cfg.setdefault("rope_scaling", None)
+    dt = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    cfg["torch_dtype"] = dt
+    cfg.setdefault("dtype", dt)
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+# ------------------------------------------------------------------------- training
+class Batches:
+    """Packed sequences of seq_len+1 tokens; a fresh shuffle and phase every epoch."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int, batch_size: int, seed: int):
+        self.data, self.seq_len, self.bs = data, seq_len, batch_size
+        self.g = torch.Generator().manual_seed(seed)
+        self.epoch = 0
+        self.queue = torch.empty(0, dtype=torch.long)
+        self.offsets = torch.arange(seq_len + 1, device=data.device)
+
+    def steps_per_epoch(self) -> int:
+        return max(1, (self.data.numel() - 1 - self.seq_len) // self.seq_len // self.bs)
+
+    def _refill(self) -> None:
+        L, S = self.data.numel(), self.seq_len
+        phase = int(torch.randint(0, S, (1,), generator=self.g))
+        starts = torch.arange(phase, L - S - 1 + 1, S)
+        if starts.numel() < self.bs:
+            starts = torch.arange(0, max(1, L - S - 1 + 1))
+        starts = starts[torch.randperm(starts.numel(), generator=self.g)]
+        self.queue = torch.cat([self.queue, starts])
+        self.epoch += 1
+
+    def next(self) -> torch.Tensor:
+        while self.queue.numel() < self.bs:
+            self._refill()
+        starts, self.queue = self.queue[:self.bs], self.queue[self.bs:]
+        return self.data[starts.to(self.data.device)[:, None] + self.offsets]
+
+
+def lr_at(step: int, total: int, warmup: int, lr: float, min_ratio: float = 0.1) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    p = min(1.0, (step - warmup) / max(1, total - warmup))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+@torch.no_grad()
+def window_loss(model, data: torch.Tensor, seq_len: int, device, amp, max_windows: int = 256,
+                batch: int = 32) -> float:
+    """Mean token CE over non-overlapping windows of a token stream (training-time val)."""
+    model.eval()
+    n = min(max_windows, (data.numel() - 1) // seq_len)
+    total, count = 0.0, 0
+    for i in range(0, n, batch):
+        idx = torch.arange(i, min(n, i + batch), device=data.device)[:, None] * seq_len
+        x = data[idx + torch.arange(seq_len + 1, device=data.device)].to(device)
+        with amp():
+            logits = model(input_ids=x[:, :-1], use_cache=False).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                               x[:, 1:].reshape(-1), reduction="sum")
+        total += float(loss)
+        count += x[:, 1:].numel()
+    model.train()
+    return total / max(1, count)
+
+
+def main(argv: list[str] | None = None) -> int:
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = argparse.ArgumentParser(description="Train the lightserve demo model (see module doc).")
+    p.add_argument("--out", default=here, help="output folder (default: weights/demo)")
+    p.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"])
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="wall-clock budget for the whole script (default 5 on CUDA, 30 on CPU)")
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--epochs", type=float, default=12.0, help="cap on passes over the train split")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--hidden-size", type=int, default=384)
+    p.add_argument("--intermediate-size", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--max-position-embeddings", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model, 20 steps: a plumbing test that runs on a CPU in ~1-2 min")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.hidden_size, a.intermediate_size, a.layers, a.heads, a.kv_heads = 64, 128, 2, 4, 2
+        a.batch_size, a.seq_len, a.warmup, a.eval_every, a.log_every = 8, 128, 5, 10, 5
+        a.max_steps = a.max_steps or 20
+    if a.max_minutes is None:
+        a.max_minutes = 5.0 if a.device.startswith("cuda") else 30.0
+    deadline = T0 + a.max_minutes * 60 - 20  # leave ~20 s for the final eval and saving
+
+    torch.manual_seed(a.seed)
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.manual_seed_all(a.seed)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    def amp():
+        return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast(
+            "cpu", enabled=False)
+
+    out = os.path.abspath(a.out)
+    os.makedirs(out, exist_ok=True)
+    log(f"python {platform.python_version()} torch {torch.__version__} device {device}"
+        f" -> {out}")
+
+    # ---- corpus
+    t = time.time()
+    corpus = load_corpus(a.stdlib)
+    train_texts = [x for _, x in corpus["train"]]
+    counts = {k: len(corpus[k]) for k in ("train", "val", "heldout")}
+    nbytes = {k: sum(len(x.encode("utf-8")) for _, x in corpus[k]) for k in ("train", "val", "heldout")}
+    log(f"corpus {a.stdlib}: files {counts}, bytes {nbytes}, "
+        f"skipped non-UTF-8 {len(corpus['skipped_non_utf8'])} ({time.time() - t:.1f}s)")
+
+    # ---- tokenizer
+    t = time.time()
+    from transformers import __version__ as tf_version
+    import tokenizers
+    tok = train_tokenizer(train_texts, a.vocab_size)
+    t_tok_train = time.time() - t
+    save_tokenizer(tok, out, a.max_position_embeddings)
+    t = time.time()
+    train_docs = encode_docs(tok, train_texts)
+    val_docs = encode_docs(tok, [x for _, x in corpus["val"]])
+    t_tok_encode = time.time() - t
+    train_data = torch.tensor([i for d in train_docs for i in d], dtype=torch.long)
+    val_data = torch.tensor([i for d in val_docs for i in d], dtype=torch.long)
+    ntok = {"train": train_data.numel(), "val": val_data.numel()}
+    log(f"tokenizer: vocab {tok.get_vocab_size()}, trained in {t_tok_train:.1f}s; encoded "
+        f"{ntok} tokens in {t_tok_encode:.1f}s ({nbytes['train'] / max(1, ntok['train']):.2f}"
+        f" bytes/token)")
+
+    # held-out sample: held-out files in path order, while the total stays <= 200 KB
+    parts, size, heldout_files = [], 0, []
+    for rel, text in corpus["heldout"]:
+        b = len(text.encode("utf-8")) + 1
+        if size + b > HELDOUT_MAX_BYTES:
+            continue
+        parts.append(text if text.endswith("\n") else text + "\n")
+        heldout_files.append(rel)
+        size += b
+    heldout_text = "\n".join(parts)
+    with open(os.path.join(out, "heldout.txt"), "w", encoding="utf-8", newline="") as f:
+        f.write(heldout_text)
+    heldout_ids = tok.encode(heldout_text).ids
+    assert heldout_ids[0] == BOS
+    rt = tok.decode(tok.encode(heldout_text, add_special_tokens=False).ids,
+                    skip_special_tokens=False)
+    assert rt == heldout_text, "byte-level round trip failed"
+    log(f"heldout.txt: {len(heldout_files)} files, {len(heldout_text.encode())} bytes, "
+        f"{len(heldout_ids)} tokens (round-trip exact)")
+
+    # ---- model
+    torch.manual_seed(a.seed)
+    model = build_model(a, tok.get_vocab_size()).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: LlamaForCausalLM {n_params / 1e6:.2f}M params (hidden {a.hidden_size}, "
+        f"layers {a.layers}, heads {a.heads}/{a.kv_heads} kv, mlp {a.intermediate_size})")
+    train_data, val_data = train_data.to(device), val_data.to(device)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=a.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if cuda else {}))
+    fwd = torch.compile(model) if a.compile else model
+    batches = Batches(train_data, a.seq_len, a.batch_size, a.seed)
+    spe = batches.steps_per_epoch()
+    epoch_steps = max(1, int(a.epochs * spe))
+    total = min(epoch_steps, a.max_steps or epoch_steps)
+    limited_by = "epochs" if total == epoch_steps else "max_steps"
+    timed = False
+    log(f"training: {spe} steps/epoch of {a.batch_size}x{a.seq_len} tokens; planned {total} "
+        f"steps ({limited_by}); budget ends at {deadline - T0:.0f}s")
+
+    model.train()
+    step, t_train, t_mark = 0, time.time(), None
+    loss_sum, loss_n, last_train = None, 0, None  # mean train loss since the last log line
+    best = (float("inf"), -1, None)
+    evals, losses = [], []
+    stopped_by_time = False
+    while step < total:
+        if time.time() > deadline:
+            stopped_by_time = True
+            log(f"time budget reached at step {step}/{total}")
+            break
+        lr = lr_at(step, total, min(a.warmup, max(1, total // 10)), a.lr)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x = batches.next()
+        with amp():
+            logits = fwd(input_ids=x[:, :-1], use_cache=False).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        loss_n += 1
+        if step % a.log_every == 0 or step == total or step <= 2:
+            lv = float(loss_sum) / loss_n
+            loss_sum, loss_n, last_train = None, 0, lv
+            losses.append((step, round(lv, 4)))
+            el = time.time() - t_train
+            log(f"step {step}/{total} loss {lv:.4f} lr {lr:.2e} epoch {step / spe:.2f} "
+                f"{step * a.batch_size * a.seq_len / el / 1e3:.0f}k tok/s")
+        # after a few steps, fix the number of steps that fits in the budget
+        if not timed and not a.smoke and cuda and step == 10:
+            torch.cuda.synchronize()
+            t_mark = time.time()
+        if not timed and t_mark is not None and step == 60:
+            torch.cuda.synchronize()
+            per_step = (time.time() - t_mark) / 50 * (1 + 0.05)  # + eval overhead
+            fit = 60 + int((deadline - time.time()) / per_step)
+            if fit < total:
+                total, limited_by = max(61, fit), "time"
+            timed = True
+            log(f"timing: {per_step * 1e3:.1f} ms/step -> {total} steps ({limited_by})")
+        if step % a.eval_every == 0 or step == total:
+            vl = window_loss(model, val_data, a.seq_len, device, amp)
+            evals.append((step, round(vl, 4), round(last_train, 4)))
+            log(f"eval step {step}: val loss {vl:.4f}")
+            if vl < best[0]:
+                best = (vl, step, copy.deepcopy({k: v.detach().clone() for k, v in model.state_dict().items()}))
+    train_seconds = time.time() - t_train
+    final_val = evals[-1][1] if evals else None
+    kept_train = next((e[2] for e in evals if e[0] == best[1]), None)
+    if best[2] is not None and best[1] != step:
+        log(f"restoring best validation state from step {best[1]} (val {best[0]:.4f})")
+        model.load_state_dict(best[2])
+
+    # ---- save (bf16) and score the saved checkpoint on heldout.txt
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model.eval()
+    model.to(torch.bfloat16)
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    model.save_pretrained(out, safe_serialization=True)
+    patch_config_json(os.path.join(out, "config.json"))
+    GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, do_sample=False,
+                     max_new_tokens=128).save_pretrained(out)
+    for name in os.listdir(out):
+        if name.startswith("model-") or name.endswith(".bin") or name == "model.safetensors.index.json":
+            raise RuntimeError(f"unexpected checkpoint file {name}")
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    except TypeError:
+        reloaded = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    reloaded.to(device).eval()
+    heldout_loss = mean_heldout_loss(hf_logits_fn(reloaded), heldout_ids, WINDOW)
+    log(f"held-out loss (heldout.txt, saved bf16 weights in fp32, {WINDOW}-token windows): "
+        f"{heldout_loss:.4f} (ppl {math.exp(heldout_loss):.2f})")
+
+    # sample completions, for the card
+    samples = []
+    for prompt in SAMPLE_PROMPTS:
+        ids = torch.tensor([tok.encode(prompt).ids], device=device)
+        with torch.no_grad():
+            gen = reloaded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48,
+                                    do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+        samples.append({"prompt": prompt,
+                        "text": tok.decode(gen[0].tolist(), skip_special_tokens=True)})
+        log("greedy sample:\n" + samples[-1]["text"])
+
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)
+               if os.path.isfile(os.path.join(out, f)))
+    record = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "args": vars(a),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "tokenizers": tokenizers.__version__,
+        "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+        "corpus": {
+            "root": "sysconfig.get_paths()['stdlib'] of Python " + platform.python_version(),
+            "excluded_dirs": sorted(EXCLUDED_DIRS),
+            "split": f"sha256(relpath) % 1000 < {HELDOUT_PER_MILLE}: heldout, "
+                     f"< {HELDOUT_PER_MILLE + VAL_PER_MILLE}: val, else train",
+            "files": counts,
+            "bytes": nbytes,
+            "tokens": ntok,
+            "skipped_non_utf8": corpus["skipped_non_utf8"],
+            "heldout_files": [r for r, _ in corpus["heldout"]],
+            "val_files": [r for r, _ in corpus["val"]],
+        },
+        "tokenizer": {"type": "byte-level BPE", "vocab_size": tok.get_vocab_size(),
+                      "special_tokens": SPECIAL_TOKENS, "train_seconds": round(t_tok_train, 2),
+                      "encode_seconds": round(t_tok_encode, 2)},
+        "model": {"architecture": "LlamaForCausalLM", "params": n_params,
+                  "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+                  "layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads,
+                  "vocab_size": tok.get_vocab_size(),
+                  "max_position_embeddings": a.max_position_embeddings,
+                  "train_seq_len": a.seq_len},
+        "training": {"steps": step, "planned_steps": total, "steps_limited_by": limited_by,
+                     "stopped_by_time": stopped_by_time, "steps_per_epoch": spe,
+                     "epochs": round(step / spe, 2), "batch_size": a.batch_size,
+                     "tokens_seen": step * a.batch_size * a.seq_len, "lr": a.lr,
+                     "warmup": min(a.warmup, max(1, total // 10)),
+                     "train_seconds": round(train_seconds, 1),
+                     "final_train_loss": losses[-1][1] if losses else None,
+                     "train_loss_at_kept_step": kept_train,
+                     "train_loss_curve": losses,
+                     "val_loss_curve": [(st, vl) for st, vl, _ in evals],
+                     "final_val_loss": final_val, "best_val_loss": round(best[0], 4),
+                     "kept_step": best[1] if best[2] is not None else step},
+        "heldout": {"file": "heldout.txt", "files": heldout_files,
+                    "bytes": len(heldout_text.encode("utf-8")), "tokens": len(heldout_ids),
+                    "window": WINDOW, "loss": round(heldout_loss, 4),
+                    "perplexity": round(math.exp(heldout_loss), 3),
+                    "definition": "mean next-token cross-entropy (nats) over all predicted "
+                                  "tokens of non-overlapping 512-token windows of "
+                                  "tokenizer(heldout.txt) (with the leading <s>), each window "
+                                  "scored independently; saved bf16 weights run in float32"},
+        "greedy_samples": samples,
+        "reproduce": reproduce_command(sys.argv[1:], total),
+        "folder_bytes": size,
+        "wall_seconds": round(time.time() - T0, 1),
+    }
+    with open(os.path.join(out, "training_log.json"), "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(model_card(record))
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)
+               if os.path.isfile(os.path.join(out, f)))
+    log(f"wrote {sorted(os.listdir(out))} ({size / 1e6:.1f} MB) in {time.time() - T0:.0f}s total")
+    if size > 40e6:
+        log("WARNING: output folder exceeds 40 MB")
+    return 0
+
+
+def reproduce_command(argv: list[str], planned_steps: int) -> str:
+    keep, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+            continue
+        if x in ("--out", "--max-minutes", "--max-steps"):
+            skip = True
+            continue
+        if x.split("=")[0] in ("--out", "--max-minutes", "--max-steps"):
+            continue
+        keep.append(x)
+    return " ".join(["python weights/demo/train.py"] + keep + [
+        "--out weights/demo", f"--max-steps {planned_steps}", "--max-minutes 60"])
+
+
+def model_card(r: dict) -> str:
+    c, m, t, h = r["corpus"], r["model"], r["training"], r["heldout"]
+    samples = "\n\n".join(f"```python\n{s['text']}\n```" for s in r["greedy_samples"])
+    return f"""---
+license: other
+license_name: psf-2.0
+library_name: transformers
+pipeline_tag: text-generation
+tags: [llama, code, python, demo]
+---
+
+# lightserve demo model: a tiny Llama for Python code
+
+A {m['params'] / 1e6:.1f}M-parameter Llama-architecture model (grouped-query attention)
+trained from scratch on the source code of the Python {r['python']} standard library.  It
+is lightserve's bundled demo model: small enough to ship in the repository and to run on
+a CPU, and it completes Python code.  It is a toy: expect plausible-looking stdlib-style
+code, not correct programs, and nothing useful outside Python.
+
+## Files
+
+| file | content |
+| --- | --- |
+| `config.json` | `LlamaForCausalLM` configuration |
+| `model.safetensors` | weights, bfloat16 |
+| `generation_config.json` | BOS/EOS/pad ids; greedy by default |
+| `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json` | byte-level BPE tokenizer, chat template |
+| `heldout.txt` | held-out text ({h['bytes']} bytes) on which the loss below is measured |
+| `training_log.json` | everything below, machine-readable (incl. loss curves, file lists) |
+| `train.py`, `evaluate.py` | the training script and the loss definition |
+
+## Model
+
+| | |
+| --- | --- |
+| architecture | `LlamaForCausalLM`, RMSNorm, SwiGLU, RoPE (theta 10000) |
+| hidden size / MLP | {m['hidden_size']} / {m['intermediate_size']} |
+| layers | {m['layers']} |
+| attention heads / KV heads | {m['heads']} / {m['kv_heads']} (grouped-query) |
+| vocabulary | {m['vocab_size']} (byte-level BPE) |
+| parameters | {m['params']:,} (untied input/output embeddings) |
+| trained context | {m['train_seq_len']} tokens (`max_position_embeddings` {m['max_position_embeddings']}; quality degrades past {m['train_seq_len']}) |
+
+Tokenizer: byte-level BPE, vocabulary {r['tokenizer']['vocab_size']}, trained on the training split;
+special tokens `<unk>`=0, `<s>`=1 (BOS, added when encoding), `</s>`=2 (EOS), `<pad>`=3.
+Decoding is byte-exact, so whitespace and indentation round-trip.  The chat template
+renders `<s>### User:\\n...\\n\\n### Assistant:\\n`; the model was never trained on chat, it
+simply continues with Python.
+
+## Training data
+
+The `.py` files under `sysconfig.get_paths()["stdlib"]` of Python {r['python']}, sorted by
+relative path, excluding the directories {', '.join(c['excluded_dirs'])} (and files that
+are not UTF-8: {len(c['skipped_non_utf8'])}).  Split by a stable hash of the relative path:
+{c['split']}.
+
+| split | files | bytes | tokens |
+| --- | --- | --- | --- |
+| train | {c['files']['train']} | {c['bytes']['train']:,} | {c['tokens']['train']:,} |
+| validation (checkpoint selection) | {c['files']['val']} | {c['bytes']['val']:,} | {c['tokens']['val']:,} |
+| held-out | {c['files']['heldout']} | {c['bytes']['heldout']:,} | - |
+
+Each file is encoded as `<s> tokens </s>`; the files are concatenated and cut into packed
+{m['train_seq_len']}-token sequences, reshuffled every epoch.
+
+## Training
+
+AdamW (betas 0.9/0.95, weight decay 0.1), peak learning rate {t['lr']}, {t['warmup']} warmup
+steps then cosine decay to 10%, gradient clipping 1.0, batch {t['batch_size']} x
+{m['train_seq_len']} tokens, bf16 autocast with fp32 master weights, seed
+{r['args']['seed']}.  {t['steps']} steps ({t['epochs']} epochs, {t['tokens_seen']:,} tokens) in
+{t['train_seconds']} s on {r['device']} (whole script: {r['wall_seconds']} s); the step
+count was limited by {t['steps_limited_by']}.  Training loss (mean of the last
+{r['args']['log_every']} steps) {t['final_train_loss']} at the end; validation loss
+{t['final_val_loss']} at the end, best {t['best_val_loss']} at step {t['kept_step']}, whose
+weights are the ones saved (training loss then: {t['train_loss_at_kept_step']}).  Curves
+are in `training_log.json`.
+
+Software: Python {r['python']}, torch {r['torch']}, transformers {r['transformers']},
+tokenizers {r['tokenizers']}.
+
+## Held-out loss
+
+**{h['loss']} nats/token (perplexity {h['perplexity']})** on `heldout.txt`
+({len(h['files'])} held-out files, concatenated in path order separated by a blank line,
+{h['bytes']:,} bytes, {h['tokens']:,} tokens).
+
+Definition (`evaluate.mean_heldout_loss`): encode the whole of `heldout.txt` with this
+tokenizer (`tokenizer(text)["input_ids"]`, i.e. with the leading `<s>`); cut it into
+consecutive non-overlapping windows of {h['window']} tokens (the last one shorter); score
+each window independently from an empty context; average the natural-log cross-entropy of
+every predicted token (tokens 1..n-1 of each window) over all windows.  Measured with the
+saved bfloat16 weights upcast to float32.  Recompute it with
+
+```bash
+python weights/demo/evaluate.py weights/demo
+```
+
+## Samples (greedy, 48 new tokens)
+
+{samples}
+
+## Reproduce
+
+```bash
+{r['reproduce']}
+```
+
+(the run recorded here: `{r['command']}`.)  Fixed seeds make the data order and
+initialisation identical; GPU kernels are not bitwise deterministic, and another Python
+version has a slightly different standard library, so expect losses within a few
+hundredths.
+
+## License
+
+The training data is the Python standard library, (c) Python Software Foundation, under
+the PSF License Agreement (PSF-2.0); this model is a derivative of it and is provided for
+demonstration and testing only, without any warranty.
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
