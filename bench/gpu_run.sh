@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
-#   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, bench (default), tp (2 GPUs)
+#   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, bench (default), serving, ablation,
+#                                         tp (2 GPUs)
+# serving/ablation drive the real launcher over HTTP (bench.serving_bench); POISSON_S sets the
+# Poisson phase's length (default 120 s, the two minutes).
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -30,12 +33,12 @@ for stage in $stages; do
     parity7b)
       ensure_7b
       LLAMA2_7B_DIR=$MODEL_7B python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_parity_7b.py 2>&1 \
-        | tee "$OUT/parity7b.log" | tail -25
+        | tee "$OUT/parity7b.log" | grep -v -E "it/s|s/it" | tail -40
       rc=${PIPESTATUS[0]} ;;
     tp)
       ensure_7b
       LLAMA2_7B_DIR=$MODEL_7B python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_7b.py 2>&1 \
-        | tee "$OUT/tp.log" | tail -25
+        | tee "$OUT/tp.log" | grep -v -E "it/s|s/it" | tail -40
       rc=${PIPESTATUS[0]}
       for shards in 1 2; do
         python3 -m bench.engine_bench --model-dir "$MODEL_7B" --no-peer --num-shards $shards \
@@ -49,6 +52,17 @@ for stage in $stages; do
       ensure_7b
       python3 -m bench.engine_bench --model-dir "$MODEL_7B" --json "$OUT/engine_bench.json" 2>&1 \
         | tee "$OUT/bench.log" | grep -v -E "^\s*$|it/s|s/it" | tail -20
+      rc=${PIPESTATUS[0]} ;;
+    serving)
+      ensure_7b
+      python3 -m bench.serving_bench --model-dir "$MODEL_7B" --num-requests 512 --duration "${POISSON_S:-120}" ${SERVING_ARGS:-} \
+        --json "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log" | grep -v -E "it/s|s/it" | tail -45
+      rc=${PIPESTATUS[0]} ;;
+    ablation)
+      ensure_7b
+      python3 -m bench.serving_bench --model-dir "$MODEL_7B" --workloads "" --ablation \
+        --ablation-requests "${ABLATION_REQUESTS:-512}" --json "$OUT/ablation.json" 2>&1 \
+        | tee "$OUT/ablation.log" | grep -v -E "it/s|s/it" | tail -40
       rc=${PIPESTATUS[0]} ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

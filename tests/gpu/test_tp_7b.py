@@ -1,26 +1,34 @@
-"""Two shards (nvidia-h200-x2): TP=2 greedy tokens equal TP=1 on a random Llama-2-7B."""
+"""Two shards (nvidia-h200-x2): TP=2 against TP=1 on a random Llama-2-7B-shaped checkpoint.
+
+float32: greedy tokens identical for 64 tokens on 4 prompts. bfloat16: the all-reduce
+sums the two halves in another order than one GPU's GEMM, so the near-tie criterion of
+tests/gpu/greedy.py applies.
+"""
+import pytest
 import torch
 
-from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.sampling import SamplingParams
+from tests.gpu.greedy import describe, engine_greedy, max_logprob_gap, near_tie_problem, prompts
 
-NEW_TOKENS = 64
-PROMPT_LENGTHS = [7, 64, 129, 300]
-
-
-def _tokens(model_dir, num_shards):
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-    requests = [GenerationRequest(i, p, NEW_TOKENS, SamplingParams(), stop_token_ids=[]) for i, p in enumerate(prompts)]
-    with Engine(EngineConfig(model_dir=model_dir, num_slots=8192, max_requests=8, num_shards=num_shards)) as engine:
-        out = engine.generate(requests)
-    return {i: [e.token_id for e in events] for i, events in out.items()}
+FP32_LOGPROB_TOL = 2e-3
+BF16_LOGPROB_TOL = 0.35
 
 
-def test_two_shards_equal_one(llama2_7b_dir):
+@pytest.fixture(scope="module", autouse=True)
+def two_gpus():
     if torch.cuda.device_count() < 2:
-        raise AssertionError("this test needs 2 GPUs (nvidia-h200-x2)")
-    one, two = _tokens(llama2_7b_dir, 1), _tokens(llama2_7b_dir, 2)
-    diffs = {i: next(k for k, (a, b) in enumerate(zip(one[i], two[i])) if a != b) for i in one if one[i] != two[i]}
-    print(f"TP=2 vs TP=1: {'identical' if not diffs else f'first differences at {diffs}'}")
-    assert not diffs
+        raise AssertionError("these tests need 2 GPUs (nvidia-h200-x2)")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_shards_against_one(llama2_7b_dir, dtype):
+    all_prompts = prompts()
+    one = engine_greedy(all_prompts, model_dir=llama2_7b_dir, dtype=dtype, num_shards=1)
+    two = engine_greedy(all_prompts, model_dir=llama2_7b_dir, dtype=dtype, num_shards=2)
+    print("\n" + describe(two, one, f"TP=2 {dtype}", f"TP=1 {dtype}"))
+    if dtype == "float32":
+        assert [g.tokens for g in two] == [g.tokens for g in one]
+        assert max(max_logprob_gap(a, b) for a, b in zip(two, one)) < FP32_LOGPROB_TOL
+    else:
+        problems = [near_tie_problem(a, b, "TP=2", "TP=1") for a, b in zip(two, one)]
+        assert not any(problems), problems
+        assert max(max_logprob_gap(a, b) for a, b in zip(two, one)) < BF16_LOGPROB_TOL
