@@ -134,10 +134,10 @@ class LaunchConfig:
                                                       "allowed; default: any")
     prometheus_port: int = _flag("TGI's separate metrics port; not applied: /metrics is served on --port",
                                  9000, minimum=1, maximum=65535)
-    watermark_gamma: float | None = _flag("TGI's watermark gamma; not applied: requests with `watermark` are "
-                                          "refused; default: unset")
-    watermark_delta: float | None = _flag("TGI's watermark delta; not applied: requests with `watermark` are "
-                                          "refused; default: unset")
+    watermark_gamma: float | None = _flag("fraction of the vocabulary in the green list of requests with "
+                                          "`watermark: true` (Kirchenbauer et al.); default: 0.5", above=0.0)
+    watermark_delta: float | None = _flag("bias added to the green logits of requests with `watermark: true`; "
+                                          "default: 2.0", minimum=0.0)
     graceful_termination_timeout: int = _flag("seconds the shards get to finish after SIGTERM", 90, short="-g",
                                               minimum=0)
     # ---- logs, tracing and TGI plumbing ----
@@ -185,8 +185,6 @@ _UNSUPPORTED = {
 NOT_APPLIED = {
     "cors_allow_origin": "any origin is allowed",
     "prometheus_port": "/metrics is served on --port",
-    "watermark_gamma": "requests with `watermark` are refused",
-    "watermark_delta": "requests with `watermark` are refused",
     "otlp_endpoint": "no traces are exported",
     "otlp_service_name": "no traces are exported",
     "shard_uds_path": "the shards talk over pipes",
@@ -227,6 +225,8 @@ def _check(c: LaunchConfig) -> None:
     if c.sharded is False and c.num_shard is not None and c.num_shard > 1:
         raise LaunchError(f"`sharded` is false but `num_shard` is {c.num_shard} (--sharded false contradicts "
                           f"--num-shard {c.num_shard}): drop one of the two flags")
+    if c.watermark_gamma is not None and c.watermark_gamma >= 1:
+        raise LaunchError(f"--watermark-gamma must be in (0, 1), got {c.watermark_gamma}")
     if c.cuda_memory_fraction > 1:
         raise LaunchError(f"--cuda-memory-fraction must be in (0, 1], got {c.cuda_memory_fraction}")
     if c.cuda_graphs is not None and any(size < 1 for size in c.cuda_graphs):

@@ -1,8 +1,10 @@
-"""Token selection for one step: penalties, warpers, greedy or seeded sampling, logprobs.
+"""Token selection for one step: grammar, watermark, penalties, warpers, sampling, logprobs.
 
-Order follows transformers / TGI: repetition, frequency and presence penalties on the
-raw logits; then, for sampled rows, temperature, top-k, top-p and typical-p; the
-reported logprobs are ``log_softmax`` of the processed scores (as TGI reports them).
+Order follows TGI: the grammar mask (disallowed tokens -> -inf) and the watermark bias
+on the raw logits, then repetition, frequency and presence penalties; then, for sampled
+rows, temperature, top-k, top-p and typical-p; the reported logprobs (and top-n tokens)
+are ``log_softmax`` of the processed scores, i.e. of the constrained distribution.
+(TGI applies the grammar after the penalties: the same scores, since -inf stays -inf.)
 
 Sampling is reproducible and free of host syncs and per-row generator objects: the
 token is ``argmax(p / E)`` with ``E ~ Exp(1)`` (the exponential race, equivalent to a
@@ -15,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from .grammar import apply_bitmask
 
 _MASK32 = 0xFFFFFFFF
 
@@ -32,6 +36,9 @@ class SamplingParams:
     seed: int | None = None
     top_n_tokens: int = 0
     prompt_logprobs: bool = False
+    grammar_type: str | None = None     # "json" (grammar: a JSON schema as text) | "regex" | None
+    grammar: str = ""
+    watermark: bool = False
 
     def __post_init__(self):
         checks = [
@@ -42,6 +49,7 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.top_n_tokens >= 0, "top_n_tokens must be >= 0"),
             (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),
+            (self.grammar_type in (None, "json", "regex"), "grammar_type must be None, 'json' or 'regex'"),
         ]
         for ok, message in checks:
             if not ok:
@@ -60,6 +68,8 @@ class RowSampling:
     step: int                                    # index of the token being generated
     token_counts: dict[int, int] = field(default_factory=dict)  # prompt + generated tokens
     num_tokens: int = 0
+    prev_token: int = 0                          # the token before the one being generated (watermark)
+    grammar: object | None = None                # engine.grammar.GrammarMatcher when constrained
 
 
 @dataclass
@@ -90,13 +100,20 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, ops, device: torch.device):
+    """``grammars`` (an ``engine.grammar.GrammarCompiler``) computes the masks of constrained
+    rows; ``watermark`` (an ``engine.watermark.WatermarkConfig``) holds gamma and delta."""
+
+    def __init__(self, ops, device: torch.device, grammars=None, watermark=None):
+        from .watermark import WatermarkConfig
+
         self.ops = ops
         self.device = device
+        self.grammars = grammars
+        self.watermark = watermark or WatermarkConfig()
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
-        scores = logits.float()
+        scores = self._constrain(logits, rows)
         if any(r.params.has_penalties for r in rows):
             self._apply_penalties(scores, rows)
         sampled = [i for i, r in enumerate(rows) if r.params.do_sample]
@@ -107,6 +124,24 @@ class Sampler:
         if sampled:
             chosen[sampled] = self._draw(logprobs[sampled], [rows[i] for i in sampled])
         return self._output(logprobs, chosen, rows)
+
+    def _constrain(self, logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+        """float32 scores with the grammar masks and the watermark bias applied."""
+        from .watermark import apply_watermark
+
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:    # CPU work before touching the logits: it overlaps the device's forward
+            if self.grammars is None:
+                raise RuntimeError("a row has a grammar but the sampler has no grammar compiler")
+            bitmask = self.grammars.fill_bitmasks([rows[i].grammar for i in constrained],
+                                                  pin=self.device.type == "cuda")
+        scores = logits.float()
+        if constrained:
+            apply_bitmask(scores, constrained, bitmask)
+        watermarked = [i for i, r in enumerate(rows) if r.params.watermark]
+        if watermarked:
+            apply_watermark(scores, watermarked, [rows[i].prev_token for i in watermarked], self.watermark)
+        return scores
 
     def _apply_penalties(self, scores: torch.Tensor, rows: list[RowSampling]) -> None:
         ids, counts, starts = [], [], [0]

@@ -14,6 +14,7 @@ from weights.checkpoint import open_checkpoint
 
 from .decode_graphs import PaddedDecoder
 from .forward_batch import ForwardBatch
+from .grammar import GrammarCompiler
 from .kv_cache import KVCache
 from .model_config import ModelConfig, load_model_config
 from .models import model_class_for
@@ -21,6 +22,7 @@ from .ops import KernelOps, default_backend
 from .parallel import TensorParallel
 from .sampling import RowSampling, Sampler, SamplingParams
 from .step import RowResult, Step, StepResult, StepRow
+from .watermark import WatermarkConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ class WorkerConfig:
     memory_fraction: float = 0.9          # of the memory free after weights and warm-up (CUDA)
     warmup_tokens: int = 4096             # the largest step (prefill budget) the warm-up runs
     cuda_graphs: tuple[int, ...] | None = None   # decode batch sizes to capture; () = eager (CUDA only)
+    watermark_gamma: float = 0.5          # TGI's --watermark-gamma / --watermark-delta
+    watermark_delta: float = 2.0
 
 
 def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -44,7 +48,7 @@ def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.devi
     if requested:
         names = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
         if requested not in names:
-            raise ValueError(f"--dtype {requested!r} is not supported; use float16 or bfloat16")
+            raise ValueError(f"--dtype {requested!r} is not supported; use float16, bfloat16 or float32")
         return names[requested]
     if device.type == "cpu":
         return torch.float32
@@ -65,16 +69,25 @@ class ModelWorker:
         self.model = model_cls(self.model_config, self.ops, config.dtype, config.device, config.max_seq_len, tp)
         with open_checkpoint(config.model_dir) as checkpoint:
             self.model.load_weights(checkpoint)
-        self.sampler = Sampler(self.ops, config.device)
+        self.sampler = self._new_sampler()
         self._sampling: dict[int, RowSampling] = {}
         self.kv_cache: KVCache | None = None
+        self.decoder: PaddedDecoder | None = None      # the warm-up below runs eagerly
         num_slots = self._size_slots()
         self.kv_cache = self._new_cache(num_slots)
-        self.decoder = None
         if self.device.type == "cuda":
             graphs = config.cuda_graphs
+            # The torch references index with host integers, which a graph capture cannot hold.
+            capture = (graphs is None or len(graphs) > 0) and self.ops.backend == "triton"
             self.decoder = PaddedDecoder(self.model, self.kv_cache, config.max_requests, graphs or None,
-                                         use_graphs=graphs is None or len(graphs) > 0)
+                                         use_graphs=capture)
+
+    def _new_sampler(self) -> Sampler:
+        """Rank 0 samples: it alone holds the grammar engine (its tokenizer loads on first use)."""
+        c = self.model_config
+        grammars = GrammarCompiler(self.config.model_dir, c.vocab_size, c.eos_token_ids) if self.tp.rank == 0 else None
+        watermark = WatermarkConfig(self.config.watermark_gamma, self.config.watermark_delta)
+        return Sampler(self.ops, self.config.device, grammars, watermark)
 
     def _new_cache(self, num_slots: int) -> KVCache:
         c, cfg = self.model_config, self.config
@@ -148,11 +161,19 @@ class ModelWorker:
         for r in step.rows:
             state = self._sampling.get(r.request_id)
             if state is None:
-                state = self._sampling[r.request_id] = RowSampling(params=r.params, seed=r.seed, step=0)
+                state = self._sampling[r.request_id] = self._new_row_state(r)
+            state.prev_token = r.input_ids[-1]
             if state.params.has_penalties:
                 for token in r.input_ids:
                     state.token_counts[token] = state.token_counts.get(token, 0) + 1
             state.num_tokens += len(r.input_ids)
+
+    def _new_row_state(self, row: StepRow) -> RowSampling:
+        state = RowSampling(params=row.params, seed=row.seed, step=0)
+        grammars = self.sampler.grammars
+        if row.params.grammar_type and grammars is not None:
+            state.grammar = grammars.matcher(row.params.grammar_type, row.params.grammar)
+        return state
 
     def _forward_batch(self, step: Step) -> ForwardBatch:
         ids, positions, slots, token_rows, q_start, q_len, seq_len = [], [], [], [], [], [], []
@@ -201,6 +222,8 @@ class ModelWorker:
             res.token_id, res.logprob = out.token_ids[j], out.logprobs[j]
             res.top_ids, res.top_logprobs = out.top_ids[j], out.top_logprobs[j]
             states[j].step += 1
+            if states[j].grammar is not None:
+                states[j].grammar.advance(res.token_id)
         return StepResult(results)
 
     def _prompt_logprobs(self, step: Step, hidden, offsets: list[int], results: list[RowResult]) -> None:

@@ -96,9 +96,16 @@ def _strings(name: str, value: Any) -> tuple[str, ...]:
 
 
 def _grammar(name: str, value: Any) -> dict:
+    """TGI's ``GrammarType``: its shape only; ``validation.check_grammar`` compiles it."""
     if not isinstance(value, dict) or value.get("type") not in GRAMMAR_TYPES or "value" not in value:
         raise InputValidationError(
             f"`{name}` must be an object {{\"type\": one of {list(GRAMMAR_TYPES)}, \"value\": ...}}")
+    kind, inner = value["type"], value["value"]
+    if kind == "regex" and not isinstance(inner, str):
+        raise _type_error(f"{name}.value", "a string (the regex)", inner)
+    if kind == "json_schema" and not (isinstance(inner, dict) and "schema" in inner):
+        raise InputValidationError(f"`{name}.value` must be an object {{\"name\": ..., \"schema\": {{...}}}} "
+                                   f"for the type json_schema")
     return value
 
 

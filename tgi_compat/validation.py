@@ -3,7 +3,7 @@
     1 best_of/sampling  2 temperature  3 repetition_penalty  4 frequency_penalty  5 top_p
     6 typical_p  7 top_k  8 max_new_tokens == 0  9 stop count  10 seed vs best_of
     11 top_n_tokens  12 empty inputs  13 truncate  14 tokenize, total tokens, input length
-    15 grammar (and watermark, which we do not support either)
+    15 grammar (compiled here: an invalid schema or regex is a 422, never an engine error)
 
 The first failure wins. ``validate_best_of`` runs before, where TGI runs it (the
 best_of path of the non-stream routes). Token limits use the pre-3.0 rule
@@ -12,8 +12,12 @@ the whole remaining budget.
 """
 from __future__ import annotations
 
+import asyncio
+import json
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
+from engine.grammar import grammar_error, json_grammar_text
 from engine.sampling import SamplingParams
 
 from .errors import InputValidationError
@@ -118,16 +122,62 @@ def check_lengths(input_length: int, max_new_tokens: int | None, s: ServerSettin
     return max_new_tokens
 
 
+GRAMMAR_CACHE_SIZE = 1024
+
+
+def grammar_text(grammar: dict) -> tuple[str, str]:
+    """TGI's ``GrammarType`` -> the engine's (kind, text): ("json", schema as JSON) or ("regex", pattern).
+
+    json and its alias json_object take a schema (an object, or a string holding one);
+    json_schema takes ``{"name": ..., "schema": {...}}``. TGI's messages for what is wrong.
+    """
+    kind, value = grammar["type"], grammar["value"]
+    if kind == "regex":
+        return "regex", value
+    schema = value["schema"] if kind == "json_schema" else value
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise InputValidationError(f"grammar is not valid: {e}") from None
+    elif not isinstance(schema, dict):
+        raise InputValidationError("grammar is not supported")
+    if not isinstance(schema, dict) or "properties" not in schema:
+        raise InputValidationError("grammar is not valid: Grammar must have a 'properties' field")
+    return "json", json_grammar_text(schema)
+
+
+class GrammarChecker:
+    """Compiles grammars (off the event loop) and remembers the verdict per (kind, text)."""
+
+    def __init__(self, size: int = GRAMMAR_CACHE_SIZE):
+        self.size = size
+        self._verdicts: OrderedDict[tuple[str, str], str | None] = OrderedDict()
+
+    async def check(self, kind: str, text: str) -> None:
+        key = (kind, text)
+        if key not in self._verdicts:
+            self._verdicts[key] = await asyncio.to_thread(grammar_error, kind, text)
+            if len(self._verdicts) > self.size:
+                self._verdicts.popitem(last=False)
+        error = self._verdicts[key]
+        if error is not None:
+            raise InputValidationError(f"grammar is not valid: {error}")
+
+
+async def check_grammar(p: GenerateParameters, s: ServerSettings, checker: GrammarChecker) -> dict:
+    """Check 15: the grammar compiles; the SamplingParams fields that carry it."""
+    if p.grammar is None:
+        return {}
+    if s.disable_grammar_support:
+        raise InputValidationError("grammar is not supported")
+    kind, text = grammar_text(p.grammar)
+    await checker.check(kind, text)
+    return {"grammar_type": kind, "grammar": text}
+
+
 def check_unsupported(p: GenerateParameters, s: ServerSettings) -> None:
-    """Check 15: features this server does not implement fail loudly instead of being ignored."""
-    if p.grammar is not None:
-        if s.disable_grammar_support:
-            raise InputValidationError("grammar is not supported")
-        raise InputValidationError(
-            "grammar is not supported yet by this server: remove `parameters.grammar`")
-    if p.watermark:
-        raise InputValidationError(
-            "`watermark` is not supported yet by this server: remove it or set it to false")
+    """Features this server does not implement fail loudly instead of being ignored."""
     if p.adapter_id not in (None, "", s.model_id):
         raise InputValidationError(
             f"`adapter_id` {p.adapter_id!r} is not available: this server only serves {s.model_id!r}")
@@ -137,6 +187,7 @@ class Validator:
     def __init__(self, settings: ServerSettings, tokenizer: TokenizerAdapter):
         self.settings = settings
         self.tokenizer = tokenizer
+        self.grammars = GrammarChecker()
 
     async def tokenize(self, inputs: str, truncate: int | None) -> Encoding:
         try:
@@ -153,7 +204,9 @@ class Validator:
         check_truncate(p.truncate, s)
         encoding = await self.tokenize(request.inputs, p.truncate)
         max_new_tokens = check_lengths(len(encoding.ids), p.max_new_tokens, s)
+        grammar = await check_grammar(p, s, self.grammars)
         check_unsupported(p, s)
+        params = replace(params, watermark=p.watermark, **grammar)
         if p.decoder_input_details and s.enable_prefill_logprobs:
             params = replace(params, prompt_logprobs=True)
         return ValidRequest(

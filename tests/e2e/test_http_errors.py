@@ -24,8 +24,8 @@ STATUS_MATRIX = [
     ("wrong-type", {"inputs": "a", "parameters": {"max_new_tokens": "ten"}}, 422,
      VALIDATION + "`parameters.max_new_tokens` must be an integer, got a string"),
     ("missing-inputs", {"parameters": {}}, 422, VALIDATION + "missing field `inputs`"),
-    ("grammar", {"inputs": "a", "parameters": {"grammar": {"type": "regex", "value": "a+"}}}, 422,
-     VALIDATION + "grammar is not supported yet by this server: remove `parameters.grammar`"),
+    ("grammar", {"inputs": "a", "parameters": {"grammar": {"type": "json", "value": {"type": "object"}}}}, 422,
+     VALIDATION + "grammar is not valid: Grammar must have a 'properties' field"),
     ("malformed-json", b'{"inputs": "a",', 400, None),
 ]
 

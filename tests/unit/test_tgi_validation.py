@@ -77,10 +77,8 @@ BAD_REQUESTS = [
      "`inputs` tokens + `max_new_tokens` must be <= 32. Given: 4 `inputs` tokens and 31 `max_new_tokens`"),
     ("input-length", body(LONG_PROMPT, max_new_tokens=2), None),       # message computed in the test
     ("input-length-default-max-new", body(LONG_PROMPT), None),
-    ("grammar", body(grammar={"type": "regex", "value": "[a-z]+"}),
-     "grammar is not supported yet by this server: remove `parameters.grammar`"),
-    ("watermark", body(watermark=True),
-     "`watermark` is not supported yet by this server: remove it or set it to false"),
+    ("grammar", body(grammar={"type": "json", "value": {"type": "object"}}),
+     "grammar is not valid: Grammar must have a 'properties' field"),
     ("adapter", body(adapter_id="my-lora"),
      "`adapter_id` 'my-lora' is not available: this server only serves 'tiny'"),
     # check order: the first failing check wins
