@@ -14,6 +14,8 @@ from starlette.routing import Route
 
 from engine.client import Backend
 
+from .chat import ChatRoutes
+from .completions import CompletionRoutes
 from .errors import TGIError, handle_tgi_error, handle_unexpected_error
 from .metrics import ServerMetrics
 from .routes import Handlers
@@ -23,6 +25,7 @@ from .tokenization import TokenizerAdapter
 
 
 def _routes(h: Handlers) -> list[Route]:
+    chat, completions = ChatRoutes(h.settings, h.service), CompletionRoutes(h.settings, h.service)
     return [
         Route("/generate", h.generate, methods=["POST"]),
         Route("/generate_stream", h.generate_stream, methods=["POST"]),
@@ -33,6 +36,10 @@ def _routes(h: Handlers) -> list[Route]:
         Route("/ping", h.health, methods=["GET"]),
         Route("/info", h.info, methods=["GET"]),
         Route("/metrics", h.metrics_text, methods=["GET"]),
+        Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
+        Route("/chat_tokenize", chat.chat_tokenize, methods=["POST"]),
+        Route("/v1/completions", completions.completions, methods=["POST"]),
+        Route("/v1/models", completions.models, methods=["GET"]),
     ]
 
 

@@ -63,6 +63,31 @@ class IncompleteGenerationStreamError(TGIError):
         super().__init__("Incomplete generation stream")
 
 
+class TemplateError(TGIError):
+    """The chat template is missing or failed to render (TGI `InferError::TemplateError`)."""
+    status, error_type, metric_label = 422, "template_error", "template"
+
+    def __init__(self, detail: str):
+        super().__init__(f"Template error: {detail}")
+
+
+class ToolError(TGIError):
+    """Tools that cannot be applied or a tool call that cannot be parsed (TGI `InferError::ToolError`)."""
+    status, error_type, metric_label = 422, "tool_error", "validation"
+
+    def __init__(self, detail: str):
+        super().__init__(f"Tool error: {detail}")
+
+
+class OpenAIRouteError(TGIError):
+    """The hard-coded errors of TGI's `/v1/completions` (``error_type`` is free text there)."""
+    status, metric_label = 422, "validation"
+
+    def __init__(self, message: str, error_type: str):
+        super().__init__(message)
+        self.error_type = error_type
+
+
 class BadRequestError(TGIError):
     """Malformed JSON (TGI/axum: 400 text/plain)."""
     status, error_type = 400, "bad_request"

@@ -15,6 +15,7 @@ from .schema import GenerateRequest, parse_generate_request
 from .service import GenerateOutcome, GenerateService
 from .settings import ServerSettings
 from .sse import sse_response
+from .tokenization import Encoding
 from .validation import check_truncate
 
 CLIENT_CLOSED_REQUEST = 499     # nginx's status for a client that went away; nobody reads it
@@ -87,10 +88,7 @@ class Handlers:
         parsed = await self._parse(request)
         check_truncate(parsed.parameters.truncate, self.settings)
         encoding = await self.service.validator.tokenize(parsed.inputs, parsed.parameters.truncate)
-        raw = parsed.inputs.encode("utf-8")
-        tokens = [{"id": i, "text": raw[a:b].decode("utf-8", errors="replace"), "start": a, "stop": b}
-                  for i, (a, b) in zip(encoding.ids, encoding.offsets)]
-        return JSONBytesResponse(tokens)
+        return JSONBytesResponse(simple_tokens_json(parsed.inputs, encoding))
 
     async def health(self, request: Request) -> Response:
         if self.backend.healthy():
@@ -103,6 +101,13 @@ class Handlers:
     async def metrics_text(self, request: Request) -> Response:
         self.metrics.update_from_stats(self.backend.stats(), self.settings.max_batch_total_tokens)
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+def simple_tokens_json(inputs: str, encoding: Encoding) -> list[dict]:
+    """TGI's `SimpleToken`s: {id, text, start, stop}, offsets in bytes of the UTF-8 input."""
+    raw = inputs.encode("utf-8")
+    return [{"id": i, "text": raw[a:b].decode("utf-8", errors="replace"), "start": a, "stop": b}
+            for i, (a, b) in zip(encoding.ids, encoding.offsets)]
 
 
 def info_json(s: ServerSettings, stats: dict) -> dict:

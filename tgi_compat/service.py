@@ -7,6 +7,7 @@ then generation (424/500). Streams report everything after body parsing in-band.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -18,12 +19,12 @@ from .errors import (GenerationError, IncompleteGenerationError, IncompleteGener
                      InputValidationError, TGIError)
 from .generation import generate_best_of, generate_result, generate_steps
 from .metrics import ServerMetrics
-from .outputs import GenerationResult, Timing
+from .outputs import GeneratedStep, GenerationResult, Timing
 from .request_ids import next_request_id
 from .schema import GenerateRequest
 from .settings import ServerSettings
 from .sse import error_event, step_event
-from .tokenization import TokenizerAdapter
+from .tokenization import TemplatedTokenizer, TokenizerAdapter
 from .validation import ValidRequest, Validator, validate_best_of
 
 log = logging.getLogger("tgi_compat")
@@ -47,15 +48,19 @@ class GenerateService:
         self.settings, self.tokenizer, self.backend, self.metrics = settings, tokenizer, backend, metrics
         self.limiter = ConcurrencyLimiter(settings.max_concurrent_requests)
         self.validator = Validator(settings, tokenizer)
+        # prompts rendered by a chat template already hold their special tokens
+        self.templated_validator = Validator(settings, TemplatedTokenizer(tokenizer))
 
-    async def generate(self, request: GenerateRequest, full_text_default: bool) -> GenerateOutcome:
-        """Non-stream generation; raises ``TGIError`` (or is cancelled on disconnect)."""
+    async def generate(self, request: GenerateRequest, full_text_default: bool,
+                       templated: bool = False) -> GenerateOutcome:
+        """Non-stream generation; raises ``TGIError`` (or is cancelled on disconnect).
+        ``templated``: ``inputs`` is a rendered chat template (no special tokens added)."""
         request_id, timing = next_request_id(), Timing()
         self._record_received(request_id, request, stream=False)
         try:
             best_of = validate_best_of(request.parameters.best_of, self.settings.max_best_of)
             with self.limiter.permits(best_of):
-                valid = await self._validate(request_id, request, full_text_default, timing)
+                valid = await self._validate(request_id, request, full_text_default, timing, templated)
                 if best_of == 1:
                     best = await generate_result(self.backend, self.tokenizer, valid, request_id, timing)
                     others = []
@@ -75,35 +80,48 @@ class GenerateService:
 
     async def stream(self, request: GenerateRequest, full_text_default: bool) -> AsyncIterator[bytes]:
         """SSE bytes of a streamed generation; every error is an in-band event."""
+        try:
+            async with contextlib.aclosing(self.stream_steps(request, full_text_default)) as steps:
+                async for valid, step in steps:
+                    text = None
+                    if step.result is not None:
+                        text = (valid.inputs if valid.return_full_text else "") + step.result.generated_text
+                    yield step_event(step, text, valid.details)
+        except TGIError as error:
+            yield error_event(error)
+
+    async def stream_steps(self, request: GenerateRequest, full_text_default: bool,
+                           templated: bool = False) -> AsyncIterator[tuple[ValidRequest, GeneratedStep]]:
+        """The steps of a streamed generation, for any wire format. Every failure is
+        recorded here and raised as a ``TGIError`` (a stream reports it in-band)."""
         request_id, timing = next_request_id(), Timing()
         self._record_received(request_id, request, stream=True)
         generated = 0
         try:
             _check_streamable(request)
             with self.limiter.permits(1):
-                valid = await self._validate(request_id, request, full_text_default, timing)
+                valid = await self._validate(request_id, request, full_text_default, timing, templated)
                 steps = generate_steps(self.backend, self.tokenizer, valid, request_id, timing)
                 async for step in steps:
                     generated = step.index
-                    text = None
                     if step.result is not None:
                         self._record_success(step.result, valid)
-                        text = (valid.inputs if valid.return_full_text else "") + step.result.generated_text
-                    yield step_event(step, text, valid.details)
+                    yield valid, step
         except TGIError as error:
             if isinstance(error, IncompleteGenerationError):
                 error = IncompleteGenerationStreamError()
             self._record_failure(request_id, error)
-            yield error_event(error)
+            raise error from None
         except (GeneratorExit, asyncio.CancelledError):
             self._record_dropped(request_id, generated)
             raise
         except Exception as error:
-            yield error_event(self._unexpected(request_id, error))
+            raise self._unexpected(request_id, error) from error
 
     async def _validate(self, request_id: int, request: GenerateRequest, full_text_default: bool,
-                        timing: Timing) -> ValidRequest:
-        valid = await self.validator.validate(request, full_text_default)
+                        timing: Timing, templated: bool = False) -> ValidRequest:
+        validator = self.templated_validator if templated else self.validator
+        valid = await validator.validate(request, full_text_default)
         self.metrics.input_length.observe(valid.input_length)
         self.metrics.max_new_tokens.observe(valid.max_new_tokens)
         log.info("request %d validated: %d input tokens, max_new_tokens=%d, sampling=%s in %.1f ms",

@@ -35,13 +35,14 @@ class TokenizerAdapter:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def encode(self, text: str) -> Encoding:
-        """Tokenize with the model's special tokens, on the validation worker threads."""
+    async def encode(self, text: str, add_special_tokens: bool = True) -> Encoding:
+        """Tokenize on the validation worker threads; ``add_special_tokens=False`` for text
+        that already holds them (a rendered chat template)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.encode_sync, text)
+        return await loop.run_in_executor(self._executor, self.encode_sync, text, add_special_tokens)
 
-    def encode_sync(self, text: str) -> Encoding:
-        encoding = self._backend.encode(text, add_special_tokens=True)
+    def encode_sync(self, text: str, add_special_tokens: bool = True) -> Encoding:
+        encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
         return Encoding(list(encoding.ids), _byte_offsets(text, encoding.offsets))
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
@@ -53,6 +54,23 @@ class TokenizerAdapter:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids
+
+
+class TemplatedTokenizer:
+    """The same tokenizer for prompts rendered by a chat template: those already hold the
+    special tokens, so ``encode`` adds none (TGI: `add_special_tokens: false` on chat)."""
+
+    def __init__(self, adapter: TokenizerAdapter):
+        self.adapter = adapter
+
+    def __getattr__(self, name: str):
+        return getattr(self.adapter, name)
+
+    async def encode(self, text: str) -> Encoding:
+        return await self.adapter.encode(text, add_special_tokens=False)
+
+    def encode_sync(self, text: str) -> Encoding:
+        return self.adapter.encode_sync(text, add_special_tokens=False)
 
 
 def _byte_offsets(text: str, char_offsets: list[tuple[int, int]]) -> list[tuple[int, int]]:
