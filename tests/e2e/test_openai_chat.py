@@ -9,21 +9,10 @@ import requests
 import torch
 import transformers
 
-from tests.e2e.demo_server import DEMO, DEMO_MODEL_ID, demo_tokenizer, serve_demo
+from tests.e2e.demo_server import DEMO, DEMO_MODEL_ID, demo_tokenizer, serve_demo, client, url  # noqa: F401 (fixtures)
 
 CHAT = [{"role": "system", "content": "You write Python."},
         {"role": "user", "content": "Write a function that reverses a string."}]
-
-
-@pytest.fixture(scope="module")
-def url():
-    with serve_demo() as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
 def transformers_greedy(messages, max_new_tokens: int) -> str:

@@ -6,22 +6,11 @@ import openai
 import pytest
 import requests
 
-from tests.e2e.demo_server import DEMO, DEMO_MODEL_ID, serve_demo
+from tests.e2e.demo_server import DEMO, DEMO_MODEL_ID, serve_demo, client, url  # noqa: F401 (fixtures)
 from tests.e2e.server import LaunchedServer
 from tests.e2e.test_openai_chat import sse_payloads
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n"]
-
-
-@pytest.fixture(scope="module")
-def url():
-    with serve_demo() as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
 def generate(url, prompt, max_new_tokens):

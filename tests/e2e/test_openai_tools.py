@@ -11,7 +11,7 @@ import openai
 import pytest
 import requests
 
-from tests.e2e.demo_server import serve_demo
+from tests.e2e.demo_server import serve_demo, client, url  # noqa: F401 (fixtures)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -22,17 +22,6 @@ CLOCK = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}},
                                        "required": ["utc"]}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def url():
-    with serve_demo() as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
 def check_weather_arguments(arguments: str) -> dict:
