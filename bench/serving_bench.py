@@ -179,11 +179,10 @@ def run_peer(args: argparse.Namespace, specs: dict[str, LoadSpec]) -> dict:
     numbers: dict = {}
     gc.collect()
     model = peer.load(args.model_dir)
-    jobs = {"batch1": lambda w: peer.decode_tokens_per_s(model, w),
-            "batch": lambda w: peer.batch_tokens_per_s(model, w)[0]}
+    jobs = {"batch1": peer.decode_tokens_per_s, "batch": lambda m, w: peer.batch_tokens_per_s(m, w)[0]}
     for name in [n for n in jobs if n in specs]:
         try:
-            numbers[name] = jobs[name](specs[name].peer_workload())
+            numbers[name] = jobs[name](model, specs[name].peer_workload())
         except Exception as e:           # the table still prints ours
             traceback.print_exc()
             numbers[f"{name}_error"] = f"{type(e).__name__}: {e}"

@@ -7,8 +7,6 @@ import contextlib
 import functools
 from pathlib import Path
 
-import pytest
-
 from tests.e2e.conftest import make_settings, serve
 
 DEMO = Path(__file__).resolve().parents[2] / "weights" / "demo"
@@ -41,17 +39,3 @@ def serve_demo(**overrides):
     with serve(create_app(make_settings(**values), demo_tokenizer(), demo_backend())) as url:
         yield url
 
-
-@pytest.fixture(scope="module")
-def url():
-    """A demo front end for the test module (import this fixture where it is used)."""
-    with serve_demo() as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    """The real `openai` SDK pointed at ``url``."""
-    import openai
-
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)

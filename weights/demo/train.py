@@ -45,7 +45,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import sys
 import sysconfig
 import time

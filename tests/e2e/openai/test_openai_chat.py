@@ -9,7 +9,7 @@ import requests
 import torch
 import transformers
 
-from tests.e2e.demo_server import DEMO, DEMO_MODEL_ID, demo_tokenizer, serve_demo, client, url  # noqa: F401 (fixtures)
+from tests.e2e.demo_server import DEMO, DEMO_MODEL_ID, demo_tokenizer, serve_demo
 
 CHAT = [{"role": "system", "content": "You write Python."},
         {"role": "user", "content": "Write a function that reverses a string."}]

@@ -1,17 +1,12 @@
 """Tool calling and `response_format` on `/v1/chat/completions` (TGI's grammar path).
 
-Needs constrained decoding (`grammar`, the structured-output work); until it lands the
-server answers these requests with "grammar is not supported yet" and these tests fail.
+The tools' JSON schema is decoded under the `grammar` constraint (engine/grammar.py).
 Schemas use enums and booleans so that any correct constrained decoder finishes quickly
 even with the tiny demo model.
 """
 import json
 
-import openai
-import pytest
 import requests
-
-from tests.e2e.demo_server import serve_demo, client, url  # noqa: F401 (fixtures)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

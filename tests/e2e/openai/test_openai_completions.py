@@ -6,9 +6,9 @@ import openai
 import pytest
 import requests
 
-from tests.e2e.demo_server import DEMO, DEMO_MODEL_ID, serve_demo, client, url  # noqa: F401 (fixtures)
+from tests.e2e.demo_server import DEMO, DEMO_MODEL_ID
 from tests.e2e.server import LaunchedServer
-from tests.e2e.test_openai_chat import sse_payloads
+from tests.e2e.openai.test_openai_chat import sse_payloads
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n"]
 
