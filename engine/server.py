@@ -21,7 +21,8 @@ from .step import Abort, GenerationRequest, Step, StepResult, TokenEvent
 
 log = logging.getLogger("engine.server")
 
-STATUS_INTERVAL_S = 0.25
+STATUS_INTERVAL_S = 0.25          # the router's status (health, queue, batch, KV) at least this often
+STATUS_CHANGE_S = 0.01            # and within this long after it changed (what /metrics shows)
 RENDEZVOUS_S = 60
 
 
@@ -185,6 +186,7 @@ class RouterLoop:
         self.healthy = True
         self.error: str | None = None
         self._last_status = 0.0
+        self._last_sent: RouterStatus | None = None
 
     def run(self) -> None:
         self._send_status(force=True)
@@ -237,15 +239,15 @@ class RouterLoop:
         self.conn.send_bytes(encode(Events(events)))
 
     def _send_status(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_status < STATUS_INTERVAL_S:
-            return
-        self._last_status = now
         scheduler = self.router.scheduler
-        self.conn.send_bytes(encode(RouterStatus(
+        status = RouterStatus(
             healthy=self.healthy, queue_size=len(scheduler.waiting), batch_size=len(scheduler.running),
-            kv_used=self.allocator.used_slots, kv_capacity=self.allocator.num_slots, error=self.error,
-        )))
+            kv_used=self.allocator.used_slots, kv_capacity=self.allocator.num_slots, error=self.error)
+        since = time.monotonic() - self._last_status
+        changed = status != self._last_sent
+        if force or since >= STATUS_INTERVAL_S or (changed and since >= STATUS_CHANGE_S):
+            self._last_status, self._last_sent = time.monotonic(), status
+            self.conn.send_bytes(encode(status))
 
 
 def _child_setup(log_level: str) -> None:
