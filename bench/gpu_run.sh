@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, bench (default), serving, ablation,
-#                                         tp (2 GPUs)
+#                                         e2e, tp (2 GPUs)
 # serving/ablation drive the real launcher over HTTP (bench.serving_bench); POISSON_S sets the
 # Poisson phase's length (default 120 s, the issue's two minutes).
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
@@ -63,6 +63,13 @@ for stage in $stages; do
       python3 -m bench.serving_bench --model-dir "$MODEL_7B" --workloads "" --ablation \
         --ablation-requests "${ABLATION_REQUESTS:-512}" --json "$OUT/ablation.json" 2>&1 \
         | tee "$OUT/ablation.log" | grep -v -E "it/s|s/it" | tail -40
+      rc=${PIPESTATUS[0]} ;;
+    e2e)
+      # The launcher e2e suite on the random 7B. float32: its "200 concurrent streams equal one
+      # at a time" is exact batch invariance, which bf16 near-ties break (tests/gpu/greedy.py).
+      ensure_7b
+      E2E_MODEL_DIR=$MODEL_7B E2E_SERVER_ARGS="--dtype float32" E2E_STARTUP_S=300 \
+        python3 -m pytest -q -p no:cacheprovider tests/e2e/test_launcher.py 2>&1 | tee "$OUT/e2e.log" | tail -30
       rc=${PIPESTATUS[0]} ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -55,8 +55,9 @@ class LaunchConfig:
     revision: str | None = _flag("hub revision of --model-id: a branch, tag or commit (e.g. refs/pr/2); "
                                  "default: main")
     dtype: str | None = _flag("weight and activation dtype; default: the checkpoint's half precision on a GPU "
-                              "(float32 checkpoints run in bfloat16), float32 on a CPU",
-                              choices=("float16", "bfloat16"))
+                              "(float32 checkpoints run in bfloat16), float32 on a CPU. float32 is our "
+                              "extension (TGI has only the half precisions): full precision on a GPU too",
+                              choices=("float16", "bfloat16", "float32"))
     trust_remote_code: bool = _flag("not supported: this engine runs its own model code, never the hub's", False)
     quantize: str | None = _flag("not supported yet: the weights run in --dtype", choices=QUANTIZE_CHOICES)
     speculate: int | None = _flag("speculative tokens per step; not supported yet (0 or unset only)", minimum=0)

@@ -1,7 +1,12 @@
-"""Start the real launcher as a subprocess on a free loopback port, for end-to-end tests."""
+"""Start the real launcher as a subprocess on a free loopback port, for end-to-end tests.
+
+On the GPU machine the same tests run against a real-size checkpoint (bench/gpu_run.sh e2e):
+E2E_MODEL_DIR replaces the tiny checkpoint of tests/e2e/test_launcher.py, E2E_SERVER_ARGS
+adds launcher flags to every server, E2E_STARTUP_S is how long a server may take to be healthy."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -25,7 +30,7 @@ class LaunchedServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, str(REPO / "launcher.py"), "--model-id", str(model_dir), "--hostname", "127.0.0.1",
-               "--port", str(self.port), *args]
+               "--port", str(self.port), *args, *shlex.split(os.environ.get("E2E_SERVER_ARGS", ""))]
         child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         child_env.update({"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})})
         self.log_path = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"server-{self.port}.log"
@@ -33,7 +38,8 @@ class LaunchedServer:
         self.process = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=self.log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
 
-    def wait_healthy(self, timeout: float = 120.0) -> "LaunchedServer":
+    def wait_healthy(self, timeout: float | None = None) -> "LaunchedServer":
+        timeout = timeout or float(os.environ.get("E2E_STARTUP_S", 120))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

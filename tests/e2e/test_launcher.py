@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
@@ -22,6 +23,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    """The tiny checkpoint, or E2E_MODEL_DIR (the GPU run's random 7B: bench/gpu_run.sh e2e)."""
+    if os.environ.get("E2E_MODEL_DIR"):
+        return os.environ["E2E_MODEL_DIR"]
     return save_tiny_server_model("llama", tmp_path_factory.mktemp("e2e") / "tiny-llama")
 
 

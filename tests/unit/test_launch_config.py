@@ -154,7 +154,7 @@ def test_speculate_zero_is_accepted():
     (["--port", "70000"], "--port: must be <= 65535, got 70000"),
     (["--port", "abc"], "argument -p/--port: expected an integer, got 'abc'"),
     (["--waiting-served-ratio", "x"], "expected a number, got 'x'"),
-    (["--dtype", "int8"], "argument --dtype: expected one of float16, bfloat16, got 'int8'"),
+    (["--dtype", "int8"], "argument --dtype: expected one of float16, bfloat16, float32, got 'int8'"),
     (["--sharded", "maybe"], "expected true or false, got 'maybe'"),
     (["--cuda-memory-fraction", "2"], "--cuda-memory-fraction must be in (0, 1], got 2.0"),
     (["--cuda-memory-fraction", "0"], "--cuda-memory-fraction: must be > 0.0, got 0.0"),
@@ -190,7 +190,7 @@ def test_a_bad_environment_value_names_the_variable(capsys):
 def test_direct_construction_runs_the_same_checks():
     with pytest.raises(LaunchError, match="`validation_workers` must be > 0"):
         LaunchConfig(validation_workers=0)
-    with pytest.raises(LaunchError, match="--dtype must be one of float16, bfloat16"):
+    with pytest.raises(LaunchError, match="--dtype must be one of float16, bfloat16, float32"):
         LaunchConfig(dtype="float64")
     with pytest.raises(LaunchError, match="--max-waiting-tokens must be >= 0"):
         LaunchConfig(max_waiting_tokens=-1)
