@@ -50,7 +50,11 @@ def test_greedy_tokens_equal_transformers(engine, tokenizer):
 
 
 def recorded_heldout_loss() -> float:
-    card = (DEMO / "README.md").read_text()
+    return recorded_heldout_loss_of(DEMO)
+
+
+def recorded_heldout_loss_of(folder: Path) -> float:
+    card = (folder / "README.md").read_text()
     return float(re.search(r"held-out loss[^0-9]*([0-9]+\.[0-9]+)", card, re.I).group(1))
 
 
@@ -83,3 +87,21 @@ def _compiles(source: str) -> bool:
         return True
     except SyntaxError:
         return False
+
+
+def test_the_training_script_smoke_run_writes_a_servable_checkpoint(tmp_path):
+    """`train.py --smoke` (tiny model, 20 steps on the CPU): the whole pipeline from corpus to card."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "smoke"
+    run = subprocess.run([sys.executable, str(DEMO / "train.py"), "--smoke", "--device", "cpu", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    record = json.loads((out / "training_log.json").read_text())
+    assert record["training"]["steps"] == 20 and record["model"]["kv_heads"] < record["model"]["heads"]
+    assert abs(recorded_heldout_loss_of(out) - record["heldout"]["loss"]) < 1e-4
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    engine = Engine(EngineConfig(model_dir=str(out), device="cpu", kernel_backend="torch", num_slots=512))
+    events = engine.generate([GenerationRequest(0, tokenizer("def ")["input_ids"], 8, stop_token_ids=[])])[0]
+    assert len(events) == 8 and engine.kv_usage()[0] == 0

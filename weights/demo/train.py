@@ -48,6 +48,7 @@ import platform
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass, field
 
 T0 = time.time()
 
@@ -291,7 +292,7 @@ def window_loss(model, data: torch.Tensor, seq_len: int, device, amp, max_window
     return total / max(1, count)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description="Train the lightserve demo model (see module doc).")
     p.add_argument("--out", default=here, help="output folder (default: weights/demo)")
@@ -326,26 +327,63 @@ def main(argv: list[str] | None = None) -> int:
         a.max_steps = a.max_steps or 20
     if a.max_minutes is None:
         a.max_minutes = 5.0 if a.device.startswith("cuda") else 30.0
-    deadline = T0 + a.max_minutes * 60 - 20  # leave ~20 s for the final eval and saving
+    return a
 
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    deadline = T0 + a.max_minutes * 60 - 20  # leave ~20 s for the final eval and saving
     torch.manual_seed(a.seed)
     device = torch.device(a.device)
-    cuda = device.type == "cuda"
-    if cuda:
+    if device.type == "cuda":
         torch.cuda.manual_seed_all(a.seed)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-
-    def amp():
-        return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast(
-            "cpu", enabled=False)
-
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
     log(f"python {platform.python_version()} torch {torch.__version__} device {device}"
         f" -> {out}")
 
-    # ---- corpus
+    data = prepare_data(a, out)
+    heldout = write_heldout(data.corpus, data.tok, out)
+    torch.manual_seed(a.seed)
+    model = build_model(a, data.tok.get_vocab_size()).to(device)
+    log(f"model: LlamaForCausalLM {num_params(model) / 1e6:.2f}M params (hidden {a.hidden_size}, "
+        f"layers {a.layers}, heads {a.heads}/{a.kv_heads} kv, mlp {a.intermediate_size})")
+    run = train(a, model, data, device, deadline)
+    reloaded = save_checkpoint(model, out, device)
+    heldout_loss = mean_heldout_loss(hf_logits_fn(reloaded), heldout.ids, WINDOW)
+    log(f"held-out loss (heldout.txt, saved bf16 weights in fp32, {WINDOW}-token windows): "
+        f"{heldout_loss:.4f} (ppl {math.exp(heldout_loss):.2f})")
+    samples = greedy_samples(reloaded, data.tok, device)
+    record = training_record(a, data, heldout, num_params(model), run, heldout_loss, samples, device, out)
+    with open(os.path.join(out, "training_log.json"), "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(model_card(record))
+    size = folder_bytes(out)
+    log(f"wrote {sorted(os.listdir(out))} ({size / 1e6:.1f} MB) in {time.time() - T0:.0f}s total")
+    if size > 40e6:
+        log("WARNING: output folder exceeds 40 MB")
+    return 0
+
+
+@dataclass
+class Data:
+    corpus: dict
+    tok: object                  # tokenizers.Tokenizer
+    train_data: torch.Tensor     # all train tokens, concatenated
+    val_data: torch.Tensor
+    counts: dict                 # files per split
+    nbytes: dict                 # bytes per split
+    ntok: dict                   # tokens of train and val
+    t_tok_train: float
+    t_tok_encode: float
+
+
+def prepare_data(a: argparse.Namespace, out: str) -> Data:
+    """Read the corpus, train and save the tokenizer, encode the train and val splits."""
     t = time.time()
     corpus = load_corpus(a.stdlib)
     train_texts = [x for _, x in corpus["train"]]
@@ -353,11 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = {k: sum(len(x.encode("utf-8")) for _, x in corpus[k]) for k in ("train", "val", "heldout")}
     log(f"corpus {a.stdlib}: files {counts}, bytes {nbytes}, "
         f"skipped non-UTF-8 {len(corpus['skipped_non_utf8'])} ({time.time() - t:.1f}s)")
-
-    # ---- tokenizer
     t = time.time()
-    from transformers import __version__ as tf_version
-    import tokenizers
     tok = train_tokenizer(train_texts, a.vocab_size)
     t_tok_train = time.time() - t
     save_tokenizer(tok, out, a.max_position_embeddings)
@@ -371,107 +405,163 @@ def main(argv: list[str] | None = None) -> int:
     log(f"tokenizer: vocab {tok.get_vocab_size()}, trained in {t_tok_train:.1f}s; encoded "
         f"{ntok} tokens in {t_tok_encode:.1f}s ({nbytes['train'] / max(1, ntok['train']):.2f}"
         f" bytes/token)")
+    return Data(corpus, tok, train_data, val_data, counts, nbytes, ntok, t_tok_train, t_tok_encode)
 
-    # held-out sample: held-out files in path order, while the total stays <= 200 KB
-    parts, size, heldout_files = [], 0, []
+
+@dataclass
+class Heldout:
+    text: str
+    ids: list[int]
+    files: list[str]
+
+
+def write_heldout(corpus: dict, tok, out: str) -> Heldout:
+    """heldout.txt: held-out files in path order, while the total stays <= 200 KB."""
+    parts, size, files = [], 0, []
     for rel, text in corpus["heldout"]:
         b = len(text.encode("utf-8")) + 1
         if size + b > HELDOUT_MAX_BYTES:
             continue
         parts.append(text if text.endswith("\n") else text + "\n")
-        heldout_files.append(rel)
+        files.append(rel)
         size += b
-    heldout_text = "\n".join(parts)
+    text = "\n".join(parts)
     with open(os.path.join(out, "heldout.txt"), "w", encoding="utf-8", newline="") as f:
-        f.write(heldout_text)
-    heldout_ids = tok.encode(heldout_text).ids
-    assert heldout_ids[0] == BOS
-    rt = tok.decode(tok.encode(heldout_text, add_special_tokens=False).ids,
-                    skip_special_tokens=False)
-    assert rt == heldout_text, "byte-level round trip failed"
-    log(f"heldout.txt: {len(heldout_files)} files, {len(heldout_text.encode())} bytes, "
-        f"{len(heldout_ids)} tokens (round-trip exact)")
+        f.write(text)
+    ids = tok.encode(text).ids
+    assert ids[0] == BOS
+    rt = tok.decode(tok.encode(text, add_special_tokens=False).ids, skip_special_tokens=False)
+    assert rt == text, "byte-level round trip failed"
+    log(f"heldout.txt: {len(files)} files, {len(text.encode())} bytes, {len(ids)} tokens (round-trip exact)")
+    return Heldout(text, ids, files)
 
-    # ---- model
-    torch.manual_seed(a.seed)
-    model = build_model(a, tok.get_vocab_size()).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: LlamaForCausalLM {n_params / 1e6:.2f}M params (hidden {a.hidden_size}, "
-        f"layers {a.layers}, heads {a.heads}/{a.kv_heads} kv, mlp {a.intermediate_size})")
-    train_data, val_data = train_data.to(device), val_data.to(device)
+
+def num_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA (fp32 master weights); plain float32 on the CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+@dataclass
+class TrainRun:
+    step: int = 0                       # steps taken
+    total: int = 0                      # steps planned (after the timing)
+    limited_by: str = ""                # epochs | max_steps | time
+    steps_per_epoch: int = 0
+    warmup: int = 0
+    stopped_by_time: bool = False
+    seconds: float = 0.0
+    losses: list = field(default_factory=list)     # (step, mean train loss since the last log line)
+    evals: list = field(default_factory=list)      # (step, val loss, last train loss)
+    best: tuple = (float("inf"), -1, None)          # (val loss, step, state dict)
+
+    @property
+    def kept_train_loss(self) -> float | None:
+        return next((e[2] for e in self.evals if e[0] == self.best[1]), None)
+
+
+def make_optimizer(a: argparse.Namespace, model, device: torch.device):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=a.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if cuda else {}))
+        lr=a.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if device.type == "cuda" else {}))
+
+
+def train(a: argparse.Namespace, model, data: Data, device: torch.device, deadline: float) -> TrainRun:
+    """The training loop; the best validation state is loaded back into ``model`` at the end."""
+    train_data, val_data = data.train_data.to(device), data.val_data.to(device)
+    opt = make_optimizer(a, model, device)
     fwd = torch.compile(model) if a.compile else model
     batches = Batches(train_data, a.seq_len, a.batch_size, a.seed)
-    spe = batches.steps_per_epoch()
-    epoch_steps = max(1, int(a.epochs * spe))
-    total = min(epoch_steps, a.max_steps or epoch_steps)
-    limited_by = "epochs" if total == epoch_steps else "max_steps"
-    timed = False
-    log(f"training: {spe} steps/epoch of {a.batch_size}x{a.seq_len} tokens; planned {total} "
-        f"steps ({limited_by}); budget ends at {deadline - T0:.0f}s")
-
+    run = TrainRun(steps_per_epoch=batches.steps_per_epoch())
+    epoch_steps = max(1, int(a.epochs * run.steps_per_epoch))
+    run.total = min(epoch_steps, a.max_steps or epoch_steps)
+    run.limited_by = "epochs" if run.total == epoch_steps else "max_steps"
+    log(f"training: {run.steps_per_epoch} steps/epoch of {a.batch_size}x{a.seq_len} tokens; planned "
+        f"{run.total} steps ({run.limited_by}); budget ends at {deadline - T0:.0f}s")
     model.train()
-    step, t_train, t_mark = 0, time.time(), None
+    t_train, timer = time.time(), StepTimer(enabled=not a.smoke and device.type == "cuda")
     loss_sum, loss_n, last_train = None, 0, None  # mean train loss since the last log line
-    best = (float("inf"), -1, None)
-    evals, losses = [], []
-    stopped_by_time = False
-    while step < total:
+    while run.step < run.total:
         if time.time() > deadline:
-            stopped_by_time = True
-            log(f"time budget reached at step {step}/{total}")
+            run.stopped_by_time = True
+            log(f"time budget reached at step {run.step}/{run.total}")
             break
-        lr = lr_at(step, total, min(a.warmup, max(1, total // 10)), a.lr)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        x = batches.next()
-        with amp():
-            logits = fwd(input_ids=x[:, :-1], use_cache=False).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        lr = lr_at(run.step, run.total, min(a.warmup, max(1, run.total // 10)), a.lr)
+        loss = train_step(model, fwd, opt, batches.next(), lr, device)
+        run.step += 1
+        loss_sum = loss if loss_sum is None else loss_sum + loss
         loss_n += 1
-        if step % a.log_every == 0 or step == total or step <= 2:
-            lv = float(loss_sum) / loss_n
-            loss_sum, loss_n, last_train = None, 0, lv
-            losses.append((step, round(lv, 4)))
+        if run.step % a.log_every == 0 or run.step == run.total or run.step <= 2:
+            last_train, loss_sum, loss_n = float(loss_sum) / loss_n, None, 0
+            run.losses.append((run.step, round(last_train, 4)))
             el = time.time() - t_train
-            log(f"step {step}/{total} loss {lv:.4f} lr {lr:.2e} epoch {step / spe:.2f} "
-                f"{step * a.batch_size * a.seq_len / el / 1e3:.0f}k tok/s")
-        # after a few steps, fix the number of steps that fits in the budget
-        if not timed and not a.smoke and cuda and step == 10:
-            torch.cuda.synchronize()
-            t_mark = time.time()
-        if not timed and t_mark is not None and step == 60:
-            torch.cuda.synchronize()
-            per_step = (time.time() - t_mark) / 50 * (1 + 0.05)  # + eval overhead
-            fit = 60 + int((deadline - time.time()) / per_step)
-            if fit < total:
-                total, limited_by = max(61, fit), "time"
-            timed = True
-            log(f"timing: {per_step * 1e3:.1f} ms/step -> {total} steps ({limited_by})")
-        if step % a.eval_every == 0 or step == total:
-            vl = window_loss(model, val_data, a.seq_len, device, amp)
-            evals.append((step, round(vl, 4), round(last_train, 4)))
-            log(f"eval step {step}: val loss {vl:.4f}")
-            if vl < best[0]:
-                best = (vl, step, copy.deepcopy({k: v.detach().clone() for k, v in model.state_dict().items()}))
-    train_seconds = time.time() - t_train
-    final_val = evals[-1][1] if evals else None
-    kept_train = next((e[2] for e in evals if e[0] == best[1]), None)
-    if best[2] is not None and best[1] != step:
-        log(f"restoring best validation state from step {best[1]} (val {best[0]:.4f})")
-        model.load_state_dict(best[2])
+            log(f"step {run.step}/{run.total} loss {last_train:.4f} lr {lr:.2e} epoch "
+                f"{run.step / run.steps_per_epoch:.2f} {run.step * a.batch_size * a.seq_len / el / 1e3:.0f}k tok/s")
+        timer.fit_budget(run, deadline)
+        if run.step % a.eval_every == 0 or run.step == run.total:
+            evaluate_and_keep_best(model, val_data, a.seq_len, device, run, last_train)
+    run.seconds = time.time() - t_train
+    run.warmup = min(a.warmup, max(1, run.total // 10))
+    if run.best[2] is not None and run.best[1] != run.step:
+        log(f"restoring best validation state from step {run.best[1]} (val {run.best[0]:.4f})")
+        model.load_state_dict(run.best[2])
+    return run
 
-    # ---- save (bf16) and score the saved checkpoint on heldout.txt
+
+def train_step(model, fwd, opt, x: torch.Tensor, lr: float, device: torch.device) -> torch.Tensor:
+    """One optimizer step at learning rate ``lr``; returns the (detached) loss."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    with autocast(device):
+        logits = fwd(input_ids=x[:, :-1], use_cache=False).logits
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.detach()
+
+
+class StepTimer:
+    """On CUDA, times steps 10-60 once and shortens the plan to what fits in the budget."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.mark, self.done = enabled, None, False
+
+    def fit_budget(self, run: TrainRun, deadline: float) -> None:
+        if not self.enabled or self.done:
+            return
+        if run.step == 10:
+            torch.cuda.synchronize()
+            self.mark = time.time()
+        elif run.step == 60 and self.mark is not None:
+            torch.cuda.synchronize()
+            per_step = (time.time() - self.mark) / 50 * (1 + 0.05)  # + eval overhead
+            fit = 60 + int((deadline - time.time()) / per_step)
+            if fit < run.total:
+                run.total, run.limited_by = max(61, fit), "time"
+            self.done = True
+            log(f"timing: {per_step * 1e3:.1f} ms/step -> {run.total} steps ({run.limited_by})")
+
+
+def evaluate_and_keep_best(model, val_data, seq_len: int, device, run: TrainRun, last_train) -> None:
+    vl = window_loss(model, val_data, seq_len, device, lambda: autocast(device))
+    run.evals.append((run.step, round(vl, 4), round(last_train, 4)))
+    log(f"eval step {run.step}: val loss {vl:.4f}")
+    if vl < run.best[0]:
+        run.best = (vl, run.step, copy.deepcopy({k: v.detach().clone() for k, v in model.state_dict().items()}))
+
+
+def save_checkpoint(model, out: str, device: torch.device):
+    """Save the model in bf16 (one model.safetensors) with its generation config; return
+    the saved checkpoint reloaded in float32 on ``device``."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model.eval()
@@ -486,74 +576,83 @@ def main(argv: list[str] | None = None) -> int:
     for name in os.listdir(out):
         if name.startswith("model-") or name.endswith(".bin") or name == "model.safetensors.index.json":
             raise RuntimeError(f"unexpected checkpoint file {name}")
-
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     try:
         reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     except TypeError:
         reloaded = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
-    reloaded.to(device).eval()
-    heldout_loss = mean_heldout_loss(hf_logits_fn(reloaded), heldout_ids, WINDOW)
-    log(f"held-out loss (heldout.txt, saved bf16 weights in fp32, {WINDOW}-token windows): "
-        f"{heldout_loss:.4f} (ppl {math.exp(heldout_loss):.2f})")
+    return reloaded.to(device).eval()
 
-    # sample completions, for the card
+
+def greedy_samples(model, tok, device: torch.device) -> list[dict]:
+    """Greedy completions of SAMPLE_PROMPTS, for the card."""
     samples = []
     for prompt in SAMPLE_PROMPTS:
         ids = torch.tensor([tok.encode(prompt).ids], device=device)
         with torch.no_grad():
-            gen = reloaded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48,
-                                    do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
-        samples.append({"prompt": prompt,
-                        "text": tok.decode(gen[0].tolist(), skip_special_tokens=True)})
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48,
+                                 do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+        samples.append({"prompt": prompt, "text": tok.decode(gen[0].tolist(), skip_special_tokens=True)})
         log("greedy sample:\n" + samples[-1]["text"])
+    return samples
 
-    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)
-               if os.path.isfile(os.path.join(out, f)))
-    record = {
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+               if os.path.isfile(os.path.join(path, f)))
+
+
+def training_record(a, data: Data, heldout: Heldout, n_params: int, run: TrainRun, heldout_loss: float,
+                    samples: list[dict], device: torch.device, out: str) -> dict:
+    """Everything the card says, machine-readable (training_log.json)."""
+    import tokenizers
+    from transformers import __version__ as tf_version
+
+    final_val = run.evals[-1][1] if run.evals else None
+    return {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "args": vars(a),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": tf_version,
         "tokenizers": tokenizers.__version__,
-        "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
         "corpus": {
             "root": "sysconfig.get_paths()['stdlib'] of Python " + platform.python_version(),
             "excluded_dirs": sorted(EXCLUDED_DIRS),
             "split": f"sha256(relpath) % 1000 < {HELDOUT_PER_MILLE}: heldout, "
                      f"< {HELDOUT_PER_MILLE + VAL_PER_MILLE}: val, else train",
-            "files": counts,
-            "bytes": nbytes,
-            "tokens": ntok,
-            "skipped_non_utf8": corpus["skipped_non_utf8"],
-            "heldout_files": [r for r, _ in corpus["heldout"]],
-            "val_files": [r for r, _ in corpus["val"]],
+            "files": data.counts,
+            "bytes": data.nbytes,
+            "tokens": data.ntok,
+            "skipped_non_utf8": data.corpus["skipped_non_utf8"],
+            "heldout_files": [r for r, _ in data.corpus["heldout"]],
+            "val_files": [r for r, _ in data.corpus["val"]],
         },
-        "tokenizer": {"type": "byte-level BPE", "vocab_size": tok.get_vocab_size(),
-                      "special_tokens": SPECIAL_TOKENS, "train_seconds": round(t_tok_train, 2),
-                      "encode_seconds": round(t_tok_encode, 2)},
+        "tokenizer": {"type": "byte-level BPE", "vocab_size": data.tok.get_vocab_size(),
+                      "special_tokens": SPECIAL_TOKENS, "train_seconds": round(data.t_tok_train, 2),
+                      "encode_seconds": round(data.t_tok_encode, 2)},
         "model": {"architecture": "LlamaForCausalLM", "params": n_params,
                   "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
                   "layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads,
-                  "vocab_size": tok.get_vocab_size(),
+                  "vocab_size": data.tok.get_vocab_size(),
                   "max_position_embeddings": a.max_position_embeddings,
                   "train_seq_len": a.seq_len},
-        "training": {"steps": step, "planned_steps": total, "steps_limited_by": limited_by,
-                     "stopped_by_time": stopped_by_time, "steps_per_epoch": spe,
-                     "epochs": round(step / spe, 2), "batch_size": a.batch_size,
-                     "tokens_seen": step * a.batch_size * a.seq_len, "lr": a.lr,
-                     "warmup": min(a.warmup, max(1, total // 10)),
-                     "train_seconds": round(train_seconds, 1),
-                     "final_train_loss": losses[-1][1] if losses else None,
-                     "train_loss_at_kept_step": kept_train,
-                     "train_loss_curve": losses,
-                     "val_loss_curve": [(st, vl) for st, vl, _ in evals],
-                     "final_val_loss": final_val, "best_val_loss": round(best[0], 4),
-                     "kept_step": best[1] if best[2] is not None else step},
-        "heldout": {"file": "heldout.txt", "files": heldout_files,
-                    "bytes": len(heldout_text.encode("utf-8")), "tokens": len(heldout_ids),
+        "training": {"steps": run.step, "planned_steps": run.total, "steps_limited_by": run.limited_by,
+                     "stopped_by_time": run.stopped_by_time, "steps_per_epoch": run.steps_per_epoch,
+                     "epochs": round(run.step / run.steps_per_epoch, 2), "batch_size": a.batch_size,
+                     "tokens_seen": run.step * a.batch_size * a.seq_len, "lr": a.lr,
+                     "warmup": run.warmup,
+                     "train_seconds": round(run.seconds, 1),
+                     "final_train_loss": run.losses[-1][1] if run.losses else None,
+                     "train_loss_at_kept_step": run.kept_train_loss,
+                     "train_loss_curve": run.losses,
+                     "val_loss_curve": [(st, vl) for st, vl, _ in run.evals],
+                     "final_val_loss": final_val, "best_val_loss": round(run.best[0], 4),
+                     "kept_step": run.best[1] if run.best[2] is not None else run.step},
+        "heldout": {"file": "heldout.txt", "files": heldout.files,
+                    "bytes": len(heldout.text.encode("utf-8")), "tokens": len(heldout.ids),
                     "window": WINDOW, "loss": round(heldout_loss, 4),
                     "perplexity": round(math.exp(heldout_loss), 3),
                     "definition": "mean next-token cross-entropy (nats) over all predicted "
@@ -561,21 +660,10 @@ def main(argv: list[str] | None = None) -> int:
                                   "tokenizer(heldout.txt) (with the leading <s>), each window "
                                   "scored independently; saved bf16 weights run in float32"},
         "greedy_samples": samples,
-        "reproduce": reproduce_command(sys.argv[1:], total),
-        "folder_bytes": size,
+        "reproduce": reproduce_command(sys.argv[1:], run.total),
+        "folder_bytes": folder_bytes(out),
         "wall_seconds": round(time.time() - T0, 1),
     }
-    with open(os.path.join(out, "training_log.json"), "w") as f:
-        json.dump(record, f, indent=2)
-        f.write("\n")
-    with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(model_card(record))
-    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)
-               if os.path.isfile(os.path.join(out, f)))
-    log(f"wrote {sorted(os.listdir(out))} ({size / 1e6:.1f} MB) in {time.time() - T0:.0f}s total")
-    if size > 40e6:
-        log("WARNING: output folder exceeds 40 MB")
-    return 0
 
 
 def reproduce_command(argv: list[str], planned_steps: int) -> str:
