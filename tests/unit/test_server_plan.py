@@ -1,0 +1,51 @@
+"""What the launcher's config becomes before any process starts: the shard's dtype, and the
+CPU thread count a shard takes."""
+import os
+
+import pytest
+import torch
+
+from engine.launch_config import parse_args
+from engine.server import _limit_cpu_threads, plan_server
+from tests.tiny_models import save_tiny_server_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_server_model("llama", tmp_path_factory.mktemp("plan") / "tiny-llama")
+
+
+@pytest.mark.parametrize("flag,expected", [([], torch.float32), (["--dtype", "float32"], torch.float32),
+                                           (["--dtype", "bfloat16"], torch.bfloat16),
+                                           (["--dtype", "float16"], torch.float16)])
+def test_dtype_reaches_the_shard_and_info(model_dir, flag, expected):
+    plan = plan_server(parse_args(["--model-id", str(model_dir), *flag], environ={"HF_HUB_OFFLINE": "1"}))
+    assert plan.shards[0].worker_config.dtype == expected
+    assert plan.frontend.settings.model_dtype == str(expected).removeprefix("torch.")
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_cpu_shards_leave_a_core_to_the_router_and_front_end(monkeypatch, restore_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(9)))
+    _limit_cpu_threads(world_size=1)
+    assert torch.get_num_threads() == 8
+    _limit_cpu_threads(world_size=2)
+    assert torch.get_num_threads() == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    _limit_cpu_threads(world_size=2)
+    assert torch.get_num_threads() == 1
+
+
+def test_omp_num_threads_is_the_users_choice(monkeypatch, restore_threads):
+    torch.set_num_threads(3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(9)))
+    _limit_cpu_threads(world_size=1)
+    assert torch.get_num_threads() == 3
