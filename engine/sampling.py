@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .grammar import apply_bitmask
-
-_MASK32 = 0xFFFFFFFF
-
+from .hashing import hash_uniform
+from .watermark import WatermarkConfig, apply_watermark
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -80,32 +79,11 @@ class SampleOutput:
     top_logprobs: list[list[float]]
 
 
-def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] uniforms in (0, 1) from a murmur3-style mix of (seed, step, vocab id)."""
-    device = seeds.device
-    ids = torch.arange(vocab_size, device=device, dtype=torch.int64)[None, :]
-    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
-    x = (lo[:, None] * 0x9E3779B1 + hi[:, None] * 0x85EBCA77 + steps[:, None] * 0xC2B2AE3D) & _MASK32
-    x = (_fmix32(x) + ids * 0x27D4EB2F) & _MASK32
-    x = _fmix32(x ^ (hi[:, None] * 0x165667B1 & _MASK32))
-    return (x.double() + 0.5) / 4294967296.0
-
-
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _MASK32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _MASK32
-    return x ^ (x >> 16)
-
-
 class Sampler:
     """``grammars`` (an ``engine.grammar.GrammarCompiler``) computes the masks of constrained
     rows; ``watermark`` (an ``engine.watermark.WatermarkConfig``) holds gamma and delta."""
 
     def __init__(self, ops, device: torch.device, grammars=None, watermark=None):
-        from .watermark import WatermarkConfig
-
         self.ops = ops
         self.device = device
         self.grammars = grammars
@@ -127,8 +105,6 @@ class Sampler:
 
     def _constrain(self, logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
         """float32 scores with the grammar masks and the watermark bias applied."""
-        from .watermark import apply_watermark
-
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:    # CPU work before touching the logits: it overlaps the device's forward
             if self.grammars is None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import _MASK32, _fmix32
+from .hashing import MASK32, fmix32
 
 HASH_KEY = 15485863          # TGI's key: the millionth prime
 
@@ -50,8 +50,8 @@ class WatermarkScore:
 def is_green(prev_tokens: torch.Tensor, token_ids: torch.Tensor, gamma: float) -> torch.Tensor:
     """Whether each ``token_ids`` entry is green after the matching ``prev_tokens`` entry
     (int64 tensors that broadcast: [B, 1] x [1, V] gives the green lists of a batch)."""
-    seed = _fmix32(((prev_tokens & _MASK32) * 0x2545F491 + HASH_KEY) & _MASK32)
-    x = _fmix32((seed ^ ((token_ids & _MASK32) * 0x27D4EB2F)) & _MASK32)
+    seed = fmix32(((prev_tokens & MASK32) * 0x2545F491 + HASH_KEY) & MASK32)
+    x = fmix32((seed ^ ((token_ids & MASK32) * 0x27D4EB2F)) & MASK32)
     return x < int(gamma * 2**32)
 
 

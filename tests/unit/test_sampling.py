@@ -11,7 +11,8 @@ from transformers.generation.logits_process import (
 )
 
 from engine.ops import KernelOps
-from engine.sampling import RowSampling, Sampler, SamplingParams, hash_uniform
+from engine.hashing import hash_uniform
+from engine.sampling import RowSampling, Sampler, SamplingParams
 
 
 @pytest.fixture(params=["torch", "triton"])
