@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
-#   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, bench (default), serving, ablation,
+#   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, profile, bench (default), serving, ablation,
 #                                         e2e, tp (2 GPUs)
 # serving/ablation drive the real launcher over HTTP (bench.serving_bench); POISSON_S sets the
 # Poisson phase's length (default 120 s, the two minutes).
@@ -48,9 +48,14 @@ for stage in $stages; do
         --out "$MODEL_13B" --dtype bfloat16 --device cuda 2>&1 | tail -2
       python3 -m bench.engine_bench --model-dir "$MODEL_13B" --no-peer --num-shards 2 --json "$OUT/tp2_13b.json" \
         2>&1 | tee -a "$OUT/tp.log" | grep -E "tokens/s|capacity" ;;
+    profile)
+      ensure_7b
+      python3 -m bench.profile_step --model-dir "$MODEL_7B" --batch-sizes "${PROFILE_BATCHES:-1,32,128,256}" \
+        --table-dir "$OUT" --json "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | grep -v -E "it/s|s/it" | tail -8
+      rc=${PIPESTATUS[0]} ;;
     bench)
       ensure_7b
-      python3 -m bench.engine_bench --model-dir "$MODEL_7B" --json "$OUT/engine_bench.json" 2>&1 \
+      python3 -m bench.engine_bench --model-dir "$MODEL_7B" ${BENCH_ARGS:-} --json "$OUT/engine_bench.json" 2>&1 \
         | tee "$OUT/bench.log" | grep -v -E "^\s*$|it/s|s/it" | tail -20
       rc=${PIPESTATUS[0]} ;;
     serving)

@@ -7,6 +7,10 @@ buffer and one copy:
     inputs[1]  positions      inputs[4]  sequence lengths (padding: 1)
     inputs[2]  KV slots (padding: the dummy slot)
 
+An input id of ``FED_BACK`` is replaced, inside the graph, by ``last_tokens[row]`` (the
+token the previous step sampled for the row, still on the device). Two host buffers take
+turns, so filling step N+1's never overwrites step N's before its copy has run.
+
 Padding rows read and write only the dummy slot, so they never touch a request's KV.
 Each bucket's forward and logits are captured once; ``run`` copies the inputs, writes
 the new table entries and replays. With graphs off the same padded forward runs
@@ -19,7 +23,7 @@ import logging
 import torch
 
 from .forward_batch import ForwardBatch
-from .step import Step
+from .step import FED_BACK, Step
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +31,18 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 
 
 
 class PaddedDecoder:
-    def __init__(self, model, kv_cache, max_requests: int, buckets: tuple[int, ...] | None, use_graphs: bool):
+    def __init__(self, model, kv_cache, last_tokens: torch.Tensor, max_requests: int,
+                 buckets: tuple[int, ...] | None, use_graphs: bool):
         self.model = model
         self.kv_cache = kv_cache
+        self.last_tokens = last_tokens
         chosen = sorted({b for b in (buckets or DEFAULT_BUCKETS) if b <= max_requests} | {max_requests})
         self.buckets = chosen
         device = kv_cache.req_to_token.device
         size = self.buckets[-1]
-        self.host = torch.empty((5, size), dtype=torch.int64, pin_memory=True)
+        self.hosts = [torch.empty((5, size), dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]     # each host buffer's copy has run
+        self.turn = 0
         self.inputs = torch.empty((5, size), dtype=torch.int64, device=device)
         self.q_start = torch.arange(size, dtype=torch.int32, device=device)
         self.q_len = torch.ones(size, dtype=torch.int32, device=device)
@@ -50,8 +58,11 @@ class PaddedDecoder:
         """float32 logits [len(step.rows), vocab] of a decode step."""
         count = len(step.rows)
         size = next(b for b in self.buckets if b >= count)
+        self.turn ^= 1
+        self.copied[self.turn].synchronize()                # long done: two steps ago
         self._fill(step.rows, size)
         self.inputs.copy_(self.host, non_blocking=True)     # one contiguous pinned copy (a few KB)
+        self.copied[self.turn].record()
         self.kv_cache.write_table(self.inputs[3, :count], self.inputs[1, :count], self.inputs[2, :count])
         if size in self.graphs:
             graph, logits = self.graphs[size]
@@ -59,6 +70,10 @@ class PaddedDecoder:
         else:
             logits = self._forward(size)
         return logits[:count]
+
+    @property
+    def host(self) -> torch.Tensor:
+        return self.hosts[self.turn]
 
     def _fill(self, rows, size: int) -> None:
         host, count = self.host, len(rows)
@@ -77,9 +92,11 @@ class PaddedDecoder:
 
     def _forward(self, size: int) -> torch.Tensor:
         x = self.inputs
+        rows = x[3, :size]
+        input_ids = torch.where(x[0, :size] == FED_BACK, self.last_tokens[rows], x[0, :size])
         batch = ForwardBatch(
-            input_ids=x[0, :size], positions=x[1, :size], out_slots=x[2, :size],
-            req_rows=x[3, :size].to(torch.int32), q_start=self.q_start[:size], q_len=self.q_len[:size],
+            input_ids=input_ids, positions=x[1, :size], out_slots=x[2, :size],
+            req_rows=rows.to(torch.int32), q_start=self.q_start[:size], q_len=self.q_len[:size],
             seq_len=x[4, :size].to(torch.int32), max_q_len=1, is_decode=True,
         )
         return self.model.compute_logits(self.model.forward(batch, self.kv_cache))

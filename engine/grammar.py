@@ -23,6 +23,8 @@ from collections import OrderedDict
 
 import torch
 
+from .transfer import to_device
+
 log = logging.getLogger(__name__)
 
 GRAMMAR_KINDS = ("json", "regex")
@@ -236,5 +238,5 @@ def apply_bitmask(scores: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     """Set the disallowed tokens of ``scores[rows]`` to -inf; ``bitmask`` is on the CPU."""
     device_mask = bitmask.to(scores.device, non_blocking=True)
     allowed = unpack_bitmask(device_mask, scores.shape[1])
-    index = torch.tensor(rows, device=scores.device)
+    index = to_device(rows, torch.int64, scores.device)
     scores[index] = scores[index].masked_fill(~allowed, float("-inf"))

@@ -1,4 +1,8 @@
-"""One router step: schedule -> run on the shards -> stop criteria -> token events.
+"""One router step: schedule -> submit to the shards -> collect -> stop criteria -> token events.
+
+Steps are pipelined one deep: ``step()`` submits step N+1 before it collects step N, so
+the device starts N+1 as soon as N ends while the router turns N's tokens into events
+(decode rows of N+1 feed tokens the worker sampled in N; see ``engine.scheduler``).
 
 The same ``Router`` serves the in-process ``Engine`` (shards = a local worker) and the
 router process of the server (shards = worker processes behind pipes).
@@ -7,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import deque
 from typing import Protocol
 
 from .scheduler import Request, Scheduler
@@ -16,7 +21,11 @@ log = logging.getLogger(__name__)
 
 
 class Shards(Protocol):
-    def run(self, step: Step) -> StepResult: ...
+    def submit(self, step: Step) -> None:
+        """Queue a step; the shards start it when the device is free."""
+
+    def collect(self) -> StepResult:
+        """The result of the oldest submitted step not yet collected (blocks until it is done)."""
 
 
 class LocalShards:
@@ -24,9 +33,13 @@ class LocalShards:
 
     def __init__(self, worker):
         self.worker = worker
+        self._launched: deque = deque()
 
-    def run(self, step: Step) -> StepResult:
-        return self.worker.execute(step)
+    def submit(self, step: Step) -> None:
+        self._launched.append(self.worker.launch(step))
+
+    def collect(self) -> StepResult:
+        return self._launched.popleft().result()
 
 
 class Router:
@@ -34,6 +47,7 @@ class Router:
         self.scheduler = scheduler
         self.shards = shards
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._in_flight: deque[Step] = deque()
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request; ValueError if it can never fit (too long for the limits)."""
@@ -50,17 +64,24 @@ class Router:
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._in_flight)
 
     def step(self) -> list[TokenEvent]:
+        """Submit the next step, then collect the oldest in flight once two are (or nothing new came)."""
         step = self.scheduler.schedule()
-        if not step.rows and not step.released:
+        submitted = bool(step.rows or step.released)
+        if submitted:
+            self.shards.submit(step)
+            self._in_flight.append(step)
+        if not self._in_flight or (submitted and len(self._in_flight) < 2):
             return []
-        result = self.shards.run(step)
-        return [self._event(request, res, reason) for request, res, reason in self.scheduler.process(step, result)]
+        done = self._in_flight.popleft()
+        result = self.shards.collect()
+        return [self._event(request, res, reason) for request, res, reason in self.scheduler.process(done, result)]
 
     def fail_all(self, message: str) -> list[TokenEvent]:
         """End every queued and running request with an error (a shard died)."""
+        self._in_flight.clear()
         requests = list(self.scheduler.waiting) + list(self.scheduler.running)
         for request in requests:
             self.scheduler.abort(request.request_id)

@@ -20,6 +20,7 @@ import torch
 
 from .grammar import apply_bitmask
 from .hashing import hash_uniform
+from .transfer import start_to_host, to_device
 from .watermark import WatermarkConfig, apply_watermark
 
 @dataclass(frozen=True)
@@ -79,6 +80,30 @@ class SampleOutput:
     top_logprobs: list[list[float]]
 
 
+@dataclass
+class DeviceSample:
+    """The sampler's choice for n rows, as tensors (on the device until copied)."""
+    token_ids: torch.Tensor              # [n] int64
+    logprobs: torch.Tensor               # [n] float32, of the chosen tokens
+    top_ids: torch.Tensor | None         # [n, max top_n] int64, or None when no row asked
+    top_logprobs: torch.Tensor | None
+    top_n: list[int]                     # top_n_tokens of each row
+
+    def start_copy(self) -> "DeviceSample":
+        """Pinned host copies, started without waiting; read them after the step's event."""
+        return DeviceSample(start_to_host(self.token_ids), start_to_host(self.logprobs),
+                            start_to_host(self.top_ids), start_to_host(self.top_logprobs), self.top_n)
+
+    def output(self) -> SampleOutput:
+        """Python lists (waits for the device if the tensors are still there)."""
+        top_ids, top_lp = [[] for _ in self.top_n], [[] for _ in self.top_n]
+        if self.top_ids is not None:
+            ids, values = self.top_ids.tolist(), self.top_logprobs.tolist()
+            for i, n in enumerate(self.top_n):
+                top_ids[i], top_lp[i] = ids[i][:n], values[i][:n]
+        return SampleOutput(self.token_ids.tolist(), self.logprobs.tolist(), top_ids, top_lp)
+
+
 class Sampler:
     """``grammars`` (an ``engine.grammar.GrammarCompiler``) computes the masks of constrained
     rows; ``watermark`` (an ``engine.watermark.WatermarkConfig``) holds gamma and delta."""
@@ -89,18 +114,23 @@ class Sampler:
         self.grammars = grammars
         self.watermark = watermark or WatermarkConfig()
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
+        return self.launch(logits, rows).output()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, rows: list[RowSampling]) -> DeviceSample:
+        """Queue the sampling of one token per row; nothing here waits for the device."""
         scores = self._constrain(logits, rows)
         if any(r.params.has_penalties for r in rows):
             self._apply_penalties(scores, rows)
         sampled = [i for i, r in enumerate(rows) if r.params.do_sample]
         if sampled:
-            scores[sampled] = self._warp(scores[sampled], [rows[i].params for i in sampled])
+            index = to_device(sampled, torch.int64, scores.device)
+            scores[index] = self._warp(scores[index], [rows[i].params for i in sampled])
         logprobs = torch.log_softmax(scores, dim=-1)
         chosen = scores.argmax(dim=-1)
         if sampled:
-            chosen[sampled] = self._draw(logprobs[sampled], [rows[i] for i in sampled])
+            chosen[index] = self._draw(logprobs[index], [rows[i] for i in sampled])
         return self._output(logprobs, chosen, rows)
 
     def _constrain(self, logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
@@ -128,7 +158,7 @@ class Sampler:
             starts.append(len(ids))
         # TGI's frequency penalty scales by each token's share of the sequence.
         freq = [r.params.frequency_penalty / max(r.num_tokens, 1) for r in rows]
-        as_tensor = lambda v, dt: torch.tensor(v, dtype=dt, device=self.device)  # noqa: E731
+        as_tensor = lambda v, dt: to_device(v, dt, self.device)  # noqa: E731
         self.ops.apply_penalties(
             scores, as_tensor(ids, torch.int32), as_tensor(counts, torch.int32), as_tensor(starts, torch.int32),
             as_tensor([r.params.repetition_penalty for r in rows], torch.float32),
@@ -137,43 +167,43 @@ class Sampler:
         )
 
     def _warp(self, scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], device=scores.device)
+        temps = to_device([p.temperature for p in params], torch.float32, scores.device)
         scores = scores / temps[:, None]
         neg_inf = torch.finfo(scores.dtype).min
+        device = scores.device
         top_k = [i for i, p in enumerate(params) if p.top_k > 0]
         if top_k:
-            ks = torch.tensor([min(params[i].top_k, scores.shape[1]) for i in top_k], device=scores.device)
-            kth = scores[top_k].sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
-            scores[top_k] = scores[top_k].masked_fill(scores[top_k] < kth, neg_inf)
+            ks = to_device([min(params[i].top_k, scores.shape[1]) for i in top_k], torch.int64, device)
+            index = to_device(top_k, torch.int64, device)
+            kth = scores[index].sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
+            scores[index] = scores[index].masked_fill(scores[index] < kth, neg_inf)
         top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
         if top_p:
-            masses = torch.tensor([params[i].top_p for i in top_p], device=scores.device)
-            scores[top_p] = _top_p(scores[top_p], masses, neg_inf)
+            index = to_device(top_p, torch.int64, device)
+            masses = to_device([params[i].top_p for i in top_p], torch.float32, device)
+            scores[index] = _top_p(scores[index], masses, neg_inf)
         typical = [i for i, p in enumerate(params) if p.typical_p < 1.0]
         if typical:
-            masses = torch.tensor([params[i].typical_p for i in typical], device=scores.device)
-            scores[typical] = _typical_p(scores[typical], masses, neg_inf)
+            index = to_device(typical, torch.int64, device)
+            masses = to_device([params[i].typical_p for i in typical], torch.float32, device)
+            scores[index] = _typical_p(scores[index], masses, neg_inf)
         return scores
 
     def _draw(self, logprobs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
-        seeds = torch.tensor([r.seed - 2**64 if r.seed >= 2**63 else r.seed for r in rows],
-                             dtype=torch.int64, device=logprobs.device)
-        steps = torch.tensor([r.step for r in rows], dtype=torch.int64, device=logprobs.device)
+        seeds = to_device([r.seed - 2**64 if r.seed >= 2**63 else r.seed for r in rows], torch.int64, logprobs.device)
+        steps = to_device([r.step for r in rows], torch.int64, logprobs.device)
         exponential = -torch.log(hash_uniform(seeds, steps, logprobs.shape[1]))
         race = logprobs.double() - torch.log(exponential)   # log(p / E)
         return race.argmax(dim=-1)
 
-    def _output(self, logprobs: torch.Tensor, chosen: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
+    @staticmethod
+    def _output(logprobs: torch.Tensor, chosen: torch.Tensor, rows: list[RowSampling]) -> DeviceSample:
         chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
-        max_n = max(r.params.top_n_tokens for r in rows)
-        top_ids, top_lp = [[] for _ in rows], [[] for _ in rows]
-        if max_n:
-            values, indices = logprobs.topk(min(max_n, logprobs.shape[1]), dim=-1)
-            values, indices = values.tolist(), indices.tolist()
-            for i, r in enumerate(rows):
-                n = r.params.top_n_tokens
-                top_ids[i], top_lp[i] = indices[i][:n], values[i][:n]
-        return SampleOutput(chosen.tolist(), chosen_logprobs.tolist(), top_ids, top_lp)
+        top_n = [r.params.top_n_tokens for r in rows]
+        values = indices = None
+        if max(top_n):
+            values, indices = logprobs.topk(min(max(top_n), logprobs.shape[1]), dim=-1)
+        return DeviceSample(chosen, chosen_logprobs, indices, values, top_n)
 
 
 def _top_p(scores: torch.Tensor, masses: torch.Tensor, fill: float) -> torch.Tensor:

@@ -6,6 +6,13 @@ the peak future KV usage is ``max_k (k * L_k + sum_{j<=k} R_j)``: when the reque
 with the k-th longest remaining output finishes, the k longest are still running and
 each has grown by ``L_k``. A waiting request is admitted only if the peak with it
 stays within the slot capacity, so a step can never run out of KV slots.
+
+Steps are pipelined: the router plans step N+1 while step N runs, so a request may have
+a token in flight (``pending``) whose value only the worker knows. Its next decode row
+feeds ``FED_BACK`` (the worker substitutes the token it sampled last for the row), and
+no row is planned past ``max_new_tokens``. A request that finishes or is aborted frees
+its slots at once: a row of it still in flight writes only slots that a later step (run
+after it on the device) may hand to another request, and its result is ignored.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ from dataclasses import dataclass, field
 
 from .allocator import SlotAllocator
 from .sampling import SamplingParams
-from .step import RowResult, Step, StepResult, StepRow
+from .step import FED_BACK, RowResult, Step, StepResult, StepRow
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +56,17 @@ class Request:
     prefilled: int = 0
     waited_steps: int = 0
     prompt_logprobs: list[float | None] | None = None
+    pending: int = 0                   # tokens sampled by steps in flight, not yet seen
 
     @property
     def remaining(self) -> int:
-        return self.max_new_tokens - len(self.generated)
+        """New tokens not yet planned."""
+        return self.max_new_tokens - len(self.generated) - self.pending
 
     @property
     def held_tokens(self) -> int:
-        """Tokens this request holds once its whole prompt is in."""
-        return len(self.prompt_ids) + len(self.generated)
+        """Tokens this request holds once its whole prompt is in (planned ones included)."""
+        return len(self.prompt_ids) + len(self.generated) + self.pending
 
     @property
     def in_prefill(self) -> bool:
@@ -119,7 +128,7 @@ class Scheduler:
                     row = self._prefill_row(request, budget)
                     budget -= len(row.input_ids)
                     rows.append(row)
-            else:
+            elif request.remaining > 0:
                 rows.append(self._decode_row(request))
         released, self._released = self._released, []
         return Step(rows=rows, released=released)
@@ -166,14 +175,18 @@ class Scheduler:
             params=request.params if start == 0 else None, seed=request.seed, logprob_targets=targets,
         )
         request.prefilled = end
+        request.pending += last_chunk
         return row
 
     def _decode_row(self, request: Request) -> StepRow:
-        return StepRow(
+        """Feeds the request's newest token (sampled by the worker, maybe still in flight)."""
+        row = StepRow(
             request_id=request.request_id, row=self.allocator.row(request.request_id),
-            start_pos=request.held_tokens - 1, input_ids=[request.generated[-1]],
+            start_pos=request.held_tokens - 1, input_ids=[FED_BACK],
             slots=self.allocator.allocate(request.request_id, 1), sample=True,
         )
+        request.pending += 1
+        return row
 
     # ---- results -------------------------------------------------------------------
 
@@ -185,13 +198,16 @@ class Scheduler:
         by_id = {r.request_id: r for r in self.running}
         events = []
         for row, res in zip(step.rows, result.rows):
-            request = by_id[row.request_id]
+            request = by_id.get(row.request_id)
+            if request is None:
+                continue            # finished or aborted while this step was in flight
             if res.prompt_logprobs is not None:
                 if request.prompt_logprobs is None:
                     request.prompt_logprobs = [None]
                 request.prompt_logprobs.extend(res.prompt_logprobs)
             if res.token_id is None:
                 continue
+            request.pending -= 1
             request.generated.append(res.token_id)
             reason = self._stop_reason(request, res.token_id)
             if reason:
@@ -201,7 +217,7 @@ class Scheduler:
 
     @staticmethod
     def _stop_reason(request: Request, token_id: int) -> str | None:
-        if request.remaining <= 0:
+        if len(request.generated) >= request.max_new_tokens:
             return "length"
         if token_id in request.stop_token_ids:
             return "eos_token"

@@ -51,13 +51,7 @@ def shard_main(spec: ShardSpec, conn, log_level: str = "INFO") -> None:
         worker = ModelWorker(worker_config, tp=TensorParallel(spec.rank, spec.world_size))
         conn.send_bytes(encode(Ready(spec.rank, worker.num_slots)))
         log.info("shard %d ready: %d KV slots", spec.rank, worker.num_slots)
-        while True:
-            message = decode(conn.recv_bytes())
-            if isinstance(message, Shutdown):
-                return
-            result = worker.execute(message)
-            if spec.rank == 0:
-                conn.send_bytes(encode(result))
+        serve_steps(worker, conn, reply=spec.rank == 0)
     except (EOFError, KeyboardInterrupt):
         return
     except BaseException as e:
@@ -67,6 +61,42 @@ def shard_main(spec: ShardSpec, conn, log_level: str = "INFO") -> None:
         except OSError:
             pass
         os._exit(1)
+
+
+def serve_steps(worker, conn, reply: bool) -> None:
+    """Run Steps until Shutdown; one StepResult per Step, in order (rank 0 only).
+
+    A step's result goes out as soon as the next Step has been launched behind it (the
+    device never waits for the router), or as soon as it is done if no Step came first.
+    """
+    launched = None                 # the newest launched step whose result is not sent yet
+    while True:
+        if launched is not None and not _next_step_first(conn, launched):
+            _reply(conn, launched, reply)
+            launched = None
+            continue
+        message = decode(conn.recv_bytes())
+        if isinstance(message, Shutdown):
+            return
+        newer = worker.launch(message)
+        if launched is not None:
+            _reply(conn, launched, reply)
+        launched = newer
+
+
+def _next_step_first(conn, launched) -> bool:
+    """Wait until a message arrives (True) or the launched step is done on the device (False)."""
+    while True:
+        if conn.poll(0):
+            return True
+        if launched.ready():
+            return False
+
+
+def _reply(conn, launched, reply: bool) -> None:
+    result = launched.result()
+    if reply:
+        conn.send_bytes(encode(result))
 
 
 def _join_group(spec: ShardSpec):
@@ -117,13 +147,15 @@ class PipeShards:
         slots = [self._receive(rank, Ready).num_slots for rank in range(len(self.conns))]
         return min(slots)
 
-    def run(self, step: Step) -> StepResult:
+    def submit(self, step: Step) -> None:
         data = encode(step)
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(data)
             except OSError as e:
                 raise ShardFailure(f"shard {rank} is gone ({e})") from e
+
+    def collect(self) -> StepResult:
         return self._receive(0, StepResult)
 
     def shutdown(self) -> None:

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from .sampling import SamplingParams
 
 
+FED_BACK = -1    # a decode row's input id: "the token the worker sampled last for this row"
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: int
@@ -45,7 +48,7 @@ class StepRow:
     request_id: int
     row: int                      # request row in req_to_token
     start_pos: int                # tokens of this request already in the KV cache
-    input_ids: list[int]          # new tokens (a prompt chunk, or the last sampled token)
+    input_ids: list[int]          # new tokens: a prompt chunk, or [FED_BACK] (decode)
     slots: list[int]              # KV slot of each new token
     sample: bool                  # the last new token's logits choose the next token
     params: SamplingParams | None = None   # sent with the request's first chunk only

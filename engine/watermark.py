@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .hashing import MASK32, fmix32
+from .transfer import to_device
 
 HASH_KEY = 15485863          # TGI's key: the millionth prime
 
@@ -58,9 +59,9 @@ def is_green(prev_tokens: torch.Tensor, token_ids: torch.Tensor, gamma: float) -
 def apply_watermark(scores: torch.Tensor, rows: list[int], prev_tokens: list[int], config: WatermarkConfig) -> None:
     """Add ``delta`` to the green logits of ``scores[rows]``, in place; one previous token per row."""
     device = scores.device
-    prev = torch.tensor(prev_tokens, dtype=torch.int64, device=device)[:, None]
+    prev = to_device(prev_tokens, torch.int64, device)[:, None]
     vocab = torch.arange(scores.shape[1], dtype=torch.int64, device=device)[None, :]
-    index = torch.tensor(rows, device=device)
+    index = to_device(rows, torch.int64, device)
     scores[index] = scores[index] + config.delta * is_green(prev, vocab, config.gamma).to(scores.dtype)
 
 

@@ -21,10 +21,35 @@ from .models import model_class_for
 from .ops import KernelOps, default_backend
 from .parallel import TensorParallel
 from .sampling import RowSampling, Sampler, SamplingParams
-from .step import RowResult, Step, StepResult, StepRow
+from .step import FED_BACK, RowResult, Step, StepResult, StepRow
+from .transfer import to_device
 from .watermark import WatermarkConfig
 
 log = logging.getLogger(__name__)
+
+
+class LaunchedStep:
+    """A step whose device work is queued; ``result()`` waits for it (once) and returns its rows."""
+
+    def __init__(self, finish, event=None):
+        self._finish = finish
+        self._event = event
+        self._result: StepResult | None = None
+
+    @classmethod
+    def done(cls, result: StepResult) -> "LaunchedStep":
+        step = cls(None)
+        step._result = result
+        return step
+
+    def ready(self) -> bool:
+        """Whether ``result()`` would return without waiting for the device."""
+        return self._result is not None or self._event is None or self._event.query()
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
 
 
 @dataclass(frozen=True)
@@ -73,14 +98,17 @@ class ModelWorker:
         self._sampling: dict[int, RowSampling] = {}
         self.kv_cache: KVCache | None = None
         self.decoder: PaddedDecoder | None = None      # the warm-up below runs eagerly
+        self._unfinished: LaunchedStep | None = None   # launched; its tokens not yet in the row states
+        # The newest token sampled for each request row (and the dummy row): decode inputs.
+        self.last_tokens = torch.zeros(config.max_requests + 1, dtype=torch.int64, device=config.device)
         num_slots = self._size_slots()
         self.kv_cache = self._new_cache(num_slots)
         if self.device.type == "cuda":
             graphs = config.cuda_graphs
             # The torch references index with host integers, which a graph capture cannot hold.
             capture = (graphs is None or len(graphs) > 0) and self.ops.backend == "triton"
-            self.decoder = PaddedDecoder(self.model, self.kv_cache, config.max_requests, graphs or None,
-                                         use_graphs=capture)
+            self.decoder = PaddedDecoder(self.model, self.kv_cache, self.last_tokens, config.max_requests,
+                                         graphs or None, use_graphs=capture)
 
     def _new_sampler(self) -> Sampler:
         """Rank 0 samples: it alone holds the grammar engine (its tokenizer loads on first use)."""
@@ -142,31 +170,52 @@ class ModelWorker:
 
     # ---- one step ------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
+        """Run one step to the end (``launch`` + ``result``)."""
+        return self.launch(step).result()
+
+    @torch.inference_mode()
+    def launch(self, step: Step) -> "LaunchedStep":
+        """Queue the step's device work and return without waiting for it.
+
+        The previous step's tokens reach the host here, after this step's forward is
+        queued and before its sampling (which needs them for penalties, grammars and
+        seeds): the device runs the forward meanwhile. Decode rows read their input
+        token from ``last_tokens``, written on the device by the previous sampling.
+        """
         for request_id in step.released:
             self._sampling.pop(request_id, None)
         if not step.rows:
-            return StepResult([])
-        self._track_rows(step)
+            return LaunchedStep.done(StepResult([]))
+        results = [RowResult(r.request_id) for r in step.rows]
         if self.decoder is not None and self.decoder.accepts(step):
-            logits = self.decoder.run(step)
-            results = [RowResult(r.request_id) for r in step.rows]
-            return self._sample(step, list(range(len(step.rows))), logits, results)
-        batch = self._forward_batch(step)
-        hidden = self.model.forward(batch, self.kv_cache)
-        return self._results(step, hidden)
+            sampled, logits = list(range(len(step.rows))), self.decoder.run(step)
+        else:
+            sampled, logits = self._forward(step, results)
+        self._finish_previous()
+        self._track_rows(step)
+        if not sampled:
+            return LaunchedStep.done(StepResult(results))
+        return self._launch_sampling(step, sampled, logits, results)
+
+    def _finish_previous(self) -> None:
+        if self._unfinished is not None:
+            self._unfinished.result()
+            self._unfinished = None
 
     def _track_rows(self, step: Step) -> None:
+        """New rows get their sampling state; prompt tokens count for penalties (sampled ones at finish)."""
         for r in step.rows:
             state = self._sampling.get(r.request_id)
             if state is None:
                 state = self._sampling[r.request_id] = self._new_row_state(r)
+            if r.input_ids[0] == FED_BACK:
+                continue
             state.prev_token = r.input_ids[-1]
+            state.num_tokens += len(r.input_ids)
             if state.params.has_penalties:
                 for token in r.input_ids:
                     state.token_counts[token] = state.token_counts.get(token, 0) + 1
-            state.num_tokens += len(r.input_ids)
 
     def _new_row_state(self, row: StepRow) -> RowSampling:
         state = RowSampling(params=row.params, seed=row.seed, step=0)
@@ -174,6 +223,21 @@ class ModelWorker:
         if row.params.grammar_type and grammars is not None:
             state.grammar = grammars.matcher(row.params.grammar_type, row.params.grammar)
         return state
+
+    def _forward(self, step: Step, results: list[RowResult]) -> tuple[list[int], torch.Tensor | None]:
+        """The eager forward of any step: (indices of the sampled rows, their logits)."""
+        batch = self._forward_batch(step)
+        hidden = self.model.forward(batch, self.kv_cache)
+        offsets, offset = [], 0
+        for r in step.rows:
+            offsets.append(offset)
+            offset += len(r.input_ids)
+        self._prompt_logprobs(step, hidden, offsets, results)
+        sampled = [i for i, r in enumerate(step.rows) if r.sample]
+        if not sampled:
+            return sampled, None
+        last = to_device([offsets[i] + len(step.rows[i].input_ids) - 1 for i in sampled], torch.int64, self.device)
+        return sampled, self.model.compute_logits(hidden[last])     # a collective: every rank computes
 
     def _forward_batch(self, step: Step) -> ForwardBatch:
         ids, positions, slots, token_rows, q_start, q_len, seq_len = [], [], [], [], [], [], []
@@ -187,44 +251,60 @@ class ModelWorker:
             q_len.append(n)
             seq_len.append(r.start_pos + n)
         dev = self.device
-        as_tensor = lambda v, dt: torch.tensor(v, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
-        positions_t = as_tensor(positions, torch.int64)
-        slots_t = as_tensor(slots, torch.int64)
-        self.kv_cache.write_table(as_tensor(token_rows, torch.int64), positions_t, slots_t)
+        positions_t = to_device(positions, torch.int64, dev)
+        slots_t = to_device(slots, torch.int64, dev)
+        token_rows_t = to_device(token_rows, torch.int64, dev)
+        self.kv_cache.write_table(token_rows_t, positions_t, slots_t)
+        ids_t = to_device(ids, torch.int64, dev)
+        if FED_BACK in ids:
+            ids_t = torch.where(ids_t == FED_BACK, self.last_tokens[token_rows_t], ids_t)
         return ForwardBatch(
-            input_ids=as_tensor(ids, torch.int64), positions=positions_t, out_slots=slots_t,
-            req_rows=as_tensor([r.row for r in step.rows], torch.int32), q_start=as_tensor(q_start, torch.int32),
-            q_len=as_tensor(q_len, torch.int32), seq_len=as_tensor(seq_len, torch.int32),
+            input_ids=ids_t, positions=positions_t, out_slots=slots_t,
+            req_rows=to_device([r.row for r in step.rows], torch.int32, dev), q_start=to_device(q_start, torch.int32, dev),
+            q_len=to_device(q_len, torch.int32, dev), seq_len=to_device(seq_len, torch.int32, dev),
             max_q_len=max(q_len), is_decode=max(q_len) == 1,
         )
 
-    def _results(self, step: Step, hidden: torch.Tensor) -> StepResult:
-        results = [RowResult(r.request_id) for r in step.rows]
-        offsets, offset = [], 0
-        for r in step.rows:
-            offsets.append(offset)
-            offset += len(r.input_ids)
-        self._prompt_logprobs(step, hidden, offsets, results)
-        sampled = [i for i, r in enumerate(step.rows) if r.sample]
-        if sampled:
-            last = torch.tensor([offsets[i] + len(step.rows[i].input_ids) - 1 for i in sampled], device=self.device)
-            logits = self.model.compute_logits(hidden[last])     # a collective: every rank computes
-            return self._sample(step, sampled, logits, results)
-        return StepResult(results)
+    def _launch_sampling(self, step: Step, sampled: list[int], logits, results: list[RowResult]) -> "LaunchedStep":
+        """Rank 0 samples and broadcasts the tokens; every rank feeds them back into ``last_tokens``."""
+        rows = [step.rows[i] for i in sampled]
+        states = [self._sampling[r.request_id] for r in rows] if self.tp.rank == 0 else []
+        sample = self.sampler.launch(logits, states) if self.tp.rank == 0 else None
+        tokens = sample.token_ids if sample is not None else torch.empty(len(rows), dtype=torch.int64,
+                                                                            device=self.device)
+        if self.tp.world_size > 1:
+            torch.distributed.broadcast(tokens, src=0)
+        self.last_tokens.index_copy_(0, to_device([r.row for r in rows], torch.int64, self.device), tokens)
+        if sample is None:
+            return LaunchedStep.done(StepResult(results))      # only rank 0 replies
+        host = sample.start_copy()
+        event = torch.cuda.Event() if self.device.type == "cuda" else None
+        if event is not None:
+            event.record()
 
-    def _sample(self, step: Step, sampled: list[int], logits: torch.Tensor, results: list[RowResult]) -> StepResult:
-        if self.tp.rank != 0:
-            return StepResult(results)                             # only rank 0 samples and replies
-        states = [self._sampling[step.rows[i].request_id] for i in sampled]
-        out = self.sampler(logits, states)
+        def finish() -> StepResult:
+            if event is not None:
+                event.synchronize()
+            self._record_tokens(sampled, host.output(), states, results)
+            return StepResult(results)
+
+        self._unfinished = LaunchedStep(finish, event)
+        return self._unfinished
+
+    @staticmethod
+    def _record_tokens(sampled: list[int], out, states: list[RowSampling], results: list[RowResult]) -> None:
+        """The sampled tokens into the results and into each row's state (penalties, seed step, grammar)."""
         for j, i in enumerate(sampled):
-            res = results[i]
-            res.token_id, res.logprob = out.token_ids[j], out.logprobs[j]
+            res, state, token = results[i], states[j], out.token_ids[j]
+            res.token_id, res.logprob = token, out.logprobs[j]
             res.top_ids, res.top_logprobs = out.top_ids[j], out.top_logprobs[j]
-            states[j].step += 1
-            if states[j].grammar is not None:
-                states[j].grammar.advance(res.token_id)
-        return StepResult(results)
+            state.step += 1
+            state.prev_token = token
+            state.num_tokens += 1
+            if state.params.has_penalties:
+                state.token_counts[token] = state.token_counts.get(token, 0) + 1
+            if state.grammar is not None:
+                state.grammar.advance(token)
 
     def _prompt_logprobs(self, step: Step, hidden, offsets: list[int], results: list[RowResult]) -> None:
         for i, r in enumerate(step.rows):

@@ -7,6 +7,7 @@ import torch
 from engine.generation import Engine, EngineConfig, GenerationRequest
 from engine.model_config import ModelConfig, ModelConfigError, load_model_config
 from engine.sampling import SamplingParams
+from engine.step import FED_BACK
 from engine.worker import resolve_dtype
 from tests.tiny_models import save_tiny_model
 
@@ -54,8 +55,13 @@ def test_abort_mid_generation_frees_every_slot(engine):
         engine.step()
     assert engine.kv_usage()[0] > 0
     assert engine.abort(1) and engine.abort(2)
-    assert engine.kv_usage()[0] == 0 and not engine.has_work()
+    assert engine.kv_usage()[0] == 0
     engine.allocator.check_integrity()
+    steps = 0
+    while engine.has_work():     # the step still in flight ends; its tokens make no events
+        assert engine.step() == []
+        steps += 1
+    assert steps <= 2
     assert engine.step() == []   # the release reaches the worker
     assert engine.worker._sampling == {}
 
@@ -98,3 +104,30 @@ def test_default_dtype_follows_the_device_and_the_checkpoint(tiny_llama):
     assert resolve_dtype("bfloat16", half, cuda) == torch.bfloat16
     with pytest.raises(ValueError, match="--dtype 'int8'"):
         resolve_dtype("int8", half, cuda)
+
+
+def test_steps_are_pipelined_one_deep_and_decode_rows_feed_the_workers_tokens(engine):
+    shards = engine.router.shards
+    calls, submit, collect = [], shards.submit, shards.collect
+
+    def recording_submit(step):
+        calls.append(("submit", [r.input_ids for r in step.rows]))
+        submit(step)
+
+    def recording_collect():
+        calls.append(("collect", None))
+        return collect()
+
+    shards.submit, shards.collect = recording_submit, recording_collect
+    try:
+        engine.add_request(GenerationRequest(1, [3, 4, 5], 4, stop_token_ids=[]))
+        events = []
+        while engine.has_work():
+            events.extend(engine.step())
+    finally:
+        del shards.submit, shards.collect
+    assert [e.finish_reason for e in events] == [None, None, None, "length"]
+    assert [kind for kind, _ in calls] == ["submit", "submit", "collect", "submit", "collect", "submit",
+                                           "collect", "collect"]
+    assert [inputs for kind, inputs in calls if kind == "submit"] == [[[3, 4, 5]], [[FED_BACK]], [[FED_BACK]],
+                                                                      [[FED_BACK]]]

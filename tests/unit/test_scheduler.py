@@ -5,7 +5,7 @@ import pytest
 from engine.allocator import SlotAllocator
 from engine.sampling import SamplingParams
 from engine.scheduler import Request, Scheduler, SchedulerConfig, peak_usage
-from engine.step import RowResult, StepResult
+from engine.step import FED_BACK, RowResult, StepResult
 
 
 def brute_force_peak(requests):
@@ -150,3 +150,30 @@ def test_peak_admission_runs_more_requests_at_once_than_reservation():
     assert peak > reserve
     with pytest.raises(ValueError, match="admission 'fifo'"):
         SchedulerConfig(admission="fifo")
+
+
+def test_rows_are_planned_ahead_of_their_tokens_but_never_past_max_new_tokens():
+    alloc = SlotAllocator(num_slots=100, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=100))
+    sched.add(make_request(1, 5, 2))
+    prefill = sched.schedule()                  # samples token 1
+    decode = sched.schedule()                   # planned before token 1 is known: feeds it back
+    assert decode.rows[0].input_ids == [FED_BACK] and decode.rows[0].start_pos == 5
+    assert sched.schedule().rows == []          # token 2 is the last one: nothing more to plan
+    first = sched.process(prefill, fake_result(prefill, token=7))
+    second = sched.process(decode, fake_result(decode, token=8))
+    assert [(e[1].token_id, e[2]) for e in first + second] == [(7, None), (8, "length")]
+    assert alloc.used_slots == 0 and not sched.has_work()
+
+
+def test_a_request_that_ends_with_a_row_in_flight_frees_its_slots_and_its_late_token_is_dropped():
+    alloc = SlotAllocator(num_slots=100, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=100))
+    sched.add(make_request(1, 5, 10))
+    prefill = sched.schedule()
+    decode = sched.schedule()
+    events = sched.process(prefill, fake_result(prefill, token=0))     # EOS
+    assert [reason for _, _, reason in events] == ["eos_token"] and alloc.used_slots == 0
+    assert sched.process(decode, fake_result(decode)) == []
+    alloc.check_integrity()
+    assert not sched.has_work() and sched.schedule().released == [1]
