@@ -61,7 +61,7 @@ for stage in $stages; do
     serving)
       ensure_7b
       python3 -m bench.serving_bench --model-dir "$MODEL_7B" --num-requests 512 --duration "${POISSON_S:-120}" ${SERVING_ARGS:-} \
-        --json "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log" | grep -v -E "it/s|s/it" | tail -45
+        --json "$OUT/serving${SERVING_TAG:-}.json" 2>&1 | tee "$OUT/serving${SERVING_TAG:-}.log" | grep -v -E "it/s|s/it" | tail -45
       rc=${PIPESTATUS[0]} ;;
     ablation)
       ensure_7b

@@ -36,7 +36,7 @@ class ServerSettings:
     model_device_type: str = "cuda"
     num_shards: int = 1
     max_batch_total_tokens: int | None = None
-    waiting_served_ratio: float = 0.3
+    waiting_served_ratio: float = 0.0
     max_waiting_tokens: int = 20
     max_batch_prefill_tokens: int | None = None
     max_batch_size: int | None = None

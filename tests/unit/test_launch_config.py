@@ -54,13 +54,14 @@ def test_every_field_is_sampled():
 
 
 def test_defaults_are_tgis():
+    """TGI's defaults, but for --waiting-served-ratio (0: see its --help)."""
     c = parse_args([], {})
     assert c.model_id == DEMO_MODEL and DEMO_MODEL.endswith(os.path.join("weights", "demo"))
     assert os.path.isfile(os.path.join(DEMO_MODEL, "config.json"))
     expected = dict(
         revision=None, num_shard=None, sharded=None, dtype=None, max_concurrent_requests=128, max_best_of=2,
         max_stop_sequences=4, max_top_n_tokens=5, max_input_tokens=None, max_input_length=None,
-        max_total_tokens=None, waiting_served_ratio=0.3, max_batch_prefill_tokens=None, max_batch_total_tokens=None,
+        max_total_tokens=None, waiting_served_ratio=0.0, max_batch_prefill_tokens=None, max_batch_total_tokens=None,
         max_waiting_tokens=20, max_batch_size=None, max_client_batch_size=4, hostname="0.0.0.0", port=3000,
         master_addr="localhost", master_port=29500, huggingface_hub_cache=None, api_key=None,
         payload_limit=2_000_000, json_output=False, cuda_graphs=None, cuda_memory_fraction=1.0,
