@@ -33,7 +33,6 @@ import asyncio
 import gc
 import json
 import math
-import os
 import shlex
 import shutil
 import traceback
@@ -67,12 +66,11 @@ class LoadSpec:
 # ---- the server -------------------------------------------------------------------------
 
 def start_server(args: argparse.Namespace, *extra: str):
-    """The real launcher; the caller's PYTHONPATH is kept (the GPU script puts wheels on it)."""
+    """The real launcher (tests.e2e.server keeps the caller's PYTHONPATH)."""
     from tests.e2e.server import LaunchedServer
 
-    python_path = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
     server = LaunchedServer(args.model_dir, "--max-concurrent-requests", str(args.max_concurrent_requests),
-                            *args.server_arg, *extra, env={"PYTHONPATH": python_path})
+                            *args.server_arg, *extra)
     print(f"starting the server on {server.url} (log: {server.log_path})", flush=True)
     try:
         return server.wait_healthy(timeout=args.server_timeout)

@@ -32,7 +32,9 @@ class LaunchedServer:
         cmd = [sys.executable, str(REPO / "launcher.py"), "--model-id", str(model_dir), "--hostname", "127.0.0.1",
                "--port", str(self.port), *args, *shlex.split(os.environ.get("E2E_SERVER_ARGS", ""))]
         child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        child_env.update({"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})})
+        # The repo first, then the caller's path (the GPU script puts its wheels there).
+        python_path = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
+        child_env.update({"PYTHONPATH": python_path, "HF_HUB_OFFLINE": "1", **(env or {})})
         self.log_path = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"server-{self.port}.log"
         self.log = open(self.log_path, "w+")
         self.process = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=self.log, stderr=subprocess.STDOUT,
