@@ -74,7 +74,7 @@ for stage in $stages; do
       # at a time" is exact batch invariance, which bf16 near-ties break (tests/gpu/greedy.py).
       ensure_7b
       E2E_MODEL_DIR=$MODEL_7B E2E_SERVER_ARGS="--dtype float32" E2E_STARTUP_S=300 \
-        python3 -m pytest -q -p no:cacheprovider tests/e2e/test_launcher.py 2>&1 | tee "$OUT/e2e.log" | tail -30
+        python3 -m pytest -q -p no:cacheprovider tests/e2e/test_launcher.py tests/e2e/test_launcher_lifecycle.py 2>&1 | tee "$OUT/e2e.log" | tail -30
       rc=${PIPESTATUS[0]} ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -17,7 +18,16 @@ from urllib.parse import urlparse
 
 import pytest
 
-from tests.tiny_models import save_tiny_model, save_tiny_tokenizer
+from tests.tiny_models import save_tiny_model, save_tiny_server_model, save_tiny_tokenizer
+
+@pytest.fixture(scope="session")
+def launcher_model_dir(tmp_path_factory):
+    """What the launcher tests serve: the tiny checkpoint, or E2E_MODEL_DIR (the GPU run's random 7B,
+    bench/gpu_run.sh e2e)."""
+    if os.environ.get("E2E_MODEL_DIR"):
+        return os.environ["E2E_MODEL_DIR"]
+    return save_tiny_server_model("llama", tmp_path_factory.mktemp("e2e") / "tiny-llama")
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:

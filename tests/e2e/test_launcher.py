@@ -1,12 +1,11 @@
 """End to end: the real launcher (supervisor, shard, router, front end processes) on a
-free loopback port with a tiny checkpoint, driven by the clients TGI users run."""
+free loopback port with a tiny checkpoint, driven by the clients TGI users run.
+Limits, auth, a dying shard and SIGTERM: test_launcher_lifecycle.py."""
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
 import subprocess
 import time
 
@@ -16,22 +15,14 @@ import text_generation
 from huggingface_hub import InferenceClient
 
 from tests.e2e.server import LaunchedServer
-from tests.tiny_models import save_tiny_server_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The tiny checkpoint, or E2E_MODEL_DIR (the GPU run's random 7B: bench/gpu_run.sh e2e)."""
-    if os.environ.get("E2E_MODEL_DIR"):
-        return os.environ["E2E_MODEL_DIR"]
-    return save_tiny_server_model("llama", tmp_path_factory.mktemp("e2e") / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    srv = LaunchedServer(model_dir, "--max-concurrent-requests", "256", "--max-total-tokens", "256",
+def server(launcher_model_dir):
+    """Stopped when this module ends: on one GPU a second server (test_launcher_lifecycle) needs its memory."""
+    srv = LaunchedServer(launcher_model_dir, "--max-concurrent-requests", "256", "--max-total-tokens", "256",
                          "--max-input-tokens", "192", "--max-batch-prefill-tokens", "512")
     srv.wait_healthy()
     yield srv
@@ -204,62 +195,3 @@ def test_malformed_requests_get_their_status(server):
     assert requests.post(url, json=big, timeout=30).status_code == 413
     assert requests.post(url, json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
     wait_until_idle(server)
-
-
-# ---- a second server: limits, auth, a dying shard -----------------------------------------
-
-@pytest.fixture(scope="module")
-def small_server(model_dir):
-    srv = LaunchedServer(model_dir, "--max-concurrent-requests", "2", "--api-key", "s3cret",
-                         "--max-total-tokens", "256", "--max-input-tokens", "192")
-    srv.wait_healthy()
-    yield srv
-    srv.stop()
-
-
-def test_api_key_and_overload(small_server):
-    url = small_server.url
-    assert requests.post(url + "/generate", json={"inputs": "hi"}).status_code == 401
-    assert requests.post(url + "/generate", json={"inputs": "hi"}, headers={"Authorization": "Bearer no"}).status_code == 401
-    assert requests.get(url + "/health").status_code == 200   # not protected
-    headers = {"Authorization": "Bearer S3CRET"}              # TGI compares case-insensitively
-    client = text_generation.Client(url, headers=headers, timeout=60)
-    assert client.generate("hi", max_new_tokens=2).details.generated_tokens == 2
-
-    async def burst():
-        aclient = text_generation.AsyncClient(url, headers=headers, timeout=60)
-        return await asyncio.gather(*(aclient.generate("hello", max_new_tokens=60) for _ in range(6)),
-                                    return_exceptions=True)
-
-    results = asyncio.run(burst())
-    overloaded = [r for r in results if isinstance(r, text_generation.errors.OverloadedError)]
-    assert overloaded and len(overloaded) <= 4
-    assert all(not isinstance(r, Exception) or r in overloaded for r in results)
-
-
-def test_a_killed_shard_fails_requests_marks_unhealthy_and_stops_the_launcher(small_server):
-    headers = {"Authorization": "Bearer s3cret"}
-    body = {"inputs": "hello", "parameters": {"max_new_tokens": 250}}
-    stream = requests.post(small_server.url + "/generate_stream", json=body, headers=headers, stream=True, timeout=60)
-    lines = stream.iter_lines()
-    assert next(line for line in lines if line.startswith(b"data:"))
-    shard_pid = int(re.search(r"started shard-0 \(pid (\d+)\)", small_server.output()).group(1))
-    subprocess.run(["kill", "-9", str(shard_pid)], check=True)
-    rest = b"\n".join(lines)
-    assert b'"error_type":"generation"' in rest
-    assert requests.get(small_server.url + "/health", timeout=5).status_code == 503
-    small_server.process.wait(30)
-    assert small_server.process.returncode != 0
-    assert small_server.wait_no_children() == []
-
-
-def test_sigterm_stops_every_process_within_seconds(model_dir):
-    srv = LaunchedServer(model_dir, "--max-total-tokens", "128", "--max-input-tokens", "64")
-    srv.wait_healthy()
-    assert len(srv.children()) >= 4     # supervisor, shard, router, front end
-    start = time.monotonic()
-    srv.process.send_signal(signal.SIGTERM)
-    assert srv.process.wait(15) == 0
-    assert time.monotonic() - start < 10
-    assert srv.wait_no_children() == []
-    srv.stop()
