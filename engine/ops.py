@@ -20,6 +20,7 @@ from kernels import prefill_attention as _prefill
 from kernels import rmsnorm as _rmsnorm
 from kernels import rotary as _rotary
 from kernels import silu_and_mul as _silu
+from kernels import skinny_gemm as _gemm
 
 BACKENDS = ("triton", "torch")
 
@@ -42,6 +43,7 @@ class KernelOps:
     decode_attention: Callable
     silu_and_mul: Callable
     apply_penalties: Callable
+    linear: Callable               # F.linear semantics; small decode batches take the skinny GEMM
 
     @classmethod
     def create(cls, backend: str) -> "KernelOps":
@@ -62,4 +64,5 @@ class KernelOps:
             decode_attention=pick(_decode, "decode_attention"),
             silu_and_mul=pick(_silu, "silu_and_mul"),
             apply_penalties=pick(_penalties, "apply_penalties"),
+            linear=pick(_gemm, "linear"),
         )

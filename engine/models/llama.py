@@ -9,8 +9,8 @@ Per layer, with T new tokens of a ragged batch (``ForwardBatch``):
     residual += h @ w_o.T; h = rmsnorm(residual)
     h = silu(h @ w_gate.T) * (h @ w_up.T) @ w_down.T          (gate|up fused)
 
-GEMMs are torch (cuBLAS); norms, rotary, KV copy, attention and the activation come
-from ``KernelOps``. The model holds plain tensors (no autograd, no lazy attributes).
+GEMMs are cuBLAS, or the skinny GEMM kernel for small decode batches; both, and the
+norms, rotary, KV copy, attention and activation, come from ``KernelOps``. The model holds plain tensors (no autograd, no lazy attributes).
 """
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ class LlamaFamilyModel:
 
     def _attention(self, hidden, layer: LayerWeights, batch: ForwardBatch, kv_layer, req_to_token):
         c, ops = self.config, self.ops
-        qkv = torch.nn.functional.linear(hidden, layer.w_qkv, layer.b_qkv)
+        qkv = self.ops.linear(hidden, layer.w_qkv, layer.b_qkv)
         tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
         q = qkv[:, :q_size].view(tokens, self.num_heads, c.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, c.head_dim)
@@ -168,12 +168,12 @@ class LlamaFamilyModel:
         else:
             out = ops.prefill_attention(q, kv_layer, req_to_token, batch.req_rows, batch.q_start, batch.q_len,
                                         batch.seq_len, self.sm_scale, batch.max_q_len)
-        return self.tp.all_reduce(torch.nn.functional.linear(out.reshape(tokens, q_size), layer.w_o))
+        return self.tp.all_reduce(self.ops.linear(out.reshape(tokens, q_size), layer.w_o))
 
     def _mlp(self, hidden, layer: LayerWeights):
-        gate_up = torch.nn.functional.linear(hidden, layer.w_gate_up)
-        return self.tp.all_reduce(torch.nn.functional.linear(self.ops.silu_and_mul(gate_up), layer.w_down))
+        gate_up = self.ops.linear(hidden, layer.w_gate_up)
+        return self.tp.all_reduce(self.ops.linear(self.ops.silu_and_mul(gate_up), layer.w_down))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, vocab] float32 logits (the GEMM in the model dtype, as transformers does)."""
-        return self.tp.gather_columns(torch.nn.functional.linear(hidden, self.lm_head)).float()
+        return self.tp.gather_columns(self.ops.linear(hidden, self.lm_head)).float()
