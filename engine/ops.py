@@ -14,7 +14,6 @@ from typing import Callable
 import torch
 
 from kernels import decode_attention as _decode
-from kernels import kv_copy as _kv_copy
 from kernels import penalties as _penalties
 from kernels import prefill_attention as _prefill
 from kernels import rmsnorm as _rmsnorm
@@ -37,8 +36,7 @@ class KernelOps:
     backend: str
     rmsnorm: Callable
     add_rmsnorm: Callable
-    rotary_embedding: Callable
-    copy_kv: Callable
+    rotary_store_kv: Callable      # rotate q in place; rotated k and v into the KV cache
     prefill_attention: Callable
     decode_attention: Callable
     silu_and_mul: Callable
@@ -58,8 +56,7 @@ class KernelOps:
             backend=backend,
             rmsnorm=pick(_rmsnorm, "rmsnorm"),
             add_rmsnorm=pick(_rmsnorm, "add_rmsnorm"),
-            rotary_embedding=pick(_rotary, "rotary_embedding"),
-            copy_kv=pick(_kv_copy, "copy_kv"),
+            rotary_store_kv=pick(_rotary, "rotary_store_kv"),
             prefill_attention=pick(_prefill, "prefill_attention"),
             decode_attention=pick(_decode, "decode_attention"),
             silu_and_mul=pick(_silu, "silu_and_mul"),

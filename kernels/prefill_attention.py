@@ -24,6 +24,7 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
+from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 
 
@@ -64,8 +65,10 @@ def _prefill_attention_kernel(
     stride_out_token, stride_out_head,
     kv_heads, group_size, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-    WHILE_LOOP: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     block_m = tl.program_id(2)
@@ -158,7 +161,7 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: tor
         out.stride(0), out.stride(1),
         kv_heads, q_heads // kv_heads, head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=upcast_dots(q), WHILE_LOOP=not on_gpu,
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **launch_options(q),
     )
     return out
 

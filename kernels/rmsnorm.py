@@ -17,6 +17,7 @@ from ._checks import (
     check_shape,
     check_tensor,
 )
+from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 
 MAX_HIDDEN = 65536
@@ -27,8 +28,10 @@ def _rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     stride_x, stride_residual, stride_out,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -68,7 +71,7 @@ def _launch(x, residual, weight, out, eps: float) -> None:
         x, res, weight, out,
         x.stride(0), res.stride(0), out.stride(0),
         hidden, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps, **launch_options(x),
     )
 
 

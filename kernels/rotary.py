@@ -1,10 +1,18 @@
-"""Rotary position embedding (Neox / HF-Llama half-split style), in place on q and k.
+"""Rotary position embedding (Neox / HF-Llama half-split style) fused with the KV-cache write.
+
+For every new token ``t`` of a step:
+
+- ``q[t]`` is rotated in place;
+- ``kv_layer[slots[t], :Hk] = rotate(k[t])`` and ``kv_layer[slots[t], Hk:] = v[t]``
+  (``k`` itself is left as it was: attention reads K from the cache).
 
 ``cos_sin_cache[p] = cat(cos(p * inv_freq) * scale, sin(p * inv_freq) * scale)`` is built
 by the caller for every rope variant; the kernel only gathers row ``positions[t]``.
 With ``x1 = x[..., :D/2]`` and ``x2 = x[..., D/2:]``:
-``out1 = x1 * cos - x2 * sin`` and ``out2 = x2 * cos + x1 * sin`` (float32 math).
-Grid: (token, block of heads); each program rotates a block of q heads and of k heads.
+``out1 = x1 * cos - x2 * sin`` and ``out2 = x2 * cos + x1 * sin`` (float32 math, rounded to
+the dtype). One kernel instead of a rotary kernel plus a copy kernel saves a launch and a
+round trip of K through memory per layer.
+Grid: (token, block of heads); each program handles a block of q heads and of kv heads.
 """
 from __future__ import annotations
 
@@ -19,29 +27,40 @@ from ._checks import (
     check_shape,
     check_tensor,
 )
+from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_head, heads, head_block, cos, sin, offs_d, half, BLOCK_H: tl.constexpr):
+def _rotate_heads(src_ptr, src_stride_head, dst_ptr, dst_stride_head, heads, head_block, cos, sin, offs_d, half,
+                  BLOCK_H: tl.constexpr, ROTATE: tl.constexpr):
+    """dst heads of the block <- the src heads rotated (``ROTATE``) or copied as they are."""
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (offs_h[:, None] < heads) & (offs_d[None, :] < half)
-    ptr1 = x_ptr + offs_h[:, None] * stride_head + offs_d[None, :]
-    x1 = tl.load(ptr1, mask=mask, other=0.0)
-    x2 = tl.load(ptr1 + half, mask=mask, other=0.0)
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    tl.store(ptr1, round_to(a * cos - b * sin, x1.dtype), mask=mask)
-    tl.store(ptr1 + half, round_to(b * cos + a * sin, x1.dtype), mask=mask)
+    src1 = src_ptr + offs_h[:, None] * src_stride_head + offs_d[None, :]
+    dst1 = dst_ptr + offs_h[:, None] * dst_stride_head + offs_d[None, :]
+    x1 = tl.load(src1, mask=mask, other=0.0)
+    x2 = tl.load(src1 + half, mask=mask, other=0.0)
+    if ROTATE:
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        tl.store(dst1, round_to(a * cos - b * sin, x1.dtype), mask=mask)
+        tl.store(dst1 + half, round_to(b * cos + a * sin, x1.dtype), mask=mask)
+    else:
+        tl.store(dst1, x1, mask=mask)
+        tl.store(dst1 + half, x2, mask=mask)
 
 
 @triton.jit
-def _rotary_kernel(
-    q_ptr, k_ptr, positions_ptr, cache_ptr,
-    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_cache,
-    q_heads, k_heads, half,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _rotary_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, positions_ptr, slots_ptr, cache_ptr, kv_ptr,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
+    stride_cache, stride_kv_slot, stride_kv_head,
+    q_heads, kv_heads, half,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -49,55 +68,74 @@ def _rotary_kernel(
     cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=offs_d < half, other=0.0)[None, :]
     sin = tl.load(cache_ptr + pos * stride_cache + half + offs_d, mask=offs_d < half, other=0.0)[None, :]
     if head_block * BLOCK_H < q_heads:
-        _rotate_heads(q_ptr + token * stride_q_token, stride_q_head, q_heads, head_block,
-                      cos, sin, offs_d, half, BLOCK_H)
-    if head_block * BLOCK_H < k_heads:
-        _rotate_heads(k_ptr + token * stride_k_token, stride_k_head, k_heads, head_block,
-                      cos, sin, offs_d, half, BLOCK_H)
+        q_row = q_ptr + token * stride_q_token
+        _rotate_heads(q_row, stride_q_head, q_row, stride_q_head, q_heads, head_block,
+                      cos, sin, offs_d, half, BLOCK_H, True)
+    if head_block * BLOCK_H < kv_heads:
+        slot_row = kv_ptr + tl.load(slots_ptr + token).to(tl.int64) * stride_kv_slot
+        _rotate_heads(k_ptr + token * stride_k_token, stride_k_head, slot_row, stride_kv_head, kv_heads, head_block,
+                      cos, sin, offs_d, half, BLOCK_H, True)
+        _rotate_heads(v_ptr + token * stride_v_token, stride_v_head, slot_row + kv_heads * stride_kv_head,
+                      stride_kv_head, kv_heads, head_block, cos, sin, offs_d, half, BLOCK_H, False)
 
 
-def _check(q, k, positions, cos_sin_cache) -> None:
+def _check(q, k, v, positions, cos_sin_cache, kv_layer, slots) -> None:
     check_tensor("q", q, 3)
     device = q.device
-    check_tensor("k", k, 3, device=device)
-    check_tensor("positions", positions, 1, dtypes=INDEX_DTYPES, device=device)
-    check_tensor("cos_sin_cache", cos_sin_cache, 2, dtypes=(torch.float32,), device=device)
     tokens, _, head_dim = q.shape
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
+    check_tensor("k", k, 3, device=device)
     check_shape("k", k, (tokens, None, head_dim))
-    check_same_dtype("k", k, q.dtype)
+    check_tensor("v", v, 3, device=device)
+    check_shape("v", v, tuple(k.shape))
+    check_tensor("kv_layer", kv_layer, 3, device=device)
+    check_shape("kv_layer", kv_layer, (None, 2 * k.shape[1], head_dim))
+    for name, t in (("k", k), ("v", v), ("kv_layer", kv_layer)):
+        check_same_dtype(name, t, q.dtype)
+    check_tensor("positions", positions, 1, dtypes=INDEX_DTYPES, device=device)
     check_shape("positions", positions, (tokens,))
+    check_tensor("slots", slots, 1, dtypes=INDEX_DTYPES, device=device)
+    check_shape("slots", slots, (tokens,))
+    check_tensor("cos_sin_cache", cos_sin_cache, 2, dtypes=(torch.float32,), device=device)
     check_shape("cos_sin_cache", cos_sin_cache, (None, head_dim))
-    for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("kv_layer", kv_layer), ("cos_sin_cache", cos_sin_cache)):
         check_last_dim_contiguous(name, t)
 
 
-def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> None:
-    """In place: rotate q [T, Hq, D] and k [T, Hk, D] by the cache rows at ``positions`` [T]."""
-    _check(q, k, positions, cos_sin_cache)
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rotate q [T, Hq, D] in place; write rotated k and v [T, Hk, D] into kv_layer [S+1, 2*Hk, D] at ``slots``."""
+    _check(q, k, v, positions, cos_sin_cache, kv_layer, slots)
     tokens, q_heads, head_dim = q.shape
-    k_heads = k.shape[1]
+    kv_heads = k.shape[1]
     if tokens == 0:
         return
     block_half = triton.next_power_of_2(head_dim // 2)
-    block_h = min(triton.next_power_of_2(max(q_heads, k_heads)), max(1, 2048 // block_half))
-    grid = (tokens, triton.cdiv(max(q_heads, k_heads), block_h))
-    _rotary_kernel[grid](
-        q, k, positions, cos_sin_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        q_heads, k_heads, head_dim // 2,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4,
+    block_h = min(triton.next_power_of_2(max(q_heads, kv_heads)), max(1, 512 // block_half))  # 8 heads of 128 a program
+    grid = (tokens, triton.cdiv(max(q_heads, kv_heads), block_h))
+    _rotary_store_kv_kernel[grid](
+        q, k, v, positions, slots, cos_sin_cache, kv_layer,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0), kv_layer.stride(0), kv_layer.stride(1),
+        q_heads, kv_heads, head_dim // 2,
+        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4, **launch_options(q),
     )
 
 
-def rotary_embedding_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                         cos_sin_cache: torch.Tensor) -> None:
-    half = q.shape[-1] // 2
+def rotate_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by the cache rows at ``positions``, as a new tensor in x's dtype."""
+    half = x.shape[-1] // 2
     rows = cos_sin_cache[positions.long()]
     cos, sin = rows[:, None, :half], rows[:, None, half:]
-    for x in (q, k):
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        x.copy_(rotated.to(x.dtype))
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rotary_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor) -> None:
+    kv_heads = k.shape[1]
+    slots = slots.long()
+    q.copy_(rotate_ref(q, positions, cos_sin_cache))
+    kv_layer[slots, :kv_heads] = rotate_ref(k, positions, cos_sin_cache)
+    kv_layer[slots, kv_heads:] = v

@@ -12,14 +12,17 @@ import triton
 import triton.language as tl
 
 from ._checks import check_last_dim_contiguous, check_tensor
+from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 
 
 @triton.jit
 def _silu_and_mul_kernel(
     gate_up_ptr, out_ptr, stride_in, stride_out, inter,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -43,7 +46,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(inter), 1024)
     grid = (tokens, triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
+                               **launch_options(gate_up))
     return out
 
 

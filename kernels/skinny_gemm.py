@@ -35,6 +35,7 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
+from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 
 MAX_ROWS = 16
@@ -62,20 +63,23 @@ class SkinnyConfig(NamedTuple):
 
 
 @triton.jit
-def _accumulate_tile(acc, x_ptrs, w_ptrs, offs_k, k0, K, m_mask,
-                     EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """acc += the products of the x tile [BLOCK_M, BLOCK_K] and the weight tile at K offset ``k0``.
-
-    The weight tile is [BLOCK_N, BLOCK_K] on the dot path, [BLOCK_N, 1, BLOCK_K] on the FMA path.
-    """
+def _load_weight_tile(w_ptrs, offs_k, k0, K, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr):
+    """The weight tile at K offset ``k0``: [BLOCK_N, BLOCK_K] on the dot path, [BLOCK_N, 1, BLOCK_K] on FMA."""
     if EVEN_K:
-        w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+        return tl.load(w_ptrs + k0, eviction_policy="evict_first")
+    k_ok = (k0 + offs_k) < K
+    w_mask = k_ok[None, :] if USE_DOT else k_ok[None, None, :]
+    return tl.load(w_ptrs + k0, mask=w_mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _accumulate_tile(acc, w, x_ptrs, offs_k, k0, K, m_mask,
+                     EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """acc += the products of the weight tile ``w`` and the x tile [BLOCK_M, BLOCK_K] at K offset ``k0``."""
+    if EVEN_K:
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
     else:
-        k_ok = (k0 + offs_k) < K
-        w_mask = k_ok[None, :] if USE_DOT else k_ok[None, None, :]
-        w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
     if USE_DOT:
         if UPCAST:  # IEEE fp32 dots, not TF32 (and the interpreter's bf16 dot is broken)
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
@@ -94,6 +98,7 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -114,14 +119,22 @@ def _skinny_gemm_kernel(
     else:
         w_ptrs = w_ptr + rows[:, None, None] * stride_wn + offs_k[None, None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+    # The first weight tile is read before waiting for the previous kernel (weights are never
+    # written), so with PDL its load overlaps that kernel's tail; every split has at least one tile.
+    w_first = _load_weight_tile(w_ptrs, offs_k, k_begin, K, EVEN_K, USE_DOT)
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
+    acc = _accumulate_tile(acc, w_first, x_ptrs, offs_k, k_begin, K, m_mask, EVEN_K, USE_DOT, UPCAST)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
-        k0 = k_begin
+        k0 = k_begin + BLOCK_K
         while k0 < k_end:
-            acc = _accumulate_tile(acc, x_ptrs, w_ptrs, offs_k, k0, K, m_mask, EVEN_K, USE_DOT, UPCAST)
+            w = _load_weight_tile(w_ptrs, offs_k, k0, K, EVEN_K, USE_DOT)
+            acc = _accumulate_tile(acc, w, x_ptrs, offs_k, k0, K, m_mask, EVEN_K, USE_DOT, UPCAST)
             k0 += BLOCK_K
     else:  # an explicit num_stages also pipelines the loads of the FMA path (no dot in the loop)
-        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            acc = _accumulate_tile(acc, x_ptrs, w_ptrs, offs_k, k0, K, m_mask, EVEN_K, USE_DOT, UPCAST)
+        for k0 in tl.range(k_begin + BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            w = _load_weight_tile(w_ptrs, offs_k, k0, K, EVEN_K, USE_DOT)
+            acc = _accumulate_tile(acc, w, x_ptrs, offs_k, k0, K, m_mask, EVEN_K, USE_DOT, UPCAST)
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
 
@@ -139,9 +152,11 @@ def _skinny_gemm_kernel(
 @triton.jit
 def _split_k_reduce_kernel(
     partial_ptr, bias_ptr, out_ptr, N, stride_split, stride_pm, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, cols] = sum over s in order of partial[s, m, cols] (+ bias), rounded to out's dtype."""
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -261,9 +276,9 @@ def _launch(x, weight, bias, out, cfg: SkinnyConfig, compile_only: bool = False)
             x.stride(0), weight.stride(0), partial.stride(-2), partial.stride(0) if splits > 1 else 0)
     meta = {
         "HAS_BIAS": has_bias, "SPLIT": splits > 1, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
-        "BLOCK_K": cfg.block_k, "EVEN_K": K % cfg.block_k == 0, "USE_DOT": cfg.use_dot, "UPCAST": upcast_dots(x),
+        "BLOCK_K": cfg.block_k, "EVEN_K": K > 0 and K % cfg.block_k == 0, "USE_DOT": cfg.use_dot, "UPCAST": upcast_dots(x),
         "NUM_STAGES": cfg.num_stages, "WHILE_LOOP": not x.is_cuda,
-        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch_options(x),
     }
     if compile_only:
         _skinny_gemm_kernel.warmup(*args, grid=grid, **meta)
@@ -272,7 +287,7 @@ def _launch(x, weight, bias, out, cfg: SkinnyConfig, compile_only: bool = False)
     if splits > 1:
         _split_k_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
             partial, bias_arg, out, N, partial.stride(0), partial.stride(1), out.stride(0),
-            HAS_BIAS=has_bias, SPLIT_K=splits, BLOCK=REDUCE_BLOCK, num_warps=4,
+            HAS_BIAS=has_bias, SPLIT_K=splits, BLOCK=REDUCE_BLOCK, num_warps=4, **launch_options(x),
         )
 
 

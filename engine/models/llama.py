@@ -5,12 +5,13 @@ Per layer, with T new tokens of a ragged batch (``ForwardBatch``):
     residual += attn_out            (fused into add_rmsnorm)
     h   = rmsnorm(residual)                                   [T, hidden]
     qkv = h @ w_qkv.T (+ b_qkv)     q | k | v side by side    [T, q + 2 kv]
-    rotary(q, k); copy_kv(k, v -> slots); attention over req_to_token
+    rotary(q); rotary(k), v -> KV slots (one kernel); attention over req_to_token
     residual += h @ w_o.T; h = rmsnorm(residual)
     h = silu(h @ w_gate.T) * (h @ w_up.T) @ w_down.T          (gate|up fused)
 
 GEMMs are cuBLAS, or the skinny GEMM kernel for small decode batches; both, and the
-norms, rotary, KV copy, attention and activation, come from ``KernelOps``. The model holds plain tensors (no autograd, no lazy attributes).
+norms, rotary + KV store, attention and activation, come from ``KernelOps``. The model holds
+plain tensors (no autograd, no lazy attributes).
 """
 from __future__ import annotations
 
@@ -161,8 +162,7 @@ class LlamaFamilyModel:
         q = qkv[:, :q_size].view(tokens, self.num_heads, c.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, c.head_dim)
         v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, c.head_dim)
-        ops.rotary_embedding(q, k, batch.positions, self.cos_sin_cache)
-        ops.copy_kv(k, v, kv_layer, batch.out_slots)
+        ops.rotary_store_kv(q, k, v, batch.positions, self.cos_sin_cache, kv_layer, batch.out_slots)
         if batch.is_decode:
             out = ops.decode_attention(q, kv_layer, req_to_token, batch.req_rows, batch.seq_len, self.sm_scale)
         else:

@@ -1,0 +1,104 @@
+"""Sweep the decode attention's launch parameters on the GPU (Llama-2-7B heads by default).
+
+    python -m bench.attention_bench [--batch-sizes 1,8] [--seq-lens 128,384,1024,4096] [--json out.json]
+
+For each (batch, sequence length) it times ``kernels.decode_attention.launch`` (split stage +
+merge stage) for every combination of split count, BLOCK_N, warps and stages, as 32 back-to-back
+calls (one per layer) replayed from a CUDA graph, so launch gaps count as they do in a decode
+step. It prints the default's time and the best few, and checks the best against the default's
+output. CUDA only; no part of it runs in CI (the kernel's tests do).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from kernels.decode_attention import decode_attention, default_num_splits, launch
+
+LAYERS = 32
+
+
+def make_inputs(batch: int, seq_len: int, q_heads: int, kv_heads: int, head_dim: int, dtype, device):
+    """One request per row, each holding ``seq_len`` contiguous slots (as a fresh allocator hands out)."""
+    slots = batch * seq_len + 1
+    kv_layer = torch.randn(slots, 2 * kv_heads, head_dim, dtype=dtype, device=device)
+    table = torch.arange(batch * seq_len, dtype=torch.int32, device=device).view(batch, seq_len)
+    rows = torch.arange(batch, dtype=torch.int32, device=device)
+    lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+    q = torch.randn(batch, q_heads, head_dim, dtype=dtype, device=device)
+    return q, kv_layer, table, rows, lens, 1 / math.sqrt(head_dim)
+
+
+def time_us(fn, replays: int = 20) -> float:
+    """Microseconds per call of ``fn``, from a CUDA graph of LAYERS calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LAYERS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * LAYERS)
+
+
+def sweep(batch: int, seq_len: int, args) -> dict:
+    inputs = make_inputs(batch, seq_len, args.q_heads, args.kv_heads, args.head_dim, torch.bfloat16, "cuda")
+    out = torch.empty_like(inputs[0])
+    default_splits = default_num_splits(batch, args.kv_heads, out.device)
+    reference = decode_attention(*inputs)
+    results = {}
+    grid = itertools.product(sorted({1, 2, 4, 8, 16, 32, default_splits}), (16, 32, 64), (1, 2, 4), (1, 2))
+    for splits, block_n, warps, stages in grid:
+        key = f"s{splits} n{block_n} w{warps} st{stages}"
+        results[key] = time_us(lambda: launch(*inputs, out, splits, block_n, warps, stages))
+    default_key = f"s{default_splits} n32 w2 st2"  # decode_attention's launch on CUDA
+    best_key = min(results, key=results.get)
+    params = [int(p.lstrip("snwt")) for p in best_key.split()]
+    launch(*inputs, out, *params)
+    return {"batch": batch, "seq_len": seq_len, "default": default_key, "default_us": round(results[default_key], 2),
+            "best": best_key, "best_us": round(results[best_key], 2),
+            "best_max_abs_diff": float((out.float() - reference.float()).abs().max()),
+            "top5": sorted(((k, round(v, 2)) for k, v in results.items()), key=lambda kv: kv[1])[:5]}
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated decode batch sizes")
+    parser.add_argument("--seq-lens", default="128,384,1024,4096", help="comma-separated sequence lengths")
+    parser.add_argument("--q-heads", type=int, default=32, help="query heads (Llama-2-7B: 32)")
+    parser.add_argument("--kv-heads", type=int, default=32, help="KV heads (Llama-2-7B: 32)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_bench needs a CUDA GPU")
+    results = []
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        for seq_len in (int(s) for s in args.seq_lens.split(",")):
+            r = sweep(batch, seq_len, args)
+            results.append(r)
+            print(f"batch {batch:4d} seq {seq_len:5d}: default {r['default']} {r['default_us']:.2f} us; "
+                  f"best {r['best']} {r['best_us']:.2f} us (max |diff| {r['best_max_abs_diff']:.1e}); "
+                  f"top5 {r['top5']}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Programmatic dependent launch (PDL): let a kernel start while the one before it finishes.
+
+On Hopper and newer GPUs a kernel launched with ``launch_pdl=True`` may become resident
+before the previous kernel in the stream has completed. Every kernel of this package that
+takes ``PDL`` follows one rule, which keeps that safe in any order of kernels:
+
+- ``wait_for_prior_kernel`` (``griddepcontrol.wait``) runs before the program reads or
+  writes any tensor that another kernel may write or read. Only loads of weights, which no
+  kernel writes, may come before it (the skinny GEMM prefetches its first weight tile).
+- ``allow_next_kernel`` (``griddepcontrol.launch_dependents``) runs right after the wait:
+  once every program of this kernel has passed it, the next kernel may launch, take the
+  SMs this kernel has left idle, and prefetch its own weights.
+
+Because each kernel waits for the complete previous one, and that one waited for its own
+predecessor, the order of the stream is kept transitively. Kernels that are not ours
+(cuBLAS, torch, NCCL) are launched without the attribute and serialise as usual.
+``ENGINE_PDL=0`` turns PDL off (for measuring what it brings); it is off on the CPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENV_SWITCH = "ENGINE_PDL"
+MIN_CAPABILITY = 9
+
+
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether kernels working on ``t`` launch with PDL: CUDA, compute capability >= 9, not switched off."""
+    if not t.is_cuda or os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _capability_major(index) >= MIN_CAPABILITY
+
+
+def launch_options(t: torch.Tensor) -> dict:
+    """The kernel arguments that switch PDL on or off: ``PDL`` (constexpr) and ``launch_pdl``."""
+    pdl = use_pdl(t)
+    return {"PDL": pdl, "launch_pdl": pdl}
+
+
+@triton.jit
+def wait_for_prior_kernel(PDL: tl.constexpr):
+    """Block until the previous kernel in the stream has completed and its writes are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def allow_next_kernel(PDL: tl.constexpr):
+    """Let the next kernel launch once every program of this one has called this."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
