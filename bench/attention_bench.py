@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.decode_attention import decode_attention, default_num_splits, launch
+from kernels.decode_attention import CUDA_LAUNCH, decode_attention, default_num_splits, launch
 
 LAYERS = 32
 
@@ -61,19 +61,17 @@ def sweep(batch: int, seq_len: int, args) -> dict:
     out = torch.empty_like(inputs[0])
     default_splits = default_num_splits(batch, args.kv_heads, out.device)
     reference = decode_attention(*inputs)
-    results = {}
-    grid = itertools.product(sorted({1, 2, 4, 8, 16, 32, default_splits}), (16, 32, 64), (1, 2, 4), (1, 2))
-    for splits, block_n, warps, stages in grid:
-        key = f"s{splits} n{block_n} w{warps} st{stages}"
-        results[key] = time_us(lambda: launch(*inputs, out, splits, block_n, warps, stages))
-    default_key = f"s{default_splits} n32 w2 st2"  # decode_attention's launch on CUDA
-    best_key = min(results, key=results.get)
-    params = [int(p.lstrip("snwt")) for p in best_key.split()]
-    launch(*inputs, out, *params)
-    return {"batch": batch, "seq_len": seq_len, "default": default_key, "default_us": round(results[default_key], 2),
-            "best": best_key, "best_us": round(results[best_key], 2),
+    results = {}                                  # (splits, block_n, warps, stages) -> us
+    for params in itertools.product(sorted({1, 2, 4, 8, 16, 32, default_splits}), (16, 32, 64), (1, 2, 4), (1, 2)):
+        results[params] = time_us(lambda: launch(*inputs, out, *params))
+    default = (default_splits, *CUDA_LAUNCH)      # decode_attention's launch on CUDA
+    best = min(results, key=results.get)
+    launch(*inputs, out, *best)
+    name = "s{} n{} w{} st{}".format
+    return {"batch": batch, "seq_len": seq_len, "default": name(*default), "default_us": round(results[default], 2),
+            "best": name(*best), "best_us": round(results[best], 2),
             "best_max_abs_diff": float((out.float() - reference.float()).abs().max()),
-            "top5": sorted(((k, round(v, 2)) for k, v in results.items()), key=lambda kv: kv[1])[:5]}
+            "top5": [(name(*k), round(results[k], 2)) for k in sorted(results, key=results.get)[:5]]}
 
 
 def main(argv=None) -> list[dict]:

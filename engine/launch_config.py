@@ -443,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a Hugging Face model with TGI's HTTP API. Every flag can also be set through the "
         "environment variable named after it in upper snake case (--max-total-tokens <-> MAX_TOTAL_TOKENS); "
         "the command line wins. HF_TOKEN (or HUGGING_FACE_HUB_TOKEN), HF_HUB_OFFLINE and LOG_LEVEL are read "
-        "too.")
+        "too, and ENGINE_PDL=0 turns off programmatic dependent launch of the GPU kernels (Hopper and newer; "
+        "for measuring what it brings).")
     for f in fields(LaunchConfig):
         boolean = _types()[f.name] in (bool, bool | None)
         choices = f.metadata["choices"]
@@ -474,12 +475,22 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
                 values[name] = _converter(name)(environ[variable])
             except argparse.ArgumentTypeError as e:
                 parser.error(f"environment variable {variable}={environ[variable]!r}: {e}")
+    _check_pdl_switch(parser, environ)
     if "hf_token" not in values and environ.get("HUGGING_FACE_HUB_TOKEN"):
         values["hf_token"] = environ["HUGGING_FACE_HUB_TOKEN"]
     try:
         return LaunchConfig(**values)
     except LaunchError as e:
         parser.error(str(e))
+
+
+def _check_pdl_switch(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """ENGINE_PDL is read by the kernels in every shard; a bad value stops the launcher before any starts."""
+    from kernels._pdl import ENV_SWITCH, SWITCH_VALUES
+
+    if environ.get(ENV_SWITCH) not in SWITCH_VALUES:
+        parser.error(f"environment variable {ENV_SWITCH}={environ[ENV_SWITCH]!r}: expected 1 (programmatic "
+                     "dependent launch on Hopper and newer, the default) or 0 (off)")
 
 
 def _ignored_env(name: str, environ: Mapping[str, str]) -> bool:

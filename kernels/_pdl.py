@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 ENV_SWITCH = "ENGINE_PDL"
+SWITCH_VALUES = {None: True, "": True, "1": True, "0": False}
 MIN_CAPABILITY = 9
 
 
@@ -34,9 +35,18 @@ def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+@functools.cache
+def _switched_on(value: str | None) -> bool:
+    """``ENGINE_PDL``'s meaning: unset, empty or 1 is on, 0 is off; anything else is an error."""
+    if value not in SWITCH_VALUES:
+        raise ValueError(f"{ENV_SWITCH}={value!r} is not understood; set it to 1 (the default, PDL on Hopper "
+                         f"and newer) or 0 (off), or unset it")
+    return SWITCH_VALUES[value]
+
+
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether kernels working on ``t`` launch with PDL: CUDA, compute capability >= 9, not switched off."""
-    if not t.is_cuda or os.environ.get(ENV_SWITCH, "1") == "0":
+    if not _switched_on(os.environ.get(ENV_SWITCH)) or not t.is_cuda:
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _capability_major(index) >= MIN_CAPABILITY

@@ -37,6 +37,9 @@ from ._rounding import round_to
 
 MAX_SPLITS = 64
 CPU_SPLITS = 3
+# (BLOCK_N, num_warps, num_stages) on CUDA: BLOCK_N 32 with 2 warps is 0.5-1.4 us a layer faster than
+# 64 with 4 at batch 1 (bench.attention_bench, one H100)
+CUDA_LAUNCH = (32, 2, 2)
 
 
 @triton.jit
@@ -193,8 +196,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torc
     if q.shape[0] == 0:
         return out
     splits = num_splits or default_num_splits(q.shape[0], kv_layer.shape[1] // 2, q.device)
-    # BLOCK_N 32 with 2 warps: 0.5-1.4 us a layer faster than 64 with 4 at batch 1 (bench.attention_bench, H100)
-    block_n, num_warps, num_stages = (32, 2, 2) if q.is_cuda else (32, 4, 1)
+    block_n, num_warps, num_stages = CUDA_LAUNCH if q.is_cuda else (32, 4, 1)
     launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits, block_n, num_warps, num_stages)
     return out
 
@@ -209,6 +211,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
     mid_lse = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     mid_strides = (mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+    pdl = launch_options(q)
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, kv_layer, req_to_token, b_req_row, b_seq_len, mid_out, mid_lse,
         float(sm_scale) * math.log2(math.e),
@@ -216,12 +219,11 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
         *mid_strides,
         kv_heads, group, head_dim, splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
-        **launch_options(q),
+        UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     _decode_merge_kernel[(batch, q_heads)](
         mid_out, mid_lse, out, *mid_strides, out.stride(0), out.stride(1), head_dim, splits,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4, **launch_options(q),
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4, **pdl,
     )
 
 

@@ -32,7 +32,7 @@ from ._rounding import round_to
 
 
 @triton.jit
-def _rotate_heads(src_ptr, src_stride_head, dst_ptr, dst_stride_head, heads, head_block, cos, sin, offs_d, half,
+def _write_heads(src_ptr, src_stride_head, dst_ptr, dst_stride_head, heads, head_block, cos, sin, offs_d, half,
                   BLOCK_H: tl.constexpr, ROTATE: tl.constexpr):
     """dst heads of the block <- the src heads rotated (``ROTATE``) or copied as they are."""
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -69,13 +69,13 @@ def _rotary_store_kv_kernel(
     sin = tl.load(cache_ptr + pos * stride_cache + half + offs_d, mask=offs_d < half, other=0.0)[None, :]
     if head_block * BLOCK_H < q_heads:
         q_row = q_ptr + token * stride_q_token
-        _rotate_heads(q_row, stride_q_head, q_row, stride_q_head, q_heads, head_block,
+        _write_heads(q_row, stride_q_head, q_row, stride_q_head, q_heads, head_block,
                       cos, sin, offs_d, half, BLOCK_H, True)
     if head_block * BLOCK_H < kv_heads:
         slot_row = kv_ptr + tl.load(slots_ptr + token).to(tl.int64) * stride_kv_slot
-        _rotate_heads(k_ptr + token * stride_k_token, stride_k_head, slot_row, stride_kv_head, kv_heads, head_block,
+        _write_heads(k_ptr + token * stride_k_token, stride_k_head, slot_row, stride_kv_head, kv_heads, head_block,
                       cos, sin, offs_d, half, BLOCK_H, True)
-        _rotate_heads(v_ptr + token * stride_v_token, stride_v_head, slot_row + kv_heads * stride_kv_head,
+        _write_heads(v_ptr + token * stride_v_token, stride_v_head, slot_row + kv_heads * stride_kv_head,
                       stride_kv_head, kv_heads, head_block, cos, sin, offs_d, half, BLOCK_H, False)
 
 

@@ -272,13 +272,14 @@ def _launch(x, weight, bias, out, cfg: SkinnyConfig, compile_only: bool = False)
     has_bias = bias is not None
     bias_arg = bias if has_bias else out  # never read
     grid = (triton.cdiv(N, cfg.block_n), splits)
+    pdl = launch_options(x)
     args = (x, weight, bias_arg, partial, M, N, K, k_per_split,
             x.stride(0), weight.stride(0), partial.stride(-2), partial.stride(0) if splits > 1 else 0)
     meta = {
         "HAS_BIAS": has_bias, "SPLIT": splits > 1, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
         "BLOCK_K": cfg.block_k, "EVEN_K": K > 0 and K % cfg.block_k == 0, "USE_DOT": cfg.use_dot, "UPCAST": upcast_dots(x),
         "NUM_STAGES": cfg.num_stages, "WHILE_LOOP": not x.is_cuda,
-        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch_options(x),
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl,
     }
     if compile_only:
         _skinny_gemm_kernel.warmup(*args, grid=grid, **meta)
@@ -287,7 +288,7 @@ def _launch(x, weight, bias, out, cfg: SkinnyConfig, compile_only: bool = False)
     if splits > 1:
         _split_k_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
             partial, bias_arg, out, N, partial.stride(0), partial.stride(1), out.stride(0),
-            HAS_BIAS=has_bias, SPLIT_K=splits, BLOCK=REDUCE_BLOCK, num_warps=4, **launch_options(x),
+            HAS_BIAS=has_bias, SPLIT_K=splits, BLOCK=REDUCE_BLOCK, num_warps=4, **pdl,
         )
 
 

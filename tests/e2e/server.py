@@ -5,6 +5,7 @@ E2E_MODEL_DIR replaces the tiny checkpoint of tests/e2e/test_launcher.py, E2E_SE
 adds launcher flags to every server, E2E_STARTUP_S is how long a server may take to be healthy."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -55,7 +56,8 @@ class LaunchedServer:
         raise TimeoutError(f"server not healthy after {timeout} s:\n{self.output()}")
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def children(self) -> list[int]:
@@ -80,3 +82,16 @@ class LaunchedServer:
                 self.process.wait()
         self.log.close()
         return self.process.returncode
+
+
+@contextlib.contextmanager
+def running(model_dir: str | Path, *args: str, expect_clean_exit: bool = True):
+    """A healthy server for the with-block, stopped with SIGTERM after it (also if it never got healthy);
+    with ``expect_clean_exit`` its exit code must then be 0."""
+    srv = LaunchedServer(model_dir, *args)
+    try:
+        yield srv.wait_healthy()
+    finally:
+        code = srv.stop()
+    if expect_clean_exit:
+        assert code == 0, srv.output()

@@ -14,7 +14,7 @@ import requests
 import text_generation
 from huggingface_hub import InferenceClient
 
-from tests.e2e.server import LaunchedServer
+from tests.e2e.server import running
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -22,11 +22,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.fixture(scope="module")
 def server(launcher_model_dir):
     """Stopped when this module ends: on one GPU a second server (test_launcher_lifecycle) needs its memory."""
-    srv = LaunchedServer(launcher_model_dir, "--max-concurrent-requests", "256", "--max-total-tokens", "256",
-                         "--max-input-tokens", "192", "--max-batch-prefill-tokens", "512")
-    srv.wait_healthy()
-    yield srv
-    assert srv.stop() == 0, srv.output()
+    with running(launcher_model_dir, "--max-concurrent-requests", "256", "--max-total-tokens", "256",
+                 "--max-input-tokens", "192", "--max-batch-prefill-tokens", "512") as srv:
+        yield srv
 
 
 def metric(server, name: str) -> float:

@@ -1,4 +1,5 @@
 """When the kernels launch with programmatic dependent launch (kernels/_pdl.py)."""
+import pytest
 import torch
 
 from kernels._pdl import ENV_SWITCH, launch_options, use_pdl
@@ -21,3 +22,9 @@ def test_pdl_follows_the_device_and_the_switch(device, monkeypatch):
 def test_pdl_is_off_on_the_cpu(monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "1")
     assert use_pdl(torch.zeros(1)) is False
+
+
+def test_a_bad_switch_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(ENV_SWITCH, "off")
+    with pytest.raises(ValueError, match=r"ENGINE_PDL='off' is not understood; set it to 1 .* or 0 \(off\)"):
+        use_pdl(torch.zeros(1))

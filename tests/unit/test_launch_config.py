@@ -285,3 +285,10 @@ def test_cuda_graph_sizes():
     assert cuda_graph_sizes(parse_args([], {})) is None
     assert cuda_graph_sizes(parse_args(["--cuda-graphs", "0"], {})) == ()
     assert cuda_graph_sizes(parse_args(["--cuda-graphs", "1,2,8"], {})) == (1, 2, 8)
+
+
+def test_a_bad_engine_pdl_switch_is_a_usage_error(capsys):
+    message = _usage_error([], {"ENGINE_PDL": "off"}, capsys)
+    assert "environment variable ENGINE_PDL='off': expected 1" in message and "or 0 (off)" in message
+    for value in ("0", "1", ""):
+        assert parse_args([], {"ENGINE_PDL": value}).model_id == DEMO_MODEL
