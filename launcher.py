@@ -1,8 +1,8 @@
 """Start the server: ``python launcher.py --model-id <hub id or directory> [--num-shard N] ...``
 
-The supervisor: parses TGI's launcher flags (``engine.launch_config``), resolves the
+The supervisor: parses TGI's launcher flags (``tgi_compat.launch_config``), resolves the
 weights (``weights.hub``), checks the checkpoint, spawns the shard workers, the router
-and the HTTP front end (``engine.server``), and stops them all together: on SIGINT or
+and the HTTP front end (``tgi_compat.launch_plan``), and stops them all together: on SIGINT or
 SIGTERM, or when any of them dies (exit code 1, the cause in one line).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ log = logging.getLogger("launcher")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.launch_config import parse_args
+    from tgi_compat.launch_config import parse_args
 
     config = parse_args(argv)
     _setup_logging(config)
@@ -42,7 +42,7 @@ def _setup_logging(config) -> None:
 
 
 def _plan(config):
-    from engine.server import plan_server
+    from tgi_compat.launch_plan import plan_server
 
     return plan_server(config)
 

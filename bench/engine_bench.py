@@ -15,7 +15,7 @@ import time
 import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.sampling import SamplingParams
+from engine.protocol.messages import SamplingParams
 
 from . import peer
 from .workloads import Workload, batch1, many
@@ -57,7 +57,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default="on", help="decode CUDA graphs")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
-    from engine.model_config import load_model_config
+    from engine.models.config import load_model_config
 
     vocab = load_model_config(args.model_dir).vocab_size
     single, batch = batch1(vocab), many(vocab, count=args.requests)

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from engine.allocator import SlotAllocator
-from engine.model_config import load_model_config
-from engine.sampling import SamplingParams
-from engine.step import FED_BACK, Step, StepRow
-from engine.worker import ModelWorker, WorkerConfig, resolve_dtype
+from engine.router.allocator import SlotAllocator
+from engine.models.config import load_model_config
+from engine.protocol.messages import SamplingParams
+from engine.protocol.messages import FED_BACK, Step, StepRow
+from engine.worker.model_worker import ModelWorker, WorkerConfig, resolve_dtype
 
 PREFILL_CHUNK_TOKENS = 8192
 

@@ -16,8 +16,14 @@ import queue
 import threading
 from typing import AsyncIterator, Protocol
 
-from .ipc import Events, RouterStatus, decode, encode
-from .step import Abort, GenerationRequest, TokenEvent
+from engine.protocol.codec import decode, encode
+from engine.protocol.messages import (
+    Abort,
+    Events,
+    GenerationRequest,
+    RouterStatus,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .allocator import SlotAllocator
-from .model_config import load_model_config
-from .ops import default_backend
-from .router import LocalShards, Router
-from .scheduler import Scheduler, SchedulerConfig
-from .step import GenerationRequest, TokenEvent
-from .worker import ModelWorker, WorkerConfig, resolve_dtype
+from engine.models.config import load_model_config
+from engine.ops import default_backend
+from engine.protocol.messages import GenerationRequest, TokenEvent
+from engine.router.allocator import SlotAllocator
+from engine.router.router import LocalShards, Router
+from engine.router.scheduler import Scheduler, SchedulerConfig
+from engine.worker.model_worker import ModelWorker, WorkerConfig, resolve_dtype
 
 __all__ = ["Engine", "EngineConfig", "GenerationRequest", "TokenEvent"]
 
@@ -85,8 +85,10 @@ class Engine:
         self.router = Router(scheduler, shards, self.model_config.eos_token_ids)
 
     def _start_shards(self, worker_config):
-        from .parallel import TensorParallel
-        from .server import PipeShards, ShardSpec, spawn_shards
+        from engine.models.parallel import TensorParallel
+        from engine.processes import spawn_shards
+        from engine.router.process import PipeShards
+        from engine.worker.process import ShardSpec
 
         TensorParallel(0, self.config.num_shards).check(self.model_config)
         specs = [ShardSpec(rank, self.config.num_shards, self.config.master_addr, self.config.master_port,
@@ -101,7 +103,7 @@ class Engine:
 
     def close(self) -> None:
         if self._processes:
-            from .server import PipeShards
+            from engine.router.process import PipeShards
 
             shards = self.router.shards if hasattr(self, "router") else None
             if isinstance(shards, PipeShards):

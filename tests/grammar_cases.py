@@ -11,7 +11,7 @@ import re
 
 import jsonschema
 
-from engine.grammar import json_grammar_text
+from engine.sampling.grammar import json_grammar_text
 
 _INT = {"type": "integer"}
 _SHORT = {"type": "string", "maxLength": 16}

@@ -127,7 +127,9 @@ class UnhealthyError(TGIError):
 
 
 def error_response(error: TGIError, headers: dict[str, str] | None = None) -> Response:
-    from .responses import JSONBytesResponse   # responses imports nothing from here at import time
+    from .responses import (
+        JSONBytesResponse,  # responses imports nothing from here at import time
+    )
 
     if isinstance(error, UnauthorizedError):
         return Response(status_code=401, headers=headers)

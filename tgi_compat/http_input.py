@@ -12,7 +12,12 @@ from typing import Any, Awaitable, TypeVar
 
 from starlette.requests import Request
 
-from .errors import BadRequestError, PayloadTooLargeError, UnauthorizedError, UnsupportedMediaTypeError
+from .errors import (
+    BadRequestError,
+    PayloadTooLargeError,
+    UnauthorizedError,
+    UnsupportedMediaTypeError,
+)
 
 T = TypeVar("T")
 

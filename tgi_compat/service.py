@@ -15,8 +15,13 @@ from typing import AsyncIterator
 from engine.client import Backend
 
 from .concurrency import ConcurrencyLimiter
-from .errors import (GenerationError, IncompleteGenerationError, IncompleteGenerationStreamError,
-                     InputValidationError, TGIError)
+from .errors import (
+    GenerationError,
+    IncompleteGenerationError,
+    IncompleteGenerationStreamError,
+    InputValidationError,
+    TGIError,
+)
 from .generation import generate_best_of, generate_result, generate_steps
 from .metrics import ServerMetrics
 from .outputs import GeneratedStep, GenerationResult, Timing
@@ -25,7 +30,7 @@ from .schema import GenerateRequest
 from .settings import ServerSettings
 from .sse import error_event, step_event
 from .tokenization import TemplatedTokenizer, TokenizerAdapter
-from .validation import ValidRequest, Validator, validate_best_of
+from .validation import Validator, ValidRequest, validate_best_of
 
 log = logging.getLogger("tgi_compat")
 

@@ -17,8 +17,8 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-from engine.grammar import grammar_error, json_grammar_text
-from engine.sampling import SamplingParams
+from engine.protocol.messages import SamplingParams
+from engine.sampling.grammar import grammar_error, json_grammar_text
 
 from .errors import InputValidationError
 from .schema import GenerateParameters, GenerateRequest

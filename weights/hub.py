@@ -4,7 +4,7 @@ Only what serving needs is downloaded (config, generation config, tokenizer file
 chat template, safetensors and their index), with huggingface_hub's progress bars, into
 its cache (``--huggingface-hub-cache``, else huggingface_hub's default). Offline
 (``--hf-hub-offline`` / ``HF_HUB_OFFLINE=1``) only the cache is used. Nothing here reads
-the environment: the token and the offline switch come from ``engine.launch_config``;
+the environment: the token and the offline switch come from ``tgi_compat.launch_config``;
 left as None, huggingface_hub's own settings apply. Every failure is one
 ``ModelNotFoundError`` line that says what was asked, why it failed and what to do.
 """

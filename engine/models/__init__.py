@@ -6,8 +6,8 @@ map to ``LlamaFamilyModel``.
 """
 from __future__ import annotations
 
-from ..model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
-from .llama import LlamaFamilyModel
+from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
+from engine.models.llama import LlamaFamilyModel
 
 MODEL_REGISTRY = {name: LlamaFamilyModel for name in SUPPORTED_ARCHITECTURES}
 

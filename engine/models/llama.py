@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..forward_batch import ForwardBatch
-from ..kv_cache import KVCache
-from ..model_config import ModelConfig
-from ..ops import KernelOps
-from ..parallel import FULL, Slice, TensorParallel, read
-from ..rope import build_cos_sin_cache
+from engine.models.config import ModelConfig
+from engine.models.parallel import FULL, Slice, TensorParallel, read
+from engine.models.rope import build_cos_sin_cache
+from engine.ops import KernelOps
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.kv_cache import KVCache
 
 # Buffers some checkpoints carry that the model recomputes.
 IGNORED_CHECKPOINT_NAMES = (r"rotary_emb\.inv_freq$",)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from engine.watermark import detect
+from engine.sampling.watermark import detect
 from tests.grammar_cases import SCHEMAS, check_output
 
 from .server import LaunchedServer

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.sampling import SamplingParams
+from engine.protocol.messages import SamplingParams
 
 NEW_TOKENS = 64
 PROMPT_LENGTHS = [7, 64, 129, 300]

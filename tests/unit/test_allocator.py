@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from engine.allocator import AllocatorError, SlotAllocator
+from engine.router.allocator import AllocatorError, SlotAllocator
 
 
 def test_slots_are_allocated_per_token_and_freed_exactly_once():

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.sampling import SamplingParams
+from engine.protocol.messages import SamplingParams
 
 DEMO = Path(__file__).resolve().parents[2] / "weights" / "demo"
 

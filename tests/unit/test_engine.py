@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.model_config import ModelConfig, ModelConfigError, load_model_config
-from engine.sampling import SamplingParams
-from engine.step import FED_BACK
-from engine.worker import resolve_dtype
+from engine.models.config import ModelConfig, ModelConfigError, load_model_config
+from engine.protocol.messages import SamplingParams
+from engine.protocol.messages import FED_BACK
+from engine.worker.model_worker import resolve_dtype
 from tests.tiny_models import save_tiny_model
 
 

@@ -8,18 +8,12 @@ import torch
 import transformers
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.grammar import (
-    GrammarCompiler,
-    apply_bitmask,
-    close_objects,
-    grammar_error,
-    json_grammar_text,
-    unpack_bitmask,
-)
-from engine.ipc import decode, encode
+from engine.sampling.grammar import GrammarCompiler, apply_bitmask, close_objects, grammar_error, json_grammar_text, unpack_bitmask
+from engine.protocol.codec import decode, encode
 from engine.ops import KernelOps
-from engine.sampling import RowSampling, Sampler, SamplingParams
-from engine.step import Step, StepRow
+from engine.sampling.sampler import RowSampling, Sampler
+from engine.protocol.messages import SamplingParams
+from engine.protocol.messages import Step, StepRow
 from tests.grammar_cases import cases, check_output
 from tests.tiny_models import save_tiny_server_model
 

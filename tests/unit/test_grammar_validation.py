@@ -6,7 +6,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from engine.grammar import json_grammar_text
+from engine.sampling.grammar import json_grammar_text
 from tests.tiny_models import save_tiny_tokenizer
 from tests.unit.test_tgi_validation import body, validate
 from tgi_compat.errors import InputValidationError

@@ -3,9 +3,10 @@ import math
 import msgpack
 import pytest
 
-from engine.ipc import Events, Ready, RouterStatus, decode, encode
-from engine.sampling import SamplingParams
-from engine.step import Abort, GenerationRequest, RowResult, Step, StepResult, StepRow, TokenEvent
+from engine.protocol.messages import Events, Ready, RouterStatus
+from engine.protocol.codec import decode, encode
+from engine.protocol.messages import SamplingParams
+from engine.protocol.messages import Abort, GenerationRequest, RowResult, Step, StepResult, StepRow, TokenEvent
 
 
 def test_every_message_round_trips():

@@ -3,8 +3,7 @@ import os
 
 import pytest
 
-from engine.launch_config import (DEMO_MODEL, NOT_APPLIED, LaunchConfig, LaunchError, build_parser, cuda_graph_sizes,
-                                  env_name, parse_args, resolve_limits, resolve_num_shard)
+from tgi_compat.launch_config import DEMO_MODEL, NOT_APPLIED, LaunchConfig, LaunchError, build_parser, cuda_graph_sizes, env_name, parse_args, resolve_limits, resolve_num_shard
 
 FIELDS = [f.name for f in dataclasses.fields(LaunchConfig)]
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.sampling import SamplingParams
+from engine.protocol.messages import SamplingParams
 from tests.tiny_models import FAMILIES, load_hf, save_tiny_model
 
 NEW_TOKENS = 32

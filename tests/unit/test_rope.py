@@ -4,8 +4,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from engine.model_config import ModelConfig
-from engine.rope import build_cos_sin_cache
+from engine.models.config import ModelConfig
+from engine.models.rope import build_cos_sin_cache
 
 VARIANTS = {
     "default": None,

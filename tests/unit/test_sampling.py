@@ -11,8 +11,9 @@ from transformers.generation.logits_process import (
 )
 
 from engine.ops import KernelOps
-from engine.hashing import hash_uniform
-from engine.sampling import RowSampling, Sampler, SamplingParams
+from engine.sampling.hashing import hash_uniform
+from engine.sampling.sampler import RowSampling, Sampler
+from engine.protocol.messages import SamplingParams
 
 
 @pytest.fixture(params=["torch", "triton"])

@@ -2,10 +2,10 @@ import random
 
 import pytest
 
-from engine.allocator import SlotAllocator
-from engine.sampling import SamplingParams
-from engine.scheduler import Request, Scheduler, SchedulerConfig, peak_usage
-from engine.step import FED_BACK, RowResult, StepResult
+from engine.router.allocator import SlotAllocator
+from engine.protocol.messages import SamplingParams
+from engine.router.scheduler import Request, Scheduler, SchedulerConfig, peak_usage
+from engine.protocol.messages import FED_BACK, RowResult, StepResult
 
 
 def brute_force_peak(requests):

@@ -5,8 +5,9 @@ import os
 import pytest
 import torch
 
-from engine.launch_config import parse_args
-from engine.server import _limit_cpu_threads, plan_server
+from tgi_compat.launch_config import parse_args
+from engine.worker.process import _limit_cpu_threads
+from tgi_compat.launch_plan import plan_server
 from tests.tiny_models import save_tiny_server_model
 
 

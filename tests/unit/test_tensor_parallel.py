@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.model_config import load_model_config
+from engine.models.config import load_model_config
 from engine.models.llama import LlamaFamilyModel
 from engine.ops import KernelOps
-from engine.parallel import ShardingError, TensorParallel
+from engine.models.parallel import ShardingError, TensorParallel
 from tests.e2e.server import free_port
 from tests.tiny_models import save_tiny_model
 from weights.checkpoint import open_checkpoint

@@ -9,11 +9,12 @@ import torch
 import transformers
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.launch_config import LaunchConfig, LaunchError, resolve_limits
+from tgi_compat.launch_config import LaunchConfig, LaunchError, resolve_limits
 from engine.ops import KernelOps
-from engine.sampling import RowSampling, Sampler, SamplingParams
-from engine.server import _worker_config
-from engine.watermark import WatermarkConfig, apply_watermark, detect, is_green
+from engine.sampling.sampler import RowSampling, Sampler
+from engine.protocol.messages import SamplingParams
+from tgi_compat.launch_plan import _worker_config
+from engine.sampling.watermark import WatermarkConfig, apply_watermark, detect, is_green
 
 DEMO = Path(__file__).resolve().parents[2] / "weights" / "demo"
 VOCAB = 50000

@@ -1,6 +1,6 @@
 """The one codec for every message between processes: msgpack over multiprocess pipes.
 
-A message is a dataclass from ``engine.step`` (or ``engine.ipc``); it travels as a
+A message is a dataclass from ``engine.protocol.messages``; it travels as a
 msgpack map tagged with its class name. Lists of ints travel as raw little-endian int32
 bytes (msgpack ext type 1), never as msgpack lists.
 """
@@ -8,56 +8,18 @@ from __future__ import annotations
 
 import sys
 from array import array
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import fields, is_dataclass
 
 import msgpack
 
-from .sampling import SamplingParams
-from .step import Abort, GenerationRequest, RowResult, Step, StepResult, StepRow, TokenEvent
+from . import messages
 
 _INT32_LIST = 1
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
-@dataclass(frozen=True)
-class Ready:
-    """A shard has loaded its weights and sized its KV cache."""
-    rank: int
-    num_slots: int
-
-
-@dataclass(frozen=True)
-class ShardError:
-    rank: int
-    message: str
-
-
-@dataclass(frozen=True)
-class Shutdown:
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class RouterStatus:
-    """Router -> front end: health and the numbers /metrics shows."""
-    healthy: bool
-    queue_size: int = 0
-    batch_size: int = 0
-    kv_used: int = 0
-    kv_capacity: int = 0
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class Events:
-    """Router -> front end: every token event of one step."""
-    events: list
-
-
-MESSAGE_TYPES = {cls.__name__: cls for cls in (
-    GenerationRequest, Abort, TokenEvent, Step, StepRow, StepResult, RowResult, SamplingParams,
-    Ready, ShardError, Shutdown, RouterStatus, Events,
-)}
+MESSAGE_TYPES = {name: cls for name, cls in vars(messages).items()
+                 if isinstance(cls, type) and is_dataclass(cls) and cls.__module__ == messages.__name__}
 
 
 def encode(message) -> bytes:

@@ -1,4 +1,6 @@
-"""The messages of the engine, plain data that one msgpack codec (``engine.ipc``) carries.
+"""The messages of the engine, plain data that one msgpack codec (``engine.protocol.codec``) carries.
+
+Torch-free: the router and the front end build and read these without loading torch.
 
   front end -> router : GenerationRequest, Abort
   router -> front end : TokenEvent (one per generated token, or an error)
@@ -10,7 +12,42 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams
+
+@dataclass(frozen=True)
+class SamplingParams:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    top_n_tokens: int = 0
+    prompt_logprobs: bool = False
+    grammar_type: str | None = None     # "json" (grammar: a JSON schema as text) | "regex" | None
+    grammar: str = ""
+    watermark: bool = False
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature > 0, "temperature must be > 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 < self.typical_p <= 1, "typical_p must be in (0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.top_n_tokens >= 0, "top_n_tokens must be >= 0"),
+            (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),
+            (self.grammar_type in (None, "json", "regex"), "grammar_type must be None, 'json' or 'regex'"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 FED_BACK = -1    # a decode row's input id: "the token the worker sampled last for this row"
@@ -79,3 +116,38 @@ class RowResult:
 @dataclass
 class StepResult:
     rows: list[RowResult]
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A shard has loaded its weights and sized its KV cache."""
+    rank: int
+    num_slots: int
+
+
+@dataclass(frozen=True)
+class ShardError:
+    rank: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RouterStatus:
+    """Router -> front end: health and the numbers /metrics shows."""
+    healthy: bool
+    queue_size: int = 0
+    batch_size: int = 0
+    kv_used: int = 0
+    kv_capacity: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Events:
+    """Router -> front end: every token event of one step."""
+    events: list

@@ -10,20 +10,26 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.models import model_class_for
+from engine.models.config import ModelConfig, load_model_config
+from engine.models.parallel import TensorParallel
+from engine.ops import KernelOps, default_backend
+from engine.protocol.messages import (
+    FED_BACK,
+    RowResult,
+    SamplingParams,
+    Step,
+    StepResult,
+    StepRow,
+)
+from engine.sampling.grammar import GrammarCompiler
+from engine.sampling.sampler import RowSampling, Sampler
+from engine.sampling.watermark import WatermarkConfig
+from engine.transfer import to_device
+from engine.worker.cuda_graphs import PaddedDecoder
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.kv_cache import KVCache
 from weights.checkpoint import open_checkpoint
-
-from .decode_graphs import PaddedDecoder
-from .forward_batch import ForwardBatch
-from .grammar import GrammarCompiler
-from .kv_cache import KVCache
-from .model_config import ModelConfig, load_model_config
-from .models import model_class_for
-from .ops import KernelOps, default_backend
-from .parallel import TensorParallel
-from .sampling import RowSampling, Sampler, SamplingParams
-from .step import FED_BACK, RowResult, Step, StepResult, StepRow
-from .transfer import to_device
-from .watermark import WatermarkConfig
 
 log = logging.getLogger(__name__)
 

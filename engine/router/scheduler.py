@@ -21,9 +21,15 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from .allocator import SlotAllocator
-from .sampling import SamplingParams
-from .step import FED_BACK, RowResult, Step, StepResult, StepRow
+from engine.protocol.messages import (
+    FED_BACK,
+    RowResult,
+    SamplingParams,
+    Step,
+    StepResult,
+    StepRow,
+)
+from engine.router.allocator import SlotAllocator
 
 log = logging.getLogger(__name__)
 

@@ -18,46 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grammar import apply_bitmask
-from .hashing import hash_uniform
-from .transfer import start_to_host, to_device
-from .watermark import WatermarkConfig, apply_watermark
-
-@dataclass(frozen=True)
-class SamplingParams:
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    typical_p: float = 1.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    top_n_tokens: int = 0
-    prompt_logprobs: bool = False
-    grammar_type: str | None = None     # "json" (grammar: a JSON schema as text) | "regex" | None
-    grammar: str = ""
-    watermark: bool = False
-
-    def __post_init__(self):
-        checks = [
-            (self.temperature > 0, "temperature must be > 0"),
-            (self.top_k >= 0, "top_k must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 < self.typical_p <= 1, "typical_p must be in (0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (self.top_n_tokens >= 0, "top_n_tokens must be >= 0"),
-            (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),
-            (self.grammar_type in (None, "json", "regex"), "grammar_type must be None, 'json' or 'regex'"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+from engine.protocol.messages import SamplingParams
+from engine.sampling.grammar import apply_bitmask
+from engine.sampling.hashing import hash_uniform
+from engine.sampling.watermark import WatermarkConfig, apply_watermark
+from engine.transfer import start_to_host, to_device
 
 
 @dataclass
@@ -69,7 +34,7 @@ class RowSampling:
     token_counts: dict[int, int] = field(default_factory=dict)  # prompt + generated tokens
     num_tokens: int = 0
     prev_token: int = 0                          # the token before the one being generated (watermark)
-    grammar: object | None = None                # engine.grammar.GrammarMatcher when constrained
+    grammar: object | None = None                # engine.sampling.grammar.GrammarMatcher when constrained
 
 
 @dataclass
@@ -105,8 +70,8 @@ class DeviceSample:
 
 
 class Sampler:
-    """``grammars`` (an ``engine.grammar.GrammarCompiler``) computes the masks of constrained
-    rows; ``watermark`` (an ``engine.watermark.WatermarkConfig``) holds gamma and delta."""
+    """``grammars`` (an ``engine.sampling.grammar.GrammarCompiler``) computes the masks of constrained
+    rows; ``watermark`` (an ``engine.sampling.watermark.WatermarkConfig``) holds gamma and delta."""
 
     def __init__(self, ops, device: torch.device, grammars=None, watermark=None):
         self.ops = ops

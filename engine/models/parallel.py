@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model_config import ModelConfig
+from engine.models.config import ModelConfig
 
 
 class ShardingError(ValueError):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .hashing import MASK32, fmix32
-from .transfer import to_device
+from engine.sampling.hashing import MASK32, fmix32
+from engine.transfer import to_device
 
 HASH_KEY = 15485863          # TGI's key: the millionth prime
 

@@ -22,8 +22,8 @@ import logging
 
 import torch
 
-from .forward_batch import ForwardBatch
-from .step import FED_BACK, Step
+from engine.protocol.messages import FED_BACK, Step
+from engine.worker.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Steps are pipelined one deep: ``step()`` submits step N+1 before it collects step N, so
 the device starts N+1 as soon as N ends while the router turns N's tokens into events
-(decode rows of N+1 feed tokens the worker sampled in N; see ``engine.scheduler``).
+(decode rows of N+1 feed tokens the worker sampled in N; see ``engine.router.scheduler``).
 
 The same ``Router`` serves the in-process ``Engine`` (shards = a local worker) and the
 router process of the server (shards = worker processes behind pipes).
@@ -14,8 +14,8 @@ import random
 from collections import deque
 from typing import Protocol
 
-from .scheduler import Request, Scheduler
-from .step import GenerationRequest, Step, StepResult, TokenEvent
+from engine.protocol.messages import GenerationRequest, Step, StepResult, TokenEvent
+from engine.router.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import torch
 
-from .transfer import to_device
+from engine.transfer import to_device
 
 log = logging.getLogger(__name__)
 

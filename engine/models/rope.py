@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .model_config import ModelConfig, RopeConfig
+from engine.models.config import ModelConfig, RopeConfig
 
 
 def base_inv_freq(theta: float, head_dim: int) -> torch.Tensor:

@@ -1,0 +1,47 @@
+"""The server's processes (spawned by ``launcher.py``) and how they are wired.
+
+    supervisor (launcher) --spawn--> shard 0..N-1   (engine.worker.process; torch.distributed when N > 1)
+                          --spawn--> router         (engine.router.process: scheduler + allocator + step loop)
+                          --spawn--> front end      (tgi_compat.frontend_process: uvicorn), binds its port
+                                                    only after the router reported every shard Ready
+Every pipe is a ``multiprocess`` pipe (spawn context) carrying ``engine.protocol`` messages.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+
+
+def child_setup(log_level: str) -> None:
+    """Children leave Ctrl-C to the supervisor, which stops them in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def spawn_context():
+    import multiprocess as mp
+
+    return mp.get_context("spawn")
+
+
+def spawn_shards(specs, log_level: str = "INFO") -> tuple[list, list]:
+    """Start one shard process per spec; returns (processes, the router's pipe ends)."""
+    from engine.worker.process import shard_main
+
+    ctx = spawn_context()
+    router_ends, shard_ends = zip(*(ctx.Pipe(duplex=True) for _ in specs))
+    processes = [ctx.Process(target=shard_main, args=(spec, end, log_level), name=f"shard-{spec.rank}")
+                 for spec, end in zip(specs, shard_ends)]
+    for p in processes:
+        p.start()
+    return processes, list(router_ends)
+
+
+def spawn_router(spec, frontend_end, router_ends, log_level: str = "INFO"):
+    """Start the router process between a front end's pipe end and the shards' pipe ends."""
+    from engine.router.process import router_main
+
+    process = spawn_context().Process(target=router_main, name="router",
+                                      args=(spec, frontend_end, router_ends, log_level))
+    process.start()
+    return process

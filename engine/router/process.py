@@ -1,0 +1,182 @@
+"""The router process: the step loop between the front end and the shards.
+
+Pipes (msgpack via ``engine.protocol.codec``): front end -> router ``GenerationRequest`` /
+``Abort``; router -> front end ``Events`` and ``RouterStatus``; router -> every shard the
+same ``Step`` bytes; rank 0 -> router the ``StepResult``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.processes import child_setup
+from engine.protocol.codec import decode, encode
+from engine.protocol.messages import (
+    Abort,
+    Events,
+    GenerationRequest,
+    Ready,
+    RouterStatus,
+    ShardError,
+    Shutdown,
+    Step,
+    StepResult,
+    TokenEvent,
+)
+
+log = logging.getLogger("engine.router")
+
+STATUS_INTERVAL_S = 0.25          # the router's status (health, queue, batch, KV) at least this often
+STATUS_CHANGE_S = 0.01            # and within this long after it changed (what /metrics shows)
+
+
+class ShardFailure(RuntimeError):
+    """A shard died or reported an error; the message names the rank and cause."""
+
+
+class PipeShards:
+    """The router's view of the shards: the same Step bytes to all, the result from rank 0."""
+
+    def __init__(self, conns):
+        self.conns = conns
+
+    def wait_ready(self) -> int:
+        """The KV capacity every shard can hold (the minimum over ranks)."""
+        slots = [self._receive(rank, Ready).num_slots for rank in range(len(self.conns))]
+        return min(slots)
+
+    def submit(self, step: Step) -> None:
+        data = encode(step)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except OSError as e:
+                raise ShardFailure(f"shard {rank} is gone ({e})") from e
+
+    def collect(self) -> StepResult:
+        return self._receive(0, StepResult)
+
+    def shutdown(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send_bytes(encode(Shutdown()))
+            except OSError:
+                pass
+
+    def _receive(self, rank: int, expected: type):
+        try:
+            message = decode(self.conns[rank].recv_bytes())
+        except (EOFError, OSError) as e:
+            raise ShardFailure(f"shard {rank} died") from e
+        if isinstance(message, ShardError):
+            raise ShardFailure(f"shard {message.rank} failed: {message.message}")
+        if not isinstance(message, expected):
+            raise ShardFailure(f"shard {rank} sent {type(message).__name__}, expected {expected.__name__}")
+        return message
+
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    max_requests: int
+    scheduler_config: object       # engine.router.scheduler.SchedulerConfig
+    eos_token_ids: tuple[int, ...]
+    max_batch_total_tokens: int | None = None
+
+
+def router_main(spec: RouterSpec, frontend_conn, shard_conns, log_level: str = "INFO") -> None:
+    child_setup(log_level)
+    shards = PipeShards(shard_conns)
+    try:
+        capacity = shards.wait_ready()
+    except ShardFailure as e:
+        log.error("startup failed: %s", e)
+        frontend_conn.send_bytes(encode(RouterStatus(healthy=False, error=str(e))))
+        return
+    if spec.max_batch_total_tokens:
+        capacity = min(capacity, spec.max_batch_total_tokens)
+    loop = RouterLoop(spec, capacity, shards, frontend_conn)
+    log.info("router ready: %d KV slots, %d request rows", capacity, spec.max_requests)
+    try:
+        loop.run()
+    finally:
+        shards.shutdown()
+
+
+class RouterLoop:
+    def __init__(self, spec: RouterSpec, capacity: int, shards: PipeShards, conn):
+        from engine.router.allocator import SlotAllocator
+        from engine.router.router import Router
+        from engine.router.scheduler import Scheduler
+
+        self.allocator = SlotAllocator(capacity, spec.max_requests)
+        self.router = Router(Scheduler(self.allocator, spec.scheduler_config), shards, spec.eos_token_ids)
+        self.conn = conn
+        self.healthy = True
+        self.error: str | None = None
+        self._last_status = 0.0
+        self._last_sent: RouterStatus | None = None
+
+    def run(self) -> None:
+        self._send_status(force=True)
+        while True:
+            if not self._read_inbox(timeout=0 if self.router.has_work() else STATUS_INTERVAL_S):
+                return
+            if self.healthy and self.router.has_work():
+                self._step()
+            elif self.healthy:
+                self.allocator.check_integrity()
+            self._send_status()
+
+    def _read_inbox(self, timeout: float) -> bool:
+        """Handle every waiting message; False when the front end is gone."""
+        try:
+            ready = self.conn.poll(timeout)
+            while ready:
+                self._handle(decode(self.conn.recv_bytes()))
+                ready = self.conn.poll(0)
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _handle(self, message) -> None:
+        if isinstance(message, Abort):
+            if self.router.abort(message.request_id):
+                log.info("request %s aborted", message.request_id)
+        elif isinstance(message, GenerationRequest):
+            if not self.healthy:
+                self._send_events([TokenEvent(request_id=message.request_id, error=self.error)])
+                return
+            try:
+                self.router.submit(message)
+            except ValueError as e:
+                self._send_events([TokenEvent(request_id=message.request_id, error=f"Input validation error: {e}")])
+
+    def _step(self) -> None:
+        try:
+            events = self.router.step()
+        except ShardFailure as e:
+            log.error("%s", e)
+            self.healthy = False
+            self.error = f"Request failed during generation: {e}"
+            self._send_status(force=True)          # /health answers 503 from now on
+            events = self.router.fail_all(self.error)
+        if events:
+            self._send_events(events)
+
+    def _send_events(self, events: list[TokenEvent]) -> None:
+        self.conn.send_bytes(encode(Events(events)))
+
+    def _send_status(self, force: bool = False) -> None:
+        scheduler = self.router.scheduler
+        status = RouterStatus(
+            healthy=self.healthy, queue_size=len(scheduler.waiting), batch_size=len(scheduler.running),
+            kv_used=self.allocator.used_slots, kv_capacity=self.allocator.num_slots, error=self.error)
+        since = time.monotonic() - self._last_status
+        changed = status != self._last_sent
+        if force or since >= STATUS_INTERVAL_S or (changed and since >= STATUS_CHANGE_S):
+            self._last_status, self._last_sent = time.monotonic(), status
+            self.conn.send_bytes(encode(status))
+
+
