@@ -27,9 +27,6 @@ from engine.protocol.messages import (
 
 log = logging.getLogger(__name__)
 
-SubmitRequest = GenerationRequest   # the name the front end uses for a request it submits
-
-
 class Backend(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
     def healthy(self) -> bool: ...

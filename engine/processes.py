@@ -24,10 +24,14 @@ def spawn_context():
     return mp.get_context("spawn")
 
 
-def spawn_shards(specs, log_level: str = "INFO") -> tuple[list, list]:
-    """Start one shard process per spec; returns (processes, the router's pipe ends)."""
-    from engine.worker.process import shard_main
+def spawn_shards(plan, log_level: str = "INFO") -> tuple[list, list]:
+    """Start one shard process per rank of ``plan`` (an ``engine.assembly.EnginePlan``);
+    returns (processes, the router's pipe ends, in rank order)."""
+    from engine.worker.process import ShardSpec, shard_main
 
+    c = plan.config
+    specs = [ShardSpec(rank, plan.num_shards, c.master_addr, c.master_port, plan.worker, plan.model_config)
+             for rank in range(plan.num_shards)]
     ctx = spawn_context()
     router_ends, shard_ends = zip(*(ctx.Pipe(duplex=True) for _ in specs))
     processes = [ctx.Process(target=shard_main, args=(spec, end, log_level), name=f"shard-{spec.rank}")
@@ -37,11 +41,11 @@ def spawn_shards(specs, log_level: str = "INFO") -> tuple[list, list]:
     return processes, list(router_ends)
 
 
-def spawn_router(spec, frontend_end, router_ends, log_level: str = "INFO"):
-    """Start the router process between a front end's pipe end and the shards' pipe ends."""
+def spawn_router(plan, frontend_end, router_ends, log_level: str = "INFO"):
+    """Start the router process of ``plan`` between a front end's pipe end and the shards' pipe ends."""
     from engine.router.process import router_main
 
     process = spawn_context().Process(target=router_main, name="router",
-                                      args=(spec, frontend_end, router_ends, log_level))
+                                      args=(plan, frontend_end, router_ends, log_level))
     process.start()
     return process

@@ -14,10 +14,6 @@ class ConcurrencyLimiter:
         self._in_use = 0
         self._lock = threading.Lock()
 
-    @property
-    def in_use(self) -> int:
-        return self._in_use
-
     @contextmanager
     def permits(self, count: int = 1) -> Iterator[None]:
         """Hold ``count`` permits (one per best_of sub-request) or raise ``OverloadedError``."""

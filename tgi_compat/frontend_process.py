@@ -14,6 +14,7 @@ class FrontendSpec:
     hostname: str
     port: int
     settings: object               # tgi_compat.settings.ServerSettings
+    tokenizer_config_path: str | None = None   # --tokenizer-config-path: its chat template and special tokens
 
 
 def frontend_main(spec: FrontendSpec, conn, log_level: str = "INFO") -> None:
@@ -21,13 +22,12 @@ def frontend_main(spec: FrontendSpec, conn, log_level: str = "INFO") -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the supervisor stops us with SIGTERM
     import uvicorn
-    from transformers import AutoTokenizer
 
     from engine.client import RouterClient
     from tgi_compat.app import create_app
 
     client = RouterClient(conn)
-    tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+    tokenizer = load_tokenizer(spec.model_dir, spec.tokenizer_config_path)
     status = client.wait_ready()
     if not status.healthy:
         log.error("not serving: %s", status.error)
@@ -37,3 +37,29 @@ def frontend_main(spec: FrontendSpec, conn, log_level: str = "INFO") -> None:
     uvicorn.run(app, host=spec.hostname, port=spec.port, log_level="warning", timeout_graceful_shutdown=2)
 
 
+
+
+# What a tokenizer_config.json given by --tokenizer-config-path replaces (TGI reads the same keys).
+TOKENIZER_CONFIG_KEYS = ("chat_template", "bos_token", "eos_token")
+
+
+def load_tokenizer(model_dir: str, tokenizer_config_path: str | None = None):
+    """The model's tokenizer; with ``tokenizer_config_path``, that file's chat template and
+    BOS/EOS tokens (as the chat template sees them) replace the model's."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer_config_path:
+        overrides = json.loads(Path(tokenizer_config_path).read_text())
+        for key in TOKENIZER_CONFIG_KEYS:
+            value = overrides.get(key)
+            if isinstance(value, dict):        # {"content": "<s>", ...}, as tokenizer_config.json may spell it
+                value = value.get("content")
+            if value is not None:
+                setattr(tokenizer, key, value)
+        log.info("tokenizer config from %s (%s)", tokenizer_config_path,
+                 ", ".join(k for k in TOKENIZER_CONFIG_KEYS if k in overrides) or "no chat keys")
+    return tokenizer

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from engine.client import Backend, SubmitRequest
+from engine.client import Backend
+from engine.protocol.messages import GenerationRequest
 
 from .detokenizer import IncrementalDetokenizer
 from .errors import GenerationError, IncompleteGenerationError
@@ -58,8 +59,8 @@ class _SequenceState:
             prefill=self.prefill, seed=self.seed, input_length=self.request.input_length, timing=timing)
 
 
-def submit_request(request: ValidRequest, request_id: int) -> SubmitRequest:
-    return SubmitRequest(request_id=request_id, prompt_ids=list(request.input_ids),
+def submit_request(request: ValidRequest, request_id: int) -> GenerationRequest:
+    return GenerationRequest(request_id=request_id, prompt_ids=list(request.input_ids),
                          max_new_tokens=request.max_new_tokens, params=request.params)
 
 

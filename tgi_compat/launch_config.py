@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields
 from functools import cache
 from pathlib import Path
 from typing import Mapping, get_type_hints
@@ -284,12 +284,10 @@ class Limits:
     max_batch_total_tokens: int | None
 
 
-ResolvedLimits = Limits
-
 PREFILL_FLOOR = 4096    # TGI's default prefill budget when it cannot compute one
 
 
-def resolve_limits(config: LaunchConfig, max_position_embeddings: int, max_allocatable: int | None = None) -> Limits:
+def resolve_limits(config: LaunchConfig, context_length: int, max_allocatable: int | None = None) -> Limits:
     """Fill the limits the flags left unset, then check them all.
 
     | limit                    | default                                                   |
@@ -298,10 +296,11 @@ def resolve_limits(config: LaunchConfig, max_position_embeddings: int, max_alloc
     | max_batch_prefill_tokens | max(max_input_tokens + 50, 4096), capped by the KV capacity |
     | max_batch_total_tokens   | --max-batch-total-tokens, else max_allocatable            |
 
-    The context length is ``max_position_embeddings``, times --rope-factor when given;
-    ``max_allocatable`` is how many tokens the KV memory holds (None: not measured yet).
+    ``context_length`` is the model's, with --rope-scaling/--rope-factor already applied
+    (``engine.models.load_model_config``); ``max_allocatable`` is how many tokens the KV
+    memory holds (None: not measured yet).
     """
-    context = int(max_position_embeddings * (config.rope[1] if config.rope else 1.0))
+    context = context_length
     capacity = config.max_batch_total_tokens if config.max_batch_total_tokens is not None else max_allocatable
     total = config.max_total_tokens or (min(context, max_allocatable) if max_allocatable else context)
     max_input = _input_tokens(config)
@@ -330,11 +329,6 @@ def resolve_num_shard(config: LaunchConfig, visible_gpus: int) -> int:
     if config.num_shard is not None:
         return config.num_shard
     return 1 if config.sharded is False else max(visible_gpus, 1)
-
-
-def cuda_graph_sizes(config: LaunchConfig) -> tuple[int, ...] | None:
-    """None: the engine's default sizes; (): graphs off."""
-    return config.cuda_graphs
 
 
 # ---- command line and environment ---------------------------------------------------------------
@@ -500,5 +494,5 @@ def _ignored_env(name: str, environ: Mapping[str, str]) -> bool:
 
 assert all(f.default is not MISSING for f in fields(LaunchConfig)), "every flag needs a default"
 
-__all__ = ["LaunchConfig", "LaunchError", "Limits", "ResolvedLimits", "build_parser", "parse_args", "env_name",
-           "resolve_limits", "resolve_num_shard", "cuda_graph_sizes", "replace", "DEMO_MODEL", "NOT_APPLIED"]
+__all__ = ["LaunchConfig", "LaunchError", "Limits", "build_parser", "parse_args", "env_name",
+           "resolve_limits", "resolve_num_shard", "DEMO_MODEL", "NOT_APPLIED"]

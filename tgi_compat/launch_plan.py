@@ -1,66 +1,76 @@
 """From TGI's launcher flags to the processes to start: the launcher's plan.
 
 ``plan_server`` resolves the weights, checks the checkpoint and every limit before any
-process starts (a ValueError names what is wrong), and returns a ``ServerPlan`` whose
-``start()`` spawns the shards, the router and the front end, in that order.
+process starts (a ValueError names what is wrong), turns the flags into the engine's
+``EngineConfig`` (the engine decides the rest in ``engine.assembly.plan_engine``, the same
+path the in-process ``Engine`` takes) and returns a ``ServerPlan`` whose ``start()`` spawns
+the shards, the router and the front end, in that order.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.assembly import EngineConfig, EnginePlan, plan_engine
 from engine.processes import spawn_context, spawn_router, spawn_shards
-from engine.router.process import RouterSpec
-from engine.worker.process import ShardSpec
 
 from .frontend_process import FrontendSpec, frontend_main
+from .launch_config import LaunchConfig, Limits, resolve_limits, resolve_num_shard
 
 
 @dataclass(frozen=True)
 class ServerPlan:
-    shards: tuple[ShardSpec, ...]
-    router: RouterSpec
+    engine: EnginePlan
     frontend: FrontendSpec
     log_level: str = "INFO"
 
     def start(self) -> list:
         """Spawn the shards, the router and the front end, wired with pipes; in that order."""
         ctx = spawn_context()
-        processes, router_ends = spawn_shards(self.shards, self.log_level)
+        processes, router_ends = spawn_shards(self.engine, self.log_level)
         front_router, front_end = ctx.Pipe(duplex=True)
-        router = spawn_router(self.router, front_router, router_ends, self.log_level)
+        router = spawn_router(self.engine, front_router, router_ends, self.log_level)
         frontend = ctx.Process(target=frontend_main, args=(self.frontend, front_end, self.log_level), name="frontend")
         frontend.start()
         return processes + [router, frontend]
 
 
-def plan_server(config) -> ServerPlan:
+def plan_server(config: LaunchConfig) -> ServerPlan:
     """From the launcher's config to the processes to start; ValueError on any bad input."""
-    import torch
-
-    from engine.models.config import load_model_config
-    from engine.models.parallel import TensorParallel
-    from engine.worker.model_worker import resolve_dtype
-    from tgi_compat.launch_config import resolve_limits
+    from engine.models import load_model_config
     from weights.hub import model_info, resolve_model
 
     model_dir = str(resolve_model(config.model_id, config.revision, config.huggingface_hub_cache, config.hf_token))
-    model_config = load_model_config(model_dir)
+    model_config = load_model_config(model_dir, rope_scaling=config.rope)
     _check_checkpoint(model_dir, model_config)
+    _check_tokenizer_config(config.tokenizer_config_path)
     limits = resolve_limits(config, model_config.max_context, None)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    num_shards = _num_shards(config, device)
-    TensorParallel(0, num_shards).check(model_config)
-    _check_master_address(config.master_addr, config.master_port, num_shards)
-    dtype = resolve_dtype(config.dtype, model_config, device)
-    max_requests = config.max_batch_size or min(config.max_concurrent_requests * config.max_best_of, 1024)
-    worker = _worker_config(config, limits, model_dir, dtype, device, max_requests)
-    shards = tuple(ShardSpec(rank, num_shards, config.master_addr, config.master_port, worker)
-                   for rank in range(num_shards))
-    router = _router_spec(config, limits, max_requests, _eos_ids(model_dir, model_config))
+    engine = plan_engine(engine_config(config, limits, model_dir))
+    _check_master_address(config.master_addr, config.master_port, engine.num_shards)
     sha, pipeline_tag = model_info(config.model_id, config.revision)
-    settings = _settings(config, limits, sha, pipeline_tag, dtype, device, num_shards)
-    return ServerPlan(shards, router, FrontendSpec(model_dir, config.hostname, config.port, settings),
-                      config.log_level or "INFO")
+    frontend = FrontendSpec(model_dir, config.hostname, config.port, _settings(config, limits, sha, pipeline_tag, engine),
+                            config.tokenizer_config_path)
+    return ServerPlan(engine, frontend, config.log_level or "INFO")
+
+
+def engine_config(config: LaunchConfig, limits: Limits, model_dir: str) -> EngineConfig:
+    """TGI's flags as the engine's settings (what the engine derives itself stays unset)."""
+    watermark = {"watermark_gamma": config.watermark_gamma, "watermark_delta": config.watermark_delta}
+    return EngineConfig(
+        model_dir=model_dir, dtype=config.dtype, kernel_backend="torch" if config.disable_custom_kernels else None,
+        max_requests=config.max_batch_size or min(config.max_concurrent_requests * config.max_best_of, 1024),
+        max_seq_len=limits.max_total_tokens, num_slots=limits.max_batch_total_tokens,
+        memory_fraction=0.9 * config.cuda_memory_fraction, max_prefill_tokens=limits.max_batch_prefill_tokens,
+        waiting_served_ratio=config.waiting_served_ratio, max_waiting_steps=config.max_waiting_tokens,
+        admission=config.admission, cuda_graphs=config.cuda_graphs,
+        num_shards=resolve_num_shard(config, _visible_gpus()), master_addr=config.master_addr,
+        master_port=config.master_port, rope_scaling=config.rope,
+        **{k: v for k, v in watermark.items() if v is not None})
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _check_checkpoint(model_dir: str, model_config) -> None:
@@ -72,44 +82,21 @@ def _check_checkpoint(model_dir: str, model_config) -> None:
         checkpoint.check(checkpoint_shapes(model_config), ignore_unexpected=IGNORED_CHECKPOINT_NAMES)
 
 
-def _worker_config(config, limits, model_dir, dtype, device, max_requests):
-    from engine.worker.model_worker import WorkerConfig
-    from tgi_compat.launch_config import cuda_graph_sizes
+def _check_tokenizer_config(path: str | None) -> None:
+    """--tokenizer-config-path must name a readable JSON object (it is read again by the front end)."""
+    import json
+    from pathlib import Path
 
-    watermark = {"watermark_gamma": config.watermark_gamma, "watermark_delta": config.watermark_delta}
-    return WorkerConfig(model_dir=model_dir, dtype=dtype, device=device,
-                        kernel_backend="triton" if device.type == "cuda" else "torch",
-                        max_requests=max_requests, max_seq_len=limits.max_total_tokens,
-                        num_slots=limits.max_batch_total_tokens, memory_fraction=0.9 * config.cuda_memory_fraction,
-                        warmup_tokens=limits.max_batch_prefill_tokens, cuda_graphs=cuda_graph_sizes(config),
-                        **{k: v for k, v in watermark.items() if v is not None})
-
-
-def _router_spec(config, limits, max_requests, eos_ids) -> RouterSpec:
-    from engine.router.scheduler import SchedulerConfig
-
-    scheduler = SchedulerConfig(
-        max_prefill_tokens=limits.max_batch_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
-        max_waiting_steps=config.max_waiting_tokens, max_seq_len=limits.max_total_tokens,
-        admission=config.admission)
-    return RouterSpec(max_requests=max_requests, scheduler_config=scheduler, eos_token_ids=eos_ids,
-                      max_batch_total_tokens=limits.max_batch_total_tokens)
-
-
-def _num_shards(config, device) -> int:
-    """--num-shard, else every visible GPU (1 on a CPU); more shards than GPUs is an error."""
-    import torch
-
-    visible = torch.cuda.device_count() if device.type == "cuda" else 0
-    shards = config.num_shard or max(visible, 1)
-    if config.sharded is False and shards > 1:
-        raise ValueError(f"--sharded false contradicts --num-shard {shards}")
-    if config.sharded and shards < 2:
-        raise ValueError("--sharded true needs at least 2 shards: set --num-shard or make more GPUs visible")
-    if device.type == "cuda" and shards > visible:
-        raise ValueError(f"--num-shard {shards} needs {shards} GPUs but {visible} are visible "
-                         f"(CUDA_VISIBLE_DEVICES); lower --num-shard")
-    return shards
+    if path is None:
+        return
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tokenizer-config-path {path!r} cannot be read as JSON ({e}); point it at a "
+                         f"tokenizer_config.json") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--tokenizer-config-path {path!r} holds a JSON {type(value).__name__}, not an object "
+                         f"like tokenizer_config.json")
 
 
 def _check_master_address(host: str, port: int, num_shards: int) -> None:
@@ -125,22 +112,7 @@ def _check_master_address(host: str, port: int, num_shards: int) -> None:
                          f"e.g. localhost") from None
 
 
-def _eos_ids(model_dir: str, model_config) -> tuple[int, ...]:
-    """config.json's EOS ids plus generation_config.json's (Llama 3 lists several there)."""
-    import json
-    from pathlib import Path
-
-    ids = list(model_config.eos_token_ids)
-    path = Path(model_dir) / "generation_config.json"
-    if path.is_file():
-        value = json.loads(path.read_text()).get("eos_token_id")
-        for token in value if isinstance(value, list) else [value]:
-            if token is not None and token not in ids:
-                ids.append(int(token))
-    return tuple(ids)
-
-
-def _settings(config, limits, sha, pipeline_tag, dtype, device, num_shards):
+def _settings(config: LaunchConfig, limits: Limits, sha, pipeline_tag, engine: EnginePlan):
     from tgi_compat.settings import ServerSettings
 
     return ServerSettings(
@@ -151,7 +123,8 @@ def _settings(config, limits, sha, pipeline_tag, dtype, device, num_shards):
         max_client_batch_size=config.max_client_batch_size, validation_workers=config.validation_workers,
         api_key=config.api_key, payload_limit=config.payload_limit,
         disable_grammar_support=config.disable_grammar_support,
-        model_dtype=str(dtype).removeprefix("torch."), model_device_type=device.type, num_shards=num_shards,
+        model_dtype=str(engine.worker.dtype).removeprefix("torch."), model_device_type=engine.worker.device.type,
+        num_shards=engine.num_shards,
         max_batch_total_tokens=limits.max_batch_total_tokens, waiting_served_ratio=config.waiting_served_ratio,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
     )

@@ -6,8 +6,10 @@ map to ``LlamaFamilyModel``.
 """
 from __future__ import annotations
 
-from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
+from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError, load_model_config
 from engine.models.llama import LlamaFamilyModel
+
+__all__ = ["MODEL_REGISTRY", "load_model_config", "model_class_for"]
 
 MODEL_REGISTRY = {name: LlamaFamilyModel for name in SUPPORTED_ARCHITECTURES}
 

@@ -100,7 +100,7 @@ class ModelConfig:
         )
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
+def load_model_config(model_dir: str | Path, rope_scaling: tuple[str, float] | None = None) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelConfigError(f"{path} not found: a model directory needs the Hugging Face config.json")
@@ -108,6 +108,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelConfigError(f"{path} is not valid JSON: {e}") from e
+    if rope_scaling is not None:
+        kind, factor = rope_scaling
+        raw = {**raw, "rope_scaling": {"rope_type": kind, "factor": factor}, "rope_parameters": None}
     try:
         return ModelConfig.from_dict(raw)
     except KeyError as e:

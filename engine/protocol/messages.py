@@ -98,9 +98,6 @@ class Step:
     rows: list[StepRow]
     released: list[int] = field(default_factory=list)   # requests whose worker state can go
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(r.input_ids) for r in self.rows)
 
 
 @dataclass

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from engine.processes import child_setup
 from engine.protocol.codec import decode, encode
@@ -77,15 +76,11 @@ class PipeShards:
 
 
 
-@dataclass(frozen=True)
-class RouterSpec:
-    max_requests: int
-    scheduler_config: object       # engine.router.scheduler.SchedulerConfig
-    eos_token_ids: tuple[int, ...]
-    max_batch_total_tokens: int | None = None
+def router_main(plan, frontend_conn, shard_conns, log_level: str = "INFO") -> None:
+    """The router process: wait for every shard's Ready, then run the step loop (``plan``: an
+    ``engine.assembly.EnginePlan``, the same one the shards were started from)."""
+    from engine.assembly import build_router
 
-
-def router_main(spec: RouterSpec, frontend_conn, shard_conns, log_level: str = "INFO") -> None:
     child_setup(log_level)
     shards = PipeShards(shard_conns)
     try:
@@ -94,10 +89,8 @@ def router_main(spec: RouterSpec, frontend_conn, shard_conns, log_level: str = "
         log.error("startup failed: %s", e)
         frontend_conn.send_bytes(encode(RouterStatus(healthy=False, error=str(e))))
         return
-    if spec.max_batch_total_tokens:
-        capacity = min(capacity, spec.max_batch_total_tokens)
-    loop = RouterLoop(spec, capacity, shards, frontend_conn)
-    log.info("router ready: %d KV slots, %d request rows", capacity, spec.max_requests)
+    loop = RouterLoop(build_router(plan, shards, capacity), frontend_conn)
+    log.info("router ready: %d KV slots, %d request rows", capacity, plan.max_requests)
     try:
         loop.run()
     finally:
@@ -105,13 +98,9 @@ def router_main(spec: RouterSpec, frontend_conn, shard_conns, log_level: str = "
 
 
 class RouterLoop:
-    def __init__(self, spec: RouterSpec, capacity: int, shards: PipeShards, conn):
-        from engine.router.allocator import SlotAllocator
-        from engine.router.router import Router
-        from engine.router.scheduler import Scheduler
-
-        self.allocator = SlotAllocator(capacity, spec.max_requests)
-        self.router = Router(Scheduler(self.allocator, spec.scheduler_config), shards, spec.eos_token_ids)
+    def __init__(self, router, conn):
+        self.router = router
+        self.allocator = router.scheduler.allocator
         self.conn = conn
         self.healthy = True
         self.error: str | None = None

@@ -79,12 +79,6 @@ class Request:
         return self.prefilled < len(self.prompt_ids)
 
 
-@dataclass
-class Finished:
-    request: Request
-    reason: str                 # "length" | "eos_token"
-
-
 class Scheduler:
     def __init__(self, allocator: SlotAllocator, config: SchedulerConfig):
         self.allocator = allocator

@@ -131,9 +131,6 @@ class GrammarMatcher:
             return self._failure
         return self._matcher.get_error() if self._matcher.is_error() else None
 
-    def accepts_end(self) -> bool:
-        return self._matcher.is_accepting()
-
     def advance(self, token_id: int) -> None:
         """Consume a sampled token; a token after completion (EOS again) is ignored."""
         if self.only_eos:

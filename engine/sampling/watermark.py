@@ -43,10 +43,6 @@ class WatermarkScore:
     green: int                # scored tokens that are green
     scored: int               # tokens scored (each needs a previous token)
 
-    @property
-    def green_fraction(self) -> float:
-        return self.green / self.scored if self.scored else math.nan
-
 
 def is_green(prev_tokens: torch.Tensor, token_ids: torch.Tensor, gamma: float) -> torch.Tensor:
     """Whether each ``token_ids`` entry is green after the matching ``prev_tokens`` entry

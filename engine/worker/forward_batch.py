@@ -24,11 +24,3 @@ class ForwardBatch:
     seq_len: torch.Tensor     # [B] int32, cached + new tokens
     max_q_len: int            # host copy of max(q_len)
     is_decode: bool           # every row has exactly one new token
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def num_rows(self) -> int:
-        return self.req_rows.shape[0]

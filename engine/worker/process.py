@@ -16,6 +16,10 @@ from engine.protocol.messages import Ready, ShardError, Shutdown
 log = logging.getLogger("engine.worker")
 
 RENDEZVOUS_S = 60
+# How often a shard looks whether its launched step finished while no message arrives. In
+# steady decoding the router's next Step arrives first (it is sent before the previous
+# result is read), so this bounds only the latency of a step nothing follows yet.
+DEVICE_POLL_S = 0.0002
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,7 @@ class ShardSpec:
     master_addr: str
     master_port: int
     worker_config: object          # engine.worker.model_worker.WorkerConfig
+    model_config: object           # the family's frozen config (engine.models), as the plan decided it
 
 
 def shard_main(spec: ShardSpec, conn, log_level: str = "INFO") -> None:
@@ -34,7 +39,7 @@ def shard_main(spec: ShardSpec, conn, log_level: str = "INFO") -> None:
         from engine.worker.model_worker import ModelWorker
 
         worker_config = _join_group(spec)
-        worker = ModelWorker(worker_config, tp=TensorParallel(spec.rank, spec.world_size))
+        worker = ModelWorker(worker_config, spec.model_config, tp=TensorParallel(spec.rank, spec.world_size))
         conn.send_bytes(encode(Ready(spec.rank, worker.num_slots)))
         log.info("shard %d ready: %d KV slots", spec.rank, worker.num_slots)
         serve_steps(worker, conn, reply=spec.rank == 0)
@@ -71,12 +76,15 @@ def serve_steps(worker, conn, reply: bool) -> None:
 
 
 def _next_step_first(conn, launched) -> bool:
-    """Wait until a message arrives (True) or the launched step is done on the device (False)."""
-    while True:
-        if conn.poll(0):
+    """Wait until a message arrives (True) or the launched step is done on the device (False).
+
+    Sleeps in the pipe's poll between looks at the device: a message wakes it at once, a
+    finished step is noticed within ``DEVICE_POLL_S`` (no core spins while the device works).
+    """
+    while not launched.ready():
+        if conn.poll(DEVICE_POLL_S):
             return True
-        if launched.ready():
-            return False
+    return conn.poll(0)
 
 
 def _reply(conn, launched, reply: bool) -> None:

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from tgi_compat.launch_config import DEMO_MODEL, NOT_APPLIED, LaunchConfig, LaunchError, build_parser, cuda_graph_sizes, env_name, parse_args, resolve_limits, resolve_num_shard
+from tgi_compat.launch_config import DEMO_MODEL, NOT_APPLIED, LaunchConfig, LaunchError, build_parser, env_name, parse_args, resolve_limits, resolve_num_shard
 
 FIELDS = [f.name for f in dataclasses.fields(LaunchConfig)]
 
@@ -250,8 +250,6 @@ def test_derived_limits_follow_tgi():
     assert (limits.max_batch_prefill_tokens, limits.max_batch_total_tokens) == (4145, 5000)
     limits = resolve_limits(parse_args(["--max-batch-total-tokens", "4096"], {}), 4096, None)
     assert limits.max_batch_prefill_tokens == 4096                # capped by the KV capacity
-    limits = resolve_limits(parse_args(["--rope-factor", "2"], {}), 4096, None)
-    assert limits.max_total_tokens == 8192
 
 
 @pytest.mark.parametrize("argv,max_allocatable,message", [
@@ -281,9 +279,9 @@ def test_shard_count_follows_tgi():
 
 
 def test_cuda_graph_sizes():
-    assert cuda_graph_sizes(parse_args([], {})) is None
-    assert cuda_graph_sizes(parse_args(["--cuda-graphs", "0"], {})) == ()
-    assert cuda_graph_sizes(parse_args(["--cuda-graphs", "1,2,8"], {})) == (1, 2, 8)
+    assert parse_args([], {}).cuda_graphs is None
+    assert parse_args(["--cuda-graphs", "0"], {}).cuda_graphs == ()
+    assert parse_args(["--cuda-graphs", "1,2,8"], {}).cuda_graphs == (1, 2, 8)
 
 
 def test_a_bad_engine_pdl_switch_is_a_usage_error(capsys):

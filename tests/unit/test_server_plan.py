@@ -1,5 +1,6 @@
-"""What the launcher's config becomes before any process starts: the shard's dtype, and the
-CPU thread count a shard takes."""
+"""What the launcher's config becomes before any process starts: the shard's dtype, the kernel
+backend, the tokenizer config, and the CPU thread count a shard takes."""
+import json
 import os
 
 import pytest
@@ -21,8 +22,42 @@ def model_dir(tmp_path_factory):
                                            (["--dtype", "float16"], torch.float16)])
 def test_dtype_reaches_the_shard_and_info(model_dir, flag, expected):
     plan = plan_server(parse_args(["--model-id", str(model_dir), *flag], environ={"HF_HUB_OFFLINE": "1"}))
-    assert plan.shards[0].worker_config.dtype == expected
+    assert plan.engine.worker.dtype == expected
     assert plan.frontend.settings.model_dtype == str(expected).removeprefix("torch.")
+
+
+def test_disable_custom_kernels_runs_the_torch_references(model_dir, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")        # where the Triton kernels would run otherwise
+    argv = ["--model-id", str(model_dir)]
+    assert plan_server(parse_args(argv, environ={})).engine.worker.kernel_backend == "triton"
+    plan = plan_server(parse_args([*argv, "--disable-custom-kernels"], environ={}))
+    assert plan.engine.worker.kernel_backend == "torch"
+
+
+def test_tokenizer_config_path_reaches_the_front_end_and_its_template_is_used(model_dir, tmp_path):
+    from tgi_compat.chat_template import ChatTemplate
+    from tgi_compat.frontend_process import load_tokenizer
+    from tgi_compat.openai_schema import ChatMessage
+
+    path = tmp_path / "tokenizer_config.json"
+    path.write_text(json.dumps({"chat_template": "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}",
+                                "eos_token": "</s>"}))
+    plan = plan_server(parse_args(["--model-id", str(model_dir), "--tokenizer-config-path", str(path)], environ={}))
+    assert plan.frontend.tokenizer_config_path == str(path)
+    tokenizer = load_tokenizer(plan.frontend.model_dir, plan.frontend.tokenizer_config_path)
+    rendered = ChatTemplate(tokenizer).render((ChatMessage("user", "hi"),))
+    assert rendered == "<<hi>>"
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]"])
+def test_a_bad_tokenizer_config_path_stops_the_launcher(model_dir, tmp_path, content):
+    path = tmp_path / "tokenizer_config.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="--tokenizer-config-path"):
+        plan_server(parse_args(["--model-id", str(model_dir), "--tokenizer-config-path", str(path)], environ={}))
+    with pytest.raises(ValueError, match="cannot be read"):
+        plan_server(parse_args(["--model-id", str(model_dir), "--tokenizer-config-path", str(tmp_path / "no")],
+                               environ={}))
 
 
 @pytest.fixture

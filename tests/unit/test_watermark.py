@@ -13,7 +13,8 @@ from tgi_compat.launch_config import LaunchConfig, LaunchError, resolve_limits
 from engine.ops import KernelOps
 from engine.sampling.sampler import RowSampling, Sampler
 from engine.protocol.messages import SamplingParams
-from tgi_compat.launch_plan import _worker_config
+from engine.assembly import plan_engine
+from tgi_compat.launch_plan import engine_config
 from engine.sampling.watermark import WatermarkConfig, apply_watermark, detect, is_green
 
 DEMO = Path(__file__).resolve().parents[2] / "weights" / "demo"
@@ -68,10 +69,9 @@ def test_sampler_biases_watermarked_rows_before_logprobs():
 def test_launcher_flags_reach_the_worker_config():
     config = LaunchConfig(watermark_gamma=0.25, watermark_delta=3.0)
     assert not any("watermark" in notice for notice in config.notices)
-    worker = _worker_config(config, resolve_limits(config, 2048), str(DEMO), torch.float32, torch.device("cpu"), 4)
+    worker = plan_engine(engine_config(config, resolve_limits(config, 2048), str(DEMO))).worker
     assert (worker.watermark_gamma, worker.watermark_delta) == (0.25, 3.0)
-    default = _worker_config(LaunchConfig(), resolve_limits(LaunchConfig(), 2048), str(DEMO), torch.float32,
-                             torch.device("cpu"), 4)
+    default = plan_engine(engine_config(LaunchConfig(), resolve_limits(LaunchConfig(), 2048), str(DEMO))).worker
     assert (default.watermark_gamma, default.watermark_delta) == (0.5, 2.0)        # TGI's defaults
     with pytest.raises(LaunchError, match=r"--watermark-gamma must be in \(0, 1\), got 1.0"):
         LaunchConfig(watermark_gamma=1.0)

@@ -1,0 +1,129 @@
+"""The one composition path: a frozen ``EngineConfig`` -> an ``EnginePlan`` -> a running router.
+
+    plan = plan_engine(EngineConfig(model_dir=...))      # every decision, made once
+    shards, capacity = start_local_shard(plan)            # or start_shard_processes(plan)
+    router = build_router(plan, shards, capacity)
+
+``plan_engine`` decides what both the in-process ``engine.generation.Engine`` and the
+server's router process (``engine.router.process``) need: the model config (with any rope
+scaling override), the device, dtype and kernel backend, the shard count, the EOS ids
+(config.json's and generation_config.json's), the worker's and the scheduler's configs.
+Neither composes the engine any other way.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.models import load_model_config
+from engine.models.config import ModelConfig
+from engine.models.parallel import TensorParallel
+from engine.ops import BACKENDS, default_backend
+from engine.router.allocator import SlotAllocator
+from engine.router.router import Router
+from engine.router.scheduler import SchedulerConfig, Scheduler
+from engine.worker.model_worker import WorkerConfig, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str | None = None              # float16 | bfloat16 | float32; None: the device's default
+    device: str | None = None             # None: cuda if available else cpu
+    kernel_backend: str | None = None     # triton | torch; None: engine.ops.default_backend
+    max_requests: int = 256               # request rows (the largest running batch)
+    max_seq_len: int | None = None        # prompt + new tokens of one request; None: the model's context
+    num_slots: int | None = None          # KV capacity in tokens; None: sized from free memory
+    memory_fraction: float = 0.9          # of the memory free after the weights and the warm-up (CUDA)
+    max_prefill_tokens: int = 4096        # prompt tokens per step (longer prompts are chunked)
+    waiting_served_ratio: float = 0.0
+    max_waiting_steps: int = 20
+    admission: str = "peak"               # peak (LightLLM's rule) | reserve (TGI-style)
+    cuda_graphs: tuple[int, ...] | None = None   # decode batch sizes to capture (None: defaults; (): eager)
+    num_shards: int | None = 1            # tensor-parallel shards; None: every visible GPU (1 on a CPU)
+    master_addr: str = "localhost"
+    master_port: int = 29500
+    rope_scaling: tuple[str, float] | None = None   # (linear | dynamic, factor) over the checkpoint's
+    watermark_gamma: float = 0.5
+    watermark_delta: float = 2.0
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Everything decided from an ``EngineConfig``; picklable, so the router process gets it whole."""
+    config: EngineConfig
+    model_config: ModelConfig
+    worker: WorkerConfig
+    scheduler: SchedulerConfig
+    eos_token_ids: tuple[int, ...]
+    num_shards: int
+
+    @property
+    def max_requests(self) -> int:
+        return self.config.max_requests
+
+
+def plan_engine(config: EngineConfig) -> EnginePlan:
+    """Decide every engine setting once; ValueError (with what to change) on any that cannot work."""
+    model_config = load_model_config(config.model_dir, rope_scaling=config.rope_scaling)
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    num_shards = resolve_shards(config.num_shards, device)
+    TensorParallel(0, num_shards).check(model_config)
+    backend = config.kernel_backend or default_backend(device)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    max_seq_len = config.max_seq_len or model_config.max_context
+    worker = WorkerConfig(
+        model_dir=config.model_dir, dtype=resolve_dtype(config.dtype, model_config, device), device=device,
+        kernel_backend=backend, max_requests=config.max_requests, max_seq_len=max_seq_len,
+        num_slots=config.num_slots, memory_fraction=config.memory_fraction,
+        warmup_tokens=config.max_prefill_tokens, cuda_graphs=config.cuda_graphs,
+        watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta)
+    scheduler = SchedulerConfig(
+        max_prefill_tokens=config.max_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_steps=config.max_waiting_steps, max_seq_len=max_seq_len, admission=config.admission)
+    return EnginePlan(config, model_config, worker, scheduler, eos_token_ids(config.model_dir, model_config),
+                      num_shards)
+
+
+def resolve_shards(requested: int | None, device: torch.device) -> int:
+    """The shard count: as requested, else every visible GPU (1 on a CPU); never more than the GPUs."""
+    visible = torch.cuda.device_count() if device.type == "cuda" else 0
+    shards = requested or max(visible, 1)
+    if device.type == "cuda" and shards > visible:
+        raise ValueError(f"--num-shard {shards} needs {shards} GPUs but {visible} are visible "
+                         f"(CUDA_VISIBLE_DEVICES); lower --num-shard")
+    return shards
+
+
+def eos_token_ids(model_dir: str, model_config: ModelConfig) -> tuple[int, ...]:
+    """config.json's EOS ids plus generation_config.json's (Llama 3 lists several there)."""
+    ids = list(model_config.eos_token_ids)
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        value = json.loads(path.read_text()).get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
+def start_local_shard(plan: EnginePlan):
+    """One in-process worker: (shards, KV capacity)."""
+    from engine.router.router import LocalShards
+    from engine.worker.model_worker import ModelWorker
+
+    worker = ModelWorker(plan.worker, plan.model_config)
+    return LocalShards(worker), worker.num_slots
+
+
+def build_router(plan: EnginePlan, shards, capacity: int) -> Router:
+    """The router over ``shards`` with ``capacity`` KV slots (the minimum over the shards)."""
+    allocator = SlotAllocator(capacity, plan.max_requests)
+    return Router(Scheduler(allocator, plan.scheduler), shards, plan.eos_token_ids)
