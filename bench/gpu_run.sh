@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, profile, bench (default), serving, ablation,
-#                                         e2e, tp (2 GPUs)
+#                                         e2e, tp (2 GPUs), compare, cpu
+# compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
+# CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
+# this tree), one after the other in this run: before and after numbers from one machine.
 # serving/ablation drive the real launcher over HTTP (bench.serving_bench); POISSON_S sets the
 # Poisson phase's length (default 120 s, the issue's two minutes).
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
@@ -76,6 +79,24 @@ for stage in $stages; do
       E2E_MODEL_DIR=$MODEL_7B E2E_SERVER_ARGS="--dtype float32" E2E_STARTUP_S=300 \
         python3 -m pytest -q -p no:cacheprovider tests/e2e/test_launcher.py tests/e2e/test_launcher_lifecycle.py 2>&1 | tee "$OUT/e2e.log" | tail -30
       rc=${PIPESTATUS[0]} ;;
+    compare)
+      ensure_7b
+      for tree in ${COMPARE_TREES:-.baseline .}; do
+        tag=$(basename "$(realpath "$tree")")
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 -m bench.serving_bench --model-dir "$MODEL_7B" \
+          --workloads batch1,batch --no-peer --json "$OUT/compare_$tag.json" 2>&1 | tee "$OUT/compare_$tag.log" \
+          | grep -v -E "it/s|s/it" | tail -12)
+        rc=${PIPESTATUS[0]}
+      done ;;
+    cpu)
+      ensure_7b
+      for tree in ${COMPARE_TREES:-.baseline .}; do
+        tag=$(basename "$(realpath "$tree")")
+        [ -f "$tree/bench/process_cpu.py" ] || cp bench/process_cpu.py "$tree/bench/"
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 -m bench.process_cpu --model-dir "$MODEL_7B" \
+          --json "$OUT/cpu_$tag.json" 2>&1 | tail -14)
+        rc=$?
+      done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"

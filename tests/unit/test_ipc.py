@@ -3,10 +3,12 @@ import math
 import msgpack
 import pytest
 
-from engine.protocol.messages import Events, Ready, RouterStatus
+import subprocess
+import sys
+
 from engine.protocol.codec import decode, encode
-from engine.protocol.messages import SamplingParams
-from engine.protocol.messages import Abort, GenerationRequest, RowResult, Step, StepResult, StepRow, TokenEvent
+from engine.protocol.messages import (Abort, Events, GenerationRequest, Ready, RouterStatus, RowResult, SamplingParams,
+                                      Step, StepResult, StepRow, TokenEvent)
 
 
 def test_every_message_round_trips():
@@ -41,3 +43,11 @@ def test_nan_logprob_survives():
 def test_unknown_message_type_is_rejected():
     with pytest.raises(ValueError, match="unknown message type"):
         decode(msgpack.packb({"~": "Nope"}))
+
+
+def test_the_messages_the_router_and_the_client_need_load_without_torch():
+    modules = ["engine.protocol.messages", "engine.protocol.codec", "engine.router.scheduler", "engine.router.router",
+               "engine.router.process", "engine.client"]
+    code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
