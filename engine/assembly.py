@@ -52,6 +52,7 @@ class EngineConfig:
     rope_scaling: tuple[str, float] | None = None   # (linear | dynamic, factor) over the checkpoint's
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
+    prefix_caching: bool = True           # reuse cached prompt prefixes' KV (engine.router.prefix_cache)
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta)
     scheduler = SchedulerConfig(
         max_prefill_tokens=config.max_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
-        max_waiting_steps=config.max_waiting_steps, max_seq_len=max_seq_len, admission=config.admission)
+        max_waiting_steps=config.max_waiting_steps, max_seq_len=max_seq_len, admission=config.admission,
+        prefix_caching=config.prefix_caching)
     return EnginePlan(config, model_config, worker, scheduler, eos_token_ids(config.model_dir, model_config),
                       num_shards)
 

@@ -122,6 +122,10 @@ class LaunchConfig:
                                        "--max-best-of, at most 1024", minimum=1)
     admission: str = _flag("KV admission rule (this engine's): peak (LightLLM's peak future usage) or reserve "
                            "(TGI-style sum of maxima, for comparison)", "peak", choices=("peak", "reserve"))
+    prefix_caching: bool = _flag("reuse the KV cache of prompt prefixes that earlier requests computed (a radix "
+                                 "tree over token slots; shared system prompts and multi-turn chats prefill "
+                                 "only what is new). On by default as in TGI 3; PREFIX_CACHING=0 or "
+                                 "--prefix-caching false turns it off", True)
     # ---- the HTTP server ----
     hostname: str = _flag("address the HTTP server listens on. As TGI, the environment variable is HOSTNAME, "
                           "which shells and Docker set to the machine's name: a HOSTNAME equal to this "

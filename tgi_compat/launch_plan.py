@@ -61,7 +61,7 @@ def engine_config(config: LaunchConfig, limits: Limits, model_dir: str) -> Engin
         max_seq_len=limits.max_total_tokens, num_slots=limits.max_batch_total_tokens,
         memory_fraction=0.9 * config.cuda_memory_fraction, max_prefill_tokens=limits.max_batch_prefill_tokens,
         waiting_served_ratio=config.waiting_served_ratio, max_waiting_steps=config.max_waiting_tokens,
-        admission=config.admission, cuda_graphs=config.cuda_graphs,
+        admission=config.admission, cuda_graphs=config.cuda_graphs, prefix_caching=config.prefix_caching,
         num_shards=resolve_num_shard(config, _visible_gpus()), master_addr=config.master_addr,
         master_port=config.master_port, rope_scaling=config.rope,
         **{k: v for k, v in watermark.items() if v is not None})

@@ -91,6 +91,9 @@ class StepRow:
     params: SamplingParams | None = None   # sent with the request's first chunk only
     seed: int = 0
     logprob_targets: list[int] | None = None  # next prompt token of each position (prompt logprobs)
+    # The request's first row when its prompt starts with a cached prefix (start_pos tokens):
+    prefix_slots: list[int] | None = None  # their slots: req_to_token[row, 0:start_pos] (prefix cache)
+    prefix_ids: list[int] | None = None    # their token ids, sent only with penalties (they count as prompt)
 
 
 @dataclass
@@ -142,6 +145,10 @@ class RouterStatus:
     kv_used: int = 0
     kv_capacity: int = 0
     error: str | None = None
+    prefix_cache_tokens: int = 0            # KV slots the prefix cache holds now
+    prefix_cache_lookup_tokens: int = 0     # prompt tokens of admitted requests, cumulative
+    prefix_cache_hit_tokens: int = 0        # of those, taken from the prefix cache, cumulative
+    prefix_cache_evicted_tokens: int = 0    # cached tokens evicted for room, cumulative
 
 
 @dataclass(frozen=True)

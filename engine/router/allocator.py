@@ -4,9 +4,17 @@ The KV buffer has ``num_slots`` usable slots (0 .. num_slots-1) plus one dummy s
 (index ``num_slots``) that padded rows write into. Request rows index the
 ``req_to_token`` table (0 .. max_requests-1; row ``max_requests`` is the dummy row).
 
+Slots are reference-counted. A slot's holders are the requests whose row maps it (a
+request holds the slots it allocated and the cached prefix slots it was given with
+``share``) and, at most once, the prefix cache's tree (``cache_slots`` / ``uncache_slots``,
+see ``engine.router.prefix_cache``). A slot is free exactly when nobody holds it, and it
+goes back to the free stack exactly once, when its last holder lets go.
+
 Invariants (checked by ``check_integrity``):
-  * free + used == num_slots, and no slot is free and used, or used twice;
-  * every slot a request holds was allocated to it and is freed exactly once.
+  * free + used + cached-only == num_slots, where used = held by at least one request and
+    cached-only = held by the tree alone; no slot is free twice or free and held;
+  * every slot's request count equals the number of requests that hold it;
+  * the tree's own invariants (every node's slots marked cached, counts add up).
 """
 from __future__ import annotations
 
@@ -25,6 +33,14 @@ class SlotAllocator:
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self._slots_of: dict[object, list[int]] = {}
         self._row_of: dict[object, int] = {}
+        self._holders = [0] * num_slots        # requests holding each slot
+        self._cached = bytearray(num_slots)    # 1 where the prefix cache's tree holds the slot
+        self._used = 0                         # slots with at least one request holder
+        self._cache = None                     # the PrefixCache that evicts for us, if any
+
+    def attach_cache(self, cache) -> None:
+        """Let ``cache`` (a ``PrefixCache``) hold slots and evict when ``allocate`` runs short."""
+        self._cache = cache
 
     @property
     def dummy_slot(self) -> int:
@@ -40,7 +56,13 @@ class SlotAllocator:
 
     @property
     def used_slots(self) -> int:
-        return self.num_slots - len(self._free_slots)
+        """Slots that running requests hold (cached ones that only the tree holds are not used)."""
+        return self._used
+
+    @property
+    def cached_slots(self) -> int:
+        """Slots the prefix cache's tree holds (some may be held by requests too)."""
+        return self._cache.cached_slots if self._cache is not None else 0
 
     @property
     def free_rows(self) -> int:
@@ -57,47 +79,130 @@ class SlotAllocator:
         self._slots_of[request_id] = []
         return row
 
+    def share(self, request_id, slots: list[int]) -> None:
+        """Map cached slots (a prompt's cached prefix) as the request's first tokens."""
+        held = self._held_list(request_id)
+        if held:
+            raise AllocatorError(f"request {request_id!r} already holds {len(held)} slots; share comes first")
+        for slot in slots:
+            if not self._cached[slot]:
+                raise AllocatorError(f"slot {slot} is not cached: only the prefix cache's slots are shared")
+            self._hold(slot)
+        held.extend(slots)
+
     def allocate(self, request_id, count: int) -> list[int]:
-        """Append ``count`` slots to the request's tokens and return them."""
-        held = self._slots_of.get(request_id)
-        if held is None:
-            raise AllocatorError(f"request {request_id!r} has no row; call open_request first")
+        """Append ``count`` slots to the request's tokens and return them (evicting cached
+        prefixes nobody uses when the free slots run short)."""
+        held = self._held_list(request_id)
+        if count > len(self._free_slots) and self._cache is not None:
+            self._cache.evict(count - len(self._free_slots))
         if count > len(self._free_slots):
             raise AllocatorError(f"asked for {count} slots, {len(self._free_slots)} free")
         slots = [self._free_slots.pop() for _ in range(count)]
+        for slot in slots:
+            self._holders[slot] = 1
+        self._used += count
         held.extend(slots)
         return slots
 
+    def _held_list(self, request_id) -> list[int]:
+        held = self._slots_of.get(request_id)
+        if held is None:
+            raise AllocatorError(f"request {request_id!r} has no row; call open_request first")
+        return held
+
+    def _hold(self, slot: int) -> None:
+        if self._holders[slot] == 0:
+            self._used += 1
+        self._holders[slot] += 1
+
     def held(self, request_id) -> int:
         return len(self._slots_of.get(request_id, ()))
+
+    def slots(self, request_id) -> list[int]:
+        """The request's slots by position (do not modify)."""
+        return self._slots_of[request_id]
 
     def row(self, request_id) -> int:
         return self._row_of[request_id]
 
     def release(self, request_id) -> int:
-        """Free the request's row and every slot it holds; returns the slot count."""
+        """Drop the request's row and its hold on every slot (freeing those nobody else holds);
+        returns the slot count it held."""
         if request_id not in self._row_of:
             raise AllocatorError(f"request {request_id!r} holds nothing (released twice?)")
         slots = self._slots_of.pop(request_id)
-        self._free_slots.extend(reversed(slots))
+        freed = []
+        for slot in slots:
+            self._holders[slot] -= 1
+            if self._holders[slot] == 0:
+                self._used -= 1
+                if not self._cached[slot]:
+                    freed.append(slot)
+        self._free_slots.extend(reversed(freed))
         self._free_rows.append(self._row_of.pop(request_id))
         return len(slots)
 
+    # ---- the prefix cache's hold ---------------------------------------------------
+
+    def cache_slots(self, slots: list[int]) -> None:
+        """The tree starts holding these slots (a request holds them: their KV is written)."""
+        for slot in slots:
+            if self._cached[slot] or self._holders[slot] == 0:
+                raise AllocatorError(f"slot {slot} cannot be cached: it is cached already or nobody holds it")
+            self._cached[slot] = 1
+
+    def uncache_slots(self, slots: list[int]) -> None:
+        """The tree lets go of these slots; those no request holds are freed."""
+        freed = []
+        for slot in slots:
+            if not self._cached[slot]:
+                raise AllocatorError(f"slot {slot} is not cached (evicted twice?)")
+            self._cached[slot] = 0
+            if self._holders[slot] == 0:
+                freed.append(slot)
+        self._free_slots.extend(reversed(freed))
+
+    def is_cached(self, slot: int) -> bool:
+        return bool(self._cached[slot])
+
     def check_integrity(self) -> None:
-        used = [s for slots in self._slots_of.values() for s in slots]
-        problems = []
-        if len(used) + len(self._free_slots) != self.num_slots:
-            problems.append(f"free {len(self._free_slots)} + used {len(used)} != capacity {self.num_slots}")
-        if len(set(used)) != len(used):
-            problems.append("a slot is owned twice")
-        if set(used) & set(self._free_slots):
-            problems.append("a slot is both free and used")
-        if len(set(self._free_slots)) != len(self._free_slots):
-            problems.append("a slot is free twice")
-        if any(not 0 <= s < self.num_slots for s in used + self._free_slots):
-            problems.append("a slot index is out of range")
-        rows = list(self._row_of.values())
-        if len(rows) + len(self._free_rows) != self.max_requests or set(rows) & set(self._free_rows):
-            problems.append("request rows are inconsistent")
+        problems = self._slot_problems() + self._row_problems()
+        if self._cache is not None:
+            problems += self._cache.check_integrity(self.is_cached)
         if problems:
             raise AllocatorError("; ".join(problems))
+
+    def _slot_problems(self) -> list[str]:
+        problems = []
+        counts = [0] * self.num_slots
+        for slots in self._slots_of.values():
+            if len(set(slots)) != len(slots):
+                problems.append("a request holds a slot twice")
+            for slot in slots:
+                if not 0 <= slot < self.num_slots:
+                    problems.append(f"slot {slot} is out of range")
+                    return problems
+                counts[slot] += 1
+        if counts != self._holders:
+            problems.append("a slot's request count differs from the requests that hold it")
+        free = set(self._free_slots)
+        used = sum(1 for c in counts if c)
+        cached_only = sum(1 for s in range(self.num_slots) if self._cached[s] and not counts[s])
+        if len(free) != len(self._free_slots):
+            problems.append("a slot is free twice")
+        if any(counts[s] or self._cached[s] for s in free if 0 <= s < self.num_slots):
+            problems.append("a slot is both free and used or cached")
+        if any(not 0 <= s < self.num_slots for s in free):
+            problems.append("a free slot index is out of range")
+        if used != self._used:
+            problems.append(f"{used} slots are held by requests but used_slots says {self._used}")
+        if len(free) + used + cached_only != self.num_slots:
+            problems.append(f"free {len(free)} + used {used} + cached {cached_only} != capacity {self.num_slots}")
+        return problems
+
+    def _row_problems(self) -> list[str]:
+        rows = list(self._row_of.values())
+        if len(rows) + len(self._free_rows) != self.max_requests or set(rows) & set(self._free_rows):
+            return ["request rows are inconsistent"]
+        return []

@@ -13,10 +13,25 @@ feeds ``FED_BACK`` (the worker substitutes the token it sampled last for the row
 no row is planned past ``max_new_tokens``. A request that finishes or is aborted frees
 its slots at once: a row of it still in flight writes only slots that a later step (run
 after it on the device) may hand to another request, and its result is ignored.
+
+Prefix cache (``engine.router.prefix_cache``, on unless ``prefix_caching=False``):
+  * at admission a request takes the longest cached prefix of its prompt but the last
+    token (whose logits choose the first new token): its first row maps those slots into
+    positions 0..k-1 of its ``req_to_token`` row and prefills only the rest. A request that
+    asks for prompt logprobs takes no cached prefix (every prompt token's logprob needs its
+    logits), though its prompt is cached for others;
+  * a request's prompt enters the tree when its last chunk is planned (rows of later steps
+    run after that chunk on the device, so a request admitted one step later reads complete
+    KV) and stays locked while the request runs; at finish or abort the tokens whose KV a
+    planned row writes (prompt + generated, not a token still in flight that the router has
+    not seen) enter too, and the request unlocks. Evicting needs no care for rows in flight:
+    a row writes only its own request's newest slots, and a slot freed now is written by a
+    later step only after the device has run every earlier one;
+  * admission counts each running request's exclusive tokens plus the locked tree tokens it
+    pins longest (``PinnedTokens``): shared tokens count once, evictable ones as free.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,11 +45,13 @@ from engine.protocol.messages import (
     StepRow,
 )
 from engine.router.allocator import SlotAllocator
+from engine.router.prefix_cache import Match, PrefixCache, TreeNode, common_prefix_length
 
 log = logging.getLogger(__name__)
 
 ADMISSION_RULES = ("peak", "reserve")
 MAX_SKIPPED = 16     # waiting requests tried per step after one did not fit
+DEFER_MIN_TOKENS = 128   # wait for a running prefill that will cache at least this many more prompt tokens
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,7 @@ class SchedulerConfig:
     max_waiting_steps: int = 20          # TGI's --max-waiting-tokens: then admit anyway
     max_seq_len: int = 4096              # prompt + new tokens of one request
     admission: str = "peak"              # "peak": LightLLM's rule; "reserve": TGI-style sum of maxima
+    prefix_caching: bool = True          # reuse the KV of cached prompt prefixes (engine.router.prefix_cache)
 
     def __post_init__(self):
         if self.admission not in ADMISSION_RULES:
@@ -63,6 +81,9 @@ class Request:
     waited_steps: int = 0
     prompt_logprobs: list[float | None] | None = None
     pending: int = 0                   # tokens sampled by steps in flight, not yet seen
+    cached_prefix: int = 0             # prompt tokens taken from the prefix cache at admission
+    cached_len: int = 0                # leading tokens whose slots lie on the lock path (in the tree)
+    lock_node: TreeNode | None = None  # the prefix cache node this request locks (with its ancestors)
 
     @property
     def remaining(self) -> int:
@@ -83,9 +104,19 @@ class Scheduler:
     def __init__(self, allocator: SlotAllocator, config: SchedulerConfig):
         self.allocator = allocator
         self.config = config
+        self.cache = PrefixCache(allocator) if config.prefix_caching else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._released: list[int] = []
+        log.info("prefix caching %s", "on" if self.cache is not None else "off (--prefix-caching false / PREFIX_CACHING=0)")
+
+    def prefix_cache_status(self) -> dict[str, int]:
+        """The prefix cache's numbers, as ``RouterStatus`` fields (none when it is off)."""
+        if self.cache is None:
+            return {}
+        stats = self.cache.stats
+        return {"prefix_cache_tokens": self.cache.cached_slots, "prefix_cache_lookup_tokens": stats.lookup_tokens,
+                "prefix_cache_hit_tokens": stats.hit_tokens, "prefix_cache_evicted_tokens": stats.evicted_tokens}
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -120,6 +151,7 @@ class Scheduler:
     def schedule(self) -> Step:
         """The next Step: prompt chunks within the prefill budget, then one decode row each."""
         self._admit()
+        self._make_room()
         budget = self.config.max_prefill_tokens
         rows = []
         for request in self.running:
@@ -133,7 +165,19 @@ class Scheduler:
         released, self._released = self._released, []
         return Step(rows=rows, released=released)
 
+    def _make_room(self) -> None:
+        """Evict once for the whole step (not once per row) when the free slots run short."""
+        if self.cache is None:
+            return
+        prompt = sum(len(r.prompt_ids) - r.prefilled for r in self.running if r.in_prefill)
+        decode = sum(1 for r in self.running if not r.in_prefill and r.remaining > 0)
+        need = min(prompt, self.config.max_prefill_tokens) + decode
+        if need > self.allocator.free_slots:
+            self.cache.evict(need - self.allocator.free_slots)
+
     def _admit(self) -> None:
+        """Admit waiting requests while the peak KV usage fits and this step's prefill budget lasts
+        (a request admitted later may find its prefix cached by one prefilled now)."""
         if not self.waiting:
             return
         ratio_ok = len(self.waiting) >= self.config.waiting_served_ratio * len(self.running)
@@ -143,17 +187,18 @@ class Scheduler:
                 request.waited_steps += 1
             return
         usage = peak_usage if self.config.admission == "peak" else reserved_usage
-        admitted = sorted(((r.remaining, r.held_tokens) for r in self.running), key=_longest_first)
+        budget = self.config.max_prefill_tokens - sum(
+            len(r.prompt_ids) - r.prefilled for r in self.running if r.in_prefill)
+        pinned = PinnedTokens(self.running, self.config.max_prefill_tokens)
         misses = 0
         for request in list(self.waiting):
-            candidate = (request.remaining, request.held_tokens)
-            trial = admitted.copy()
-            bisect.insort(trial, candidate, key=_longest_first)
-            if self.allocator.free_rows > 0 and usage(trial, presorted=True) <= self.allocator.num_slots:
-                self.waiting.remove(request)
-                self.allocator.open_request(request.request_id)
-                self.running.append(request)
-                admitted = trial
+            if budget <= 0:
+                break
+            match = self._match(request)
+            fits = not self._should_wait_for_a_prefill(request, match) and self.allocator.free_rows > 0
+            if fits and usage(pinned.trial(request, match)) <= self.allocator.num_slots:
+                pinned.commit(request, match, self._start(request, match))
+                budget -= len(request.prompt_ids) - match.length
                 continue
             misses += 1
             if (request is head and head.waited_steps >= self.config.max_waiting_steps) or misses >= MAX_SKIPPED:
@@ -161,22 +206,81 @@ class Scheduler:
         for request in self.waiting:
             request.waited_steps += 1
 
+    def _match(self, request: Request) -> Match:
+        """The cached prefix a request would take: never its last prompt token, nothing when it
+        asks for prompt logprobs (they need every prompt token's logits)."""
+        if self.cache is None or request.params.prompt_logprobs:
+            return Match()
+        return self.cache.match(request.prompt_ids[:-1])
+
+    def _should_wait_for_a_prefill(self, request: Request, match: Match) -> bool:
+        """Whether a running request's unfinished prefill will cache much more of this prompt."""
+        if self.cache is None or request.params.prompt_logprobs:
+            return False
+        want = len(request.prompt_ids) - 1 - match.length
+        if want < DEFER_MIN_TOKENS:
+            return False
+        for other in self.running:
+            if other.in_prefill and other.cached_len <= match.length + DEFER_MIN_TOKENS:
+                shared = common_prefix_length(other.prompt_ids[: len(request.prompt_ids) - 1], request.prompt_ids)
+                if shared - match.length >= DEFER_MIN_TOKENS:
+                    return True
+        return False
+
+    def _start(self, request: Request, match: Match) -> TreeNode | None:
+        """Run the request with its matched prefix; returns its lock node (None without the cache)."""
+        self.waiting.remove(request)
+        self.allocator.open_request(request.request_id)
+        self.running.append(request)
+        if self.cache is not None:
+            slots = match.slots
+            request.lock_node = self.cache.lock(match)
+            self.allocator.share(request.request_id, slots)
+            self.cache.stats.lookup_tokens += len(request.prompt_ids)
+            self.cache.stats.hit_tokens += match.length
+        request.prefilled = request.cached_len = request.cached_prefix = match.length
+        log.info("request %s admitted: %d prompt tokens, %d from the prefix cache", request.request_id,
+                 len(request.prompt_ids), match.length)
+        return request.lock_node
+
     def _prefill_row(self, request: Request, budget: int) -> StepRow:
         start = request.prefilled
         end = min(len(request.prompt_ids), start + budget)
         chunk = request.prompt_ids[start:end]
         last_chunk = end == len(request.prompt_ids)
+        first = start == request.cached_prefix
         targets = None
         if request.params.prompt_logprobs:
             targets = request.prompt_ids[start + 1 : end + (0 if last_chunk else 1)]
+        prefix_slots = prefix_ids = None
+        if first and start > 0:
+            prefix_slots = self.allocator.slots(request.request_id)[:start]
+            prefix_ids = request.prompt_ids[:start] if request.params.has_penalties else None
         row = StepRow(
             request_id=request.request_id, row=self.allocator.row(request.request_id), start_pos=start,
             input_ids=chunk, slots=self.allocator.allocate(request.request_id, len(chunk)), sample=last_chunk,
-            params=request.params if start == 0 else None, seed=request.seed, logprob_targets=targets,
+            params=request.params if first else None, seed=request.seed, logprob_targets=targets,
+            prefix_slots=prefix_slots, prefix_ids=prefix_ids,
         )
         request.prefilled = end
         request.pending += last_chunk
+        if last_chunk and self.cache is not None:
+            self._cache_prompt(request)
         return row
+
+    def _cache_prompt(self, request: Request) -> None:
+        """Put the prompt (its KV written by rows planned up to now) into the tree, locked.
+
+        Skipped when the tree learned more of this prompt since admission (another request
+        prefilled it too): this request's copy then stays its own.
+        """
+        prompt = request.prompt_ids
+        if self.cache.match(prompt).length != request.cached_len:
+            return
+        node = self.cache.insert(prompt, self.allocator.slots(request.request_id)[: len(prompt)])
+        self.cache.lock_node(node)
+        self.cache.unlock_node(request.lock_node)
+        request.lock_node, request.cached_len = node, len(prompt)
 
     def _decode_row(self, request: Request) -> StepRow:
         """Feeds the request's newest token (sampled by the worker, maybe still in flight)."""
@@ -225,24 +329,155 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
+        if self.cache is not None:
+            self._cache_finished(request)
         self.allocator.release(request.request_id)
         self._released.append(request.request_id)
 
+    def _cache_finished(self, request: Request) -> None:
+        """Cache the tokens whose KV a planned row writes, then unlock.
 
-def _longest_first(request: tuple[int, int]) -> int:
+        Slot i holds position i. A token sampled by a step still in flight is not known
+        here and has no KV yet: ``prompt + generated`` stops before it. The newest known
+        token has KV only if a decode row fed it (then it has a slot).
+        """
+        slots = self.allocator.slots(request.request_id)
+        tokens = (request.prompt_ids + request.generated)[: len(slots)]
+        if tokens:
+            self.cache.insert(tokens, slots[: len(tokens)])
+        self.cache.unlock_node(request.lock_node)
+        request.lock_node = None
+
+    def check_integrity(self) -> None:
+        """The allocator's checks, plus: every lock count equals the running requests whose lock
+        path passes the node, and each request's cached positions map its lock path's slots."""
+        self.allocator.check_integrity()
+        if self.cache is None:
+            return
+        expected: dict[int, int] = {}
+        for request in self.running:
+            path = list(request.lock_node.path_to_root())
+            for node in path:
+                expected[id(node)] = expected.get(id(node), 0) + 1
+            path_slots = [s for node in reversed(path) for s in node.slots]
+            if self.allocator.slots(request.request_id)[: request.cached_len] != path_slots:
+                raise AssertionError(f"request {request.request_id}: cached positions do not map its lock path")
+        for node in self.cache.nodes():
+            if node.lock_count != expected.get(id(node), 0):
+                raise AssertionError(f"a node is locked {node.lock_count} times by {expected.get(id(node), 0)} "
+                                     f"running requests")
+
+
+class PinnedTokens:
+    """The (L, R) pairs of the admission formula with the prefix cache.
+
+    R of a running request = its exclusive tokens (held or planned, not in the tree) plus
+    the tokens of each locked tree node on its lock path for which it is the locker with
+    the longest remaining output L (ties: the first seen). A locked node stays until its
+    last locker finishes, at the latest when that locker would: so a token shared by many
+    requests counts once, until the last of them may end. Unlocked nodes count as free
+    (``allocate`` evicts them). ``trial`` adds a candidate with its match: it takes the
+    nodes it would pin longest, and newly pins unlocked ones (conservative where a match
+    ends inside a node).
+    """
+
+    def __init__(self, running: list[Request], prefill_budget: int):
+        self.budget = prefill_budget
+        self.queued_prompt = 0          # prompt tokens not yet planned, of the running requests
+        self.entries: dict[int, list[int]] = {}   # request id -> [L, R, delay, growth] (see peak_usage)
+        for r in running:
+            self.entries[r.request_id] = self._entry(r, r.held_tokens - r.cached_len, r.prefilled)
+        self.owner: dict[TreeNode, tuple[int, int]] = {}   # node -> (L, request id) of its pinner
+        for r in running:
+            if r.lock_node is not None:
+                life = self.entries[r.request_id][0]
+                path = [(node, len(node.slots)) for node in r.lock_node.path_to_root()]
+                self._apply(r.request_id, life, r.lock_node, self._claims(life, path))
+
+    def _entry(self, request: Request, tokens: int, prefilled: int) -> list[int]:
+        """[L, R, delay, growth] of a request (in running order: prompt chunks are planned first
+        come, first served, ``budget`` tokens a step). ``delay``: steps until its prompt is
+        planned; ``growth``: its remaining rows; L adds one step because steps are pipelined
+        (the result that frees a request is seen after the next step is planned)."""
+        unplanned = len(request.prompt_ids) - prefilled
+        self.queued_prompt += unplanned
+        delay = -(-self.queued_prompt // self.budget) if unplanned else 0
+        return [delay + request.remaining + 1, tokens, delay, request.remaining]
+
+    def _claims(self, remaining: int, path) -> tuple[int, dict[int, int]]:
+        """(tokens the request newly pins, {request id: tokens it stops pinning}). Where a
+        path ends inside a node, ``lock`` splits it: the upper part gets the new pinner."""
+        added, taken = 0, {}
+        for node, used in path:
+            current = self.owner.get(node)
+            if current is None or remaining > current[0]:
+                added += used
+                if current is not None:
+                    taken[current[1]] = taken.get(current[1], 0) + used
+        return added, taken
+
+    def _apply(self, request_id: int, remaining: int, lock_node: TreeNode | None, claims) -> None:
+        added, taken = claims
+        self.entries[request_id][1] += added
+        for other, count in taken.items():
+            self.entries[other][1] -= count
+        for node in lock_node.path_to_root() if lock_node is not None else ():
+            current = self.owner.get(node)
+            if current is None or remaining > current[0]:
+                self.owner[node] = (remaining, request_id)
+
+    def trial(self, request: Request, match: Match) -> list[tuple]:
+        entry = self._entry(request, request.held_tokens - match.length, match.length)
+        self.queued_prompt -= len(request.prompt_ids) - match.length    # only a trial
+        added, taken = self._claims(entry[0], match.path)
+        entry[1] += added
+        rows = [(e[0], e[1] - taken.get(rid, 0), e[2], e[3]) for rid, e in self.entries.items()]
+        return rows + [tuple(entry)]
+
+    def commit(self, request: Request, match: Match, lock_node: TreeNode | None) -> None:
+        """Count an admitted request (after ``_start``); ``lock_node`` is where ``PrefixCache.lock``
+        ended its match."""
+        entry = self.entries[request.request_id] = self._entry(request, request.held_tokens - match.length,
+                                                               match.length)
+        claims = self._claims(entry[0], match.path)
+        if match.path and match.path[-1][0] is not lock_node and match.path[-1][0] in self.owner:
+            self.owner[lock_node] = self.owner[match.path[-1][0]]     # the split-off upper part
+        self._apply(request.request_id, entry[0], lock_node, claims)
+
+
+def _longest_first(request: tuple) -> int:
     return -request[0]
 
 
-def reserved_usage(requests: list[tuple[int, int]], presorted: bool = False) -> int:
+def reserved_usage(requests: list[tuple], presorted: bool = False) -> int:
     """TGI-style reservation: every request holds room for its maximum length from the start."""
-    return sum(remaining + tokens for remaining, tokens in requests)
+    return sum(entry[1] + (entry[3] if len(entry) > 2 else entry[0]) for entry in requests)
 
 
-def peak_usage(requests: list[tuple[int, int]], presorted: bool = False) -> int:
-    """max_k (k * L_k + sum_{j<=k} R_j) over (L, R) pairs sorted by L descending."""
-    peak, held = 0, 0
+def peak_usage(requests: list[tuple], presorted: bool = False) -> int:
+    """The peak over future steps t of the tokens held, each request given as (L, R): it holds
+    R + t tokens while t <= L (so the peak is max_k (k * L_k + sum_{j<=k} R_j) over L
+    descending), or as (L, R, delay, growth) with growth >= L - 1: it holds
+    R + clamp(t - delay, 0, growth) while t <= L.
+
+    The peak is reached at some t = L_k: the k requests of longest L are alive then. A
+    request without delay adds t there, less L - growth if its own L is that t (the tie
+    group); delayed ones (prompts still being planned: few) are summed one by one.
+    """
     ordered = requests if presorted else sorted(requests, key=_longest_first)
-    for k, (remaining, tokens) in enumerate(ordered, start=1):
+    peak = held = growing = tie_short = 0
+    tie_at, delayed = None, []
+    for entry in ordered:
+        life, tokens = entry[0], entry[1]
+        delay, growth = (entry[2], entry[3]) if len(entry) > 2 else (0, life)
         held += tokens
-        peak = max(peak, held + k * remaining)
+        if life != tie_at:
+            tie_at, tie_short = life, 0
+        if delay:
+            delayed.append((delay, growth))
+        else:
+            growing += 1
+            tie_short += life - growth
+        late = sum(min(max(life - d, 0), g) for d, g in delayed)
+        peak = max(peak, held + growing * life - tie_short + late)
     return peak

@@ -218,9 +218,9 @@ class ModelWorker:
             if r.input_ids[0] == FED_BACK:
                 continue
             state.prev_token = r.input_ids[-1]
-            state.num_tokens += len(r.input_ids)
+            state.num_tokens += len(r.input_ids) + len(r.prefix_slots or ())
             if state.params.has_penalties:
-                for token in r.input_ids:
+                for token in (r.prefix_ids or []) + r.input_ids:     # a cached prefix counts as prefilled
                     state.token_counts[token] = state.token_counts.get(token, 0) + 1
 
     def _new_row_state(self, row: StepRow) -> RowSampling:
@@ -261,6 +261,7 @@ class ModelWorker:
         slots_t = to_device(slots, torch.int64, dev)
         token_rows_t = to_device(token_rows, torch.int64, dev)
         self.kv_cache.write_table(token_rows_t, positions_t, slots_t)
+        self._map_cached_prefixes(step)
         ids_t = to_device(ids, torch.int64, dev)
         if FED_BACK in ids:
             ids_t = torch.where(ids_t == FED_BACK, self.last_tokens[token_rows_t], ids_t)
@@ -270,6 +271,20 @@ class ModelWorker:
             q_len=to_device(q_len, torch.int32, dev), seq_len=to_device(seq_len, torch.int32, dev),
             max_q_len=max(q_len), is_decode=max(q_len) == 1,
         )
+
+    def _map_cached_prefixes(self, step: Step) -> None:
+        """req_to_token[row, 0:k] = the cached prefix slots a request's first row brings (prefix cache)."""
+        rows = [r for r in step.rows if r.prefix_slots]
+        if not rows:
+            return
+        table_rows, positions, slots = [], [], []
+        for r in rows:
+            table_rows.extend([r.row] * len(r.prefix_slots))
+            positions.extend(range(len(r.prefix_slots)))
+            slots.extend(r.prefix_slots)
+        dev = self.device
+        self.kv_cache.write_table(to_device(table_rows, torch.int64, dev), to_device(positions, torch.int64, dev),
+                                  to_device(slots, torch.int64, dev))
 
     def _launch_sampling(self, step: Step, sampled: list[int], logits, results: list[RowResult]) -> "LaunchedStep":
         """Rank 0 samples and broadcasts the tokens; every rank feeds them back into ``last_tokens``."""

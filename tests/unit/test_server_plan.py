@@ -60,6 +60,13 @@ def test_a_bad_tokenizer_config_path_stops_the_launcher(model_dir, tmp_path, con
                                environ={}))
 
 
+@pytest.mark.parametrize("argv,environ,expected", [([], {}, True), (["--prefix-caching", "false"], {}, False),
+                                                   ([], {"PREFIX_CACHING": "0"}, False)])
+def test_prefix_caching_switch_reaches_the_scheduler(model_dir, argv, environ, expected):
+    plan = plan_server(parse_args(["--model-id", str(model_dir), *argv], environ=environ))
+    assert plan.engine.scheduler.prefix_caching is expected
+
+
 @pytest.fixture
 def restore_threads():
     before = torch.get_num_threads()

@@ -1,0 +1,229 @@
+"""The prefix cache: a radix tree from token ids to KV slots (page size one token).
+
+Each node holds a run of tokens (``key``) and the KV slot of each (``slots``); the path
+from the root to a node spells a token prefix whose KV lies in those slots. Children are
+keyed by their first token, so siblings never share a first token.
+
+Ownership (with ``engine.router.allocator.SlotAllocator``, which counts the holders):
+  * a slot is in at most one node; the tree holds it from ``insert`` until ``evict``;
+  * ``lock_count`` of a node = the running requests whose lock path (their lock node up
+    to the root) passes through it. A request that holds a cached slot locks the node
+    that contains it, so an unlocked node's slots are held by the tree alone: evicting it
+    frees them. Locks propagate to the root, so an unlocked node has no locked
+    descendant and unlocked leaves can be evicted bottom-up;
+  * ``evictable_slots`` = the slots of unlocked nodes (what admission counts as free).
+
+Pure Python: no torch, no device.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from itertools import count
+
+
+class TreeNode:
+    __slots__ = ("parent", "children", "key", "slots", "lock_count", "last_used")
+
+    def __init__(self, parent: "TreeNode | None", key: list[int], slots: list[int], last_used: int = 0):
+        self.parent = parent
+        self.children: dict[int, TreeNode] = {}
+        self.key = key
+        self.slots = slots
+        self.lock_count = 0
+        self.last_used = last_used
+
+    def path_to_root(self):
+        """This node and its ancestors, the root excluded."""
+        node = self
+        while node.parent is not None:
+            yield node
+            node = node.parent
+
+
+@dataclass
+class Match:
+    """The longest cached prefix of some tokens: ``length`` tokens along ``path`` of
+    (node, tokens of it used); only the last node may be used partly."""
+    length: int = 0
+    path: list[tuple[TreeNode, int]] = field(default_factory=list)
+
+    @property
+    def slots(self) -> list[int]:
+        out: list[int] = []
+        for node, used in self.path:
+            out.extend(node.slots[:used])
+        return out
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (slice compares run at C speed)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n            # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative counts (``cached_tokens`` of ``PrefixCache`` is the current size)."""
+    lookup_tokens: int = 0      # prompt tokens of admitted requests
+    hit_tokens: int = 0         # of those, taken from the cache
+    evicted_tokens: int = 0
+
+
+class PrefixCache:
+    """The radix tree over ``allocator``'s slots; ``allocator.allocate`` evicts through it."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.root = TreeNode(None, [], [])
+        self.evictable_slots = 0
+        self.cached_slots = 0
+        self.stats = PrefixCacheStats()
+        self._clock = count(1)
+        allocator.attach_cache(self)
+
+    # ---- lookups ------------------------------------------------------------------
+
+    def match(self, tokens: list[int]) -> Match:
+        """The longest prefix of ``tokens`` in the tree (nothing is locked or changed)."""
+        node, position, path = self.root, 0, []
+        while position < len(tokens):
+            child = node.children.get(tokens[position])
+            if child is None:
+                break
+            used = common_prefix_length(child.key, tokens[position : position + len(child.key)])
+            path.append((child, used))
+            position += used
+            if used < len(child.key):
+                break
+            node = child
+        return Match(position, path)
+
+    # ---- locks ---------------------------------------------------------------------
+
+    def lock(self, match: Match) -> TreeNode:
+        """Lock the matched prefix (splitting its last node where the match ends); returns the
+        lock node, the root when nothing matched."""
+        if not match.path:
+            return self.root
+        node, used = match.path[-1]
+        if used < len(node.key):
+            node = self._split(node, used)
+        self.lock_node(node)
+        return node
+
+    def lock_node(self, node: TreeNode) -> None:
+        now = next(self._clock)
+        for n in node.path_to_root():
+            if n.lock_count == 0:
+                self.evictable_slots -= len(n.slots)
+            n.lock_count += 1
+            n.last_used = now
+
+    def unlock_node(self, node: TreeNode) -> None:
+        now = next(self._clock)
+        for n in node.path_to_root():
+            if n.lock_count <= 0:
+                raise AssertionError("prefix cache: a node was unlocked more often than locked")
+            n.lock_count -= 1
+            n.last_used = now
+            if n.lock_count == 0:
+                self.evictable_slots += len(n.slots)
+
+    # ---- insert and evict ----------------------------------------------------------
+
+    def insert(self, tokens: list[int], slots: list[int]) -> TreeNode:
+        """Cache ``tokens`` whose KV lies in ``slots``; returns the node that ends them.
+
+        Where the tree already holds a prefix of them it keeps its own slots (the caller's
+        slots for those tokens stay the caller's); the rest become a new unlocked leaf whose
+        slots the tree now holds too.
+        """
+        if len(tokens) != len(slots):
+            raise ValueError(f"{len(tokens)} tokens but {len(slots)} slots")
+        match = self.match(tokens)
+        node = self.root
+        if match.path:
+            node, used = match.path[-1]
+            if used < len(node.key):
+                node = self._split(node, used)
+        if match.length == len(tokens):
+            return node
+        leaf = TreeNode(node, tokens[match.length :], slots[match.length :], next(self._clock))
+        node.children[leaf.key[0]] = leaf
+        self.allocator.cache_slots(leaf.slots)
+        self.evictable_slots += len(leaf.slots)
+        self.cached_slots += len(leaf.slots)
+        return leaf
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut ``node`` after ``at`` tokens; returns the new upper part (same locks and age)."""
+        upper = TreeNode(node.parent, node.key[:at], node.slots[:at], node.last_used)
+        upper.lock_count = node.lock_count
+        node.parent.children[upper.key[0]] = upper
+        node.key, node.slots, node.parent = node.key[at:], node.slots[at:], upper
+        upper.children[node.key[0]] = node
+        return upper
+
+    def evict(self, wanted: int) -> int:
+        """Evict unlocked leaves, least recently used first, until ``wanted`` slots were freed
+        (or nothing is evictable); returns the slots freed."""
+        order = count()
+        leaves = [(n.last_used, next(order), n) for n in self.nodes() if not n.children and n.lock_count == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < wanted and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            self.allocator.uncache_slots(leaf.slots)
+            self.evictable_slots -= len(leaf.slots)
+            self.cached_slots -= len(leaf.slots)
+            freed += len(leaf.slots)
+            if parent is not self.root and not parent.children and parent.lock_count == 0:
+                heapq.heappush(leaves, (parent.last_used, next(order), parent))
+        self.stats.evicted_tokens += freed
+        return freed
+
+    def nodes(self):
+        """Every node but the root."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # ---- integrity -----------------------------------------------------------------
+
+    def check_integrity(self, in_tree) -> list[str]:
+        """Problems with the tree (empty when sound); ``in_tree(slot)`` says whether the
+        allocator marks a slot as cached."""
+        problems, seen, evictable = [], set(), 0
+        for node in self.nodes():
+            if not node.key or len(node.key) != len(node.slots):
+                problems.append(f"a node has {len(node.key)} tokens and {len(node.slots)} slots")
+            if node.parent.children.get(node.key[0] if node.key else None) is not node:
+                problems.append("a node is not filed under its first token")
+            if node.lock_count < 0 or node.lock_count > node.parent.lock_count and node.parent is not self.root:
+                problems.append("a node is locked more often than its parent")
+            if node.lock_count == 0:
+                evictable += len(node.slots)
+            if seen.intersection(node.slots) or len(set(node.slots)) != len(node.slots):
+                problems.append("a slot is in two nodes")
+            seen.update(node.slots)
+            if not all(in_tree(s) for s in node.slots):
+                problems.append("a cached slot is not marked cached in the allocator")
+        if len(seen) != self.cached_slots:
+            problems.append(f"the tree holds {len(seen)} slots but counts {self.cached_slots}")
+        if evictable != self.evictable_slots:
+            problems.append(f"unlocked nodes hold {evictable} slots but evictable_slots is {self.evictable_slots}")
+        return problems

@@ -1,0 +1,289 @@
+"""The prefix cache's radix tree, and a randomized simulation of the router with it.
+
+The simulation runs the real ``Router`` and ``Scheduler`` against a stand-in worker whose
+"KV" in each slot is (position, token, digest of the whole sequence up to it) and whose
+next token is a function of the sequence. Every row checks that the slots its
+``req_to_token`` row maps hold exactly its sequence, so a slot freed, evicted or reused
+too early shows up as a wrong digest; ``check_integrity`` runs after every step.
+"""
+import random
+
+import pytest
+
+from engine.protocol.messages import FED_BACK, GenerationRequest, RowResult, SamplingParams, StepResult
+from engine.router.allocator import AllocatorError, SlotAllocator
+from engine.router.prefix_cache import PrefixCache, common_prefix_length
+from engine.router.router import LocalShards, Router
+from engine.router.scheduler import Request, Scheduler, SchedulerConfig
+
+
+def make_cache(num_slots=64):
+    alloc = SlotAllocator(num_slots, 4)
+    return alloc, PrefixCache(alloc)
+
+
+def cache_tokens(alloc, cache, rid, tokens):
+    """A request computes ``tokens`` and caches them; returns the leaf."""
+    alloc.open_request(rid)
+    slots = alloc.allocate(rid, len(tokens))
+    node = cache.insert(tokens, slots)
+    alloc.release(rid)
+    return node, slots
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_length([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix_length([], [1]) == 0
+    assert common_prefix_length([5] * 100 + [1], [5] * 100 + [2]) == 100
+
+
+def test_match_splits_where_a_prefix_ends_inside_a_node_and_keeps_the_slots():
+    alloc, cache = make_cache()
+    _, slots = cache_tokens(alloc, cache, "a", [1, 2, 3, 4, 5])
+    assert alloc.used_slots == 0 and alloc.cached_slots == 5 and cache.evictable_slots == 5
+    match = cache.match([1, 2, 3, 9])
+    assert match.length == 3 and match.slots == slots[:3]
+    node = cache.lock(match)                      # split after 3 tokens, upper part locked
+    assert node.key == [1, 2, 3] and node.lock_count == 1
+    assert [c.key for c in node.children.values()] == [[4, 5]]
+    assert cache.evictable_slots == 2
+    alloc.check_integrity()
+    cache.unlock_node(node)
+    assert cache.evictable_slots == 5
+    with pytest.raises(AssertionError, match="unlocked more often"):
+        cache.unlock_node(node)
+
+
+def test_insert_keeps_the_trees_slots_and_caches_only_the_new_tail():
+    alloc, cache = make_cache()
+    _, first = cache_tokens(alloc, cache, "a", [1, 2, 3])
+    alloc.open_request("b")
+    own = alloc.allocate("b", 5)
+    leaf = cache.insert([1, 2, 3, 7, 8], own)
+    assert leaf.key == [7, 8] and leaf.slots == own[3:]
+    assert cache.match([1, 2, 3, 7, 8]).slots == first + own[3:]
+    alloc.release("b")                      # its copies of 1, 2, 3 are freed, 7 and 8 stay cached
+    assert alloc.free_slots == 64 - 5 and alloc.cached_slots == 5
+    alloc.check_integrity()
+
+
+def test_eviction_is_least_recently_used_leaves_first_and_never_a_locked_node():
+    alloc, cache = make_cache(num_slots=12)
+    cache_tokens(alloc, cache, "a", [1, 2, 3, 4])
+    locked = cache.lock(cache.match([1]))          # lock the shared first token
+    cache_tokens(alloc, cache, "b", [1, 9, 9, 9])
+    cache_tokens(alloc, cache, "c", [6, 6, 6, 6])
+    assert alloc.free_slots == 12 - 11     # b's copy of token 1 was freed
+    alloc.open_request("d")
+    alloc.allocate("d", 4)                 # needs 3 more: evicts [2, 3, 4], the oldest unlocked leaf
+    assert cache.match([1, 2]).length == 1 and cache.match([1, 9, 9, 9]).length == 4
+    assert cache.stats.evicted_tokens == 3
+    alloc.allocate("d", 5)                 # everything unlocked goes; the locked token 1 stays
+    assert cache.match([1]).length == 1 and cache.cached_slots == 1 and locked.lock_count == 1
+    alloc.check_integrity()
+    with pytest.raises(AllocatorError, match="asked for 3 slots, 2 free"):
+        alloc.allocate("d", 3)
+
+
+def test_integrity_catches_a_cached_slot_that_is_also_free():
+    alloc, cache = make_cache()
+    _, slots = cache_tokens(alloc, cache, "a", [1, 2, 3])
+    alloc._free_slots.append(slots[0])
+    with pytest.raises(AllocatorError, match="free"):
+        alloc.check_integrity()
+
+
+# ---- the randomized simulation -------------------------------------------------------
+
+VOCAB = 5
+
+
+def digest(previous: int, position: int, token: int) -> int:
+    return hash((previous, position, token))
+
+
+class FakeStep:
+    def __init__(self, result):
+        self._result = result
+
+    def result(self):
+        return self._result
+
+
+class FakeWorker:
+    """Keeps req_to_token and per-slot (position, token, digest); checks every row's context."""
+
+    def __init__(self, num_slots, max_requests):
+        self.table = [[None] * 512 for _ in range(max_requests + 1)]
+        self.kv = [None] * (num_slots + 1)
+        self.last_tokens = [0] * (max_requests + 1)
+        self.prefill_tokens = 0
+
+    def launch(self, step):
+        results = []
+        for r in step.rows:
+            if r.prefix_slots:
+                self.table[r.row][: len(r.prefix_slots)] = r.prefix_slots
+            chain = self._context_digest(r.row, r.start_pos)
+            inputs = [self.last_tokens[r.row] if t == FED_BACK else t for t in r.input_ids]
+            if r.input_ids[0] != FED_BACK:
+                self.prefill_tokens += len(inputs)
+            for i, (token, slot) in enumerate(zip(inputs, r.slots)):
+                position = r.start_pos + i
+                chain = digest(chain, position, token)
+                self.table[r.row][position] = slot
+                self.kv[slot] = (position, token, chain)
+            result = RowResult(r.request_id, logprob=-1.0)
+            if r.sample:
+                result.token_id = chain % VOCAB
+                self.last_tokens[r.row] = result.token_id
+            results.append(result)
+        return FakeStep(StepResult(results))
+
+    def _context_digest(self, row, length):
+        chain = 0
+        for position in range(length):
+            entry = self.kv[self.table[row][position]]
+            assert entry is not None and entry[0] == position, "a row maps a slot with no KV for its position"
+            expected = digest(chain, position, entry[1])
+            assert entry[2] == expected, "a row maps a slot whose KV belongs to another sequence"
+            chain = expected
+        return chain
+
+
+def expected_tokens(prompt, n):
+    """What the fake model generates for ``prompt`` (a function of the sequence alone)."""
+    chain, out, seq = 0, [], list(prompt)
+    for position, token in enumerate(seq):
+        chain = digest(chain, position, token)
+    for _ in range(n):
+        token = chain % VOCAB
+        out.append(token)
+        chain = digest(chain, len(prompt) + len(out) - 1, token)
+    return out
+
+
+class Simulation:
+    def __init__(self, seed, num_slots, caching=True, max_requests=8, budget=24, multi_turn=True):
+        self.multi_turn = multi_turn
+        self.rng = random.Random(seed)
+        self.worker = FakeWorker(num_slots, max_requests)
+        self.alloc = SlotAllocator(num_slots, max_requests)
+        config = SchedulerConfig(max_prefill_tokens=budget, max_seq_len=num_slots, prefix_caching=caching)
+        self.scheduler = Scheduler(self.alloc, config)
+        self.router = Router(self.scheduler, LocalShards(self.worker), eos_token_ids=())
+        self.outputs: dict[int, list[int]] = {}
+        self.finished: set[int] = set()
+        self.aborted: set[int] = set()
+        self.prompts: dict[int, list[int]] = {}
+        self.next_id = 0
+        self.bases = [[self.rng.randrange(VOCAB) for _ in range(self.rng.randint(5, 40))] for _ in range(4)]
+
+    def new_prompt(self):
+        done = [rid for rid in self.finished if rid not in self.aborted]
+        if self.multi_turn and done and self.rng.random() < 0.3:          # a next turn: last prompt + its answer + more
+            rid = self.rng.choice(done)
+            base = self.prompts[rid] + self.outputs[rid]
+        else:
+            base = self.rng.choice(self.bases)
+            base = base[: self.rng.randint(1, len(base))]      # a prefix ending anywhere
+        return (base + [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(0, 12))])[:100] or [1]
+
+    def submit(self, **params):
+        prompt = self.new_prompt()
+        rid, self.next_id = self.next_id, self.next_id + 1
+        self.prompts[rid], self.outputs[rid] = prompt, []
+        self.router.submit(GenerationRequest(rid, prompt, self.rng.randint(1, 20), SamplingParams(**params),
+                                             stop_token_ids=[]))
+
+    def run(self, steps, abort_rate=0.03):
+        for _ in range(steps):
+            if self.rng.random() < 0.4:
+                self.submit(repetition_penalty=1.2 if self.rng.random() < 0.1 else 1.0,
+                            prompt_logprobs=self.rng.random() < 0.05)
+            if self.rng.random() < abort_rate and self.scheduler.running:
+                victim = self.rng.choice(self.scheduler.running).request_id
+                self.router.abort(victim)
+                self.aborted.add(victim)
+                self.finished.add(victim)
+            self.step()
+        while self.router.has_work():
+            self.step()
+
+    def step(self):
+        for event in self.router.step():
+            self.outputs[event.request_id].append(event.token_id)
+            if event.finish_reason:
+                self.finished.add(event.request_id)
+        self.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_traffic_with_eviction_keeps_every_slot_and_every_token_right(seed):
+    sim = Simulation(seed, num_slots=160)
+    sim.run(1500)
+    for rid, prompt in sim.prompts.items():
+        expected = expected_tokens(prompt, len(sim.outputs[rid]))
+        assert sim.outputs[rid] == expected, f"request {rid} generated wrong tokens"
+        if rid not in sim.aborted:
+            assert rid in sim.finished
+    cache = sim.scheduler.cache
+    assert cache.stats.hit_tokens > 0.2 * cache.stats.lookup_tokens
+    assert cache.stats.evicted_tokens > 0
+    assert sim.alloc.used_slots == 0
+    cache.evict(sim.alloc.num_slots)
+    assert sim.alloc.free_slots == sim.alloc.num_slots
+    sim.alloc.check_integrity()
+
+
+def test_the_cache_saves_prefill_and_changes_no_token():
+    runs = {}
+    for caching in (True, False):
+        sim = Simulation(5, num_slots=400, caching=caching, multi_turn=False)   # the same prompts in both runs
+        sim.run(600, abort_rate=0.0)
+        runs[caching] = sim
+    assert runs[True].outputs == runs[False].outputs
+    assert runs[True].worker.prefill_tokens < 0.7 * runs[False].worker.prefill_tokens
+
+
+def test_a_repeated_prompt_prefills_only_its_last_token_and_a_twin_waits_for_the_first():
+    alloc = SlotAllocator(2000, 8)
+    scheduler = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=256, max_seq_len=2000))
+    worker = FakeWorker(2000, 8)
+    router = Router(scheduler, LocalShards(worker), eos_token_ids=())
+    shared = list(range(1, 301))
+    for rid in range(4):      # arrive together: 0 is prefilled alone, the others take its prompt
+        router.submit(GenerationRequest(rid, shared + [rid], 4, stop_token_ids=[]))
+    rows = []
+    while router.has_work():
+        step = scheduler.schedule()
+        rows += [(r.request_id, len(r.input_ids), r.start_pos) for r in step.rows if r.input_ids[0] != FED_BACK]
+        scheduler.process(step, worker.launch(step).result())
+        scheduler.check_integrity()
+    assert [r for r in rows if r[0] == 0] == [(0, 256, 0), (0, 45, 256)]
+    assert sorted(r for r in rows if r[0] != 0) == [(1, 1, 300), (2, 1, 300), (3, 1, 300)]
+    router.submit(GenerationRequest(9, shared + [0], 4, stop_token_ids=[]))    # the same prompt as 0
+    step = scheduler.schedule()
+    assert [(r.request_id, r.input_ids, r.start_pos, len(r.prefix_slots)) for r in step.rows] == [(9, [0], 300, 300)]
+
+
+def test_admission_counts_a_shared_prefix_once():
+    alloc = SlotAllocator(1000, 16)
+    scheduler = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=4096, max_seq_len=1000))
+    worker = FakeWorker(1000, 16)
+    shared = list(range(1, 401))
+    def request(rid):
+        return Request(rid, shared + [rid % 5, rid], 20, SamplingParams(), seed=0)
+    scheduler.add(request(0))
+    step = scheduler.schedule()
+    scheduler.process(step, worker.launch(step).result())
+    for rid in range(1, 12):          # each adds 2 prompt tokens + 20 new ones: all fit beside 0
+        scheduler.add(request(rid))
+    scheduler.schedule()
+    assert len(scheduler.running) == 12 and not scheduler.waiting
+    uncached = Scheduler(SlotAllocator(1000, 16), SchedulerConfig(max_seq_len=1000, prefix_caching=False))
+    for rid in range(12):
+        uncached.add(request(rid))
+    uncached.schedule()
+    assert len(uncached.running) == 2      # without the cache each needs 422 slots

@@ -1,0 +1,92 @@
+"""The prefix cache through ``engine.generation.Engine`` (float32, tiny checkpoint): the tokens
+and logprobs with the cache equal those without it, at TP 1 and 2."""
+import pytest
+
+from engine.generation import Engine, EngineConfig, GenerationRequest
+from engine.protocol.messages import FED_BACK, SamplingParams
+from tests.e2e.server import free_port
+from tests.tiny_models import save_tiny_model
+
+SHARED = list(range(3, 60))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return str(save_tiny_model("llama", tmp_path_factory.mktemp("ckpt") / "llama"))
+
+
+def make_engine(path, caching, num_shards=1):
+    return Engine(EngineConfig(model_dir=path, device="cpu", kernel_backend="torch", num_slots=600, max_requests=6,
+                               max_prefill_tokens=48, prefix_caching=caching, num_shards=num_shards,
+                               master_port=free_port()))
+
+
+def outputs(events):
+    return [(e.token_id, round(e.logprob, 4)) for e in events]
+
+
+def conversation(engine):
+    """Shared-prefix batches, a multi-turn chat, a prefix that ends inside a cached run, an abort,
+    penalties and prompt logprobs; returns everything generated."""
+    out = {}
+    batch = [GenerationRequest(i, SHARED + [100 + i] * (i + 1), 8, stop_token_ids=[]) for i in range(4)]
+    out.update({k: outputs(v) for k, v in engine.generate(batch).items()})
+    prompt = SHARED[:20] + [7, 7]
+    for turn in range(3):                        # each turn: last prompt + its answer + more
+        events = engine.generate([GenerationRequest(10 + turn, prompt, 6, stop_token_ids=[])])[10 + turn]
+        out[10 + turn] = outputs(events)
+        prompt = prompt + [e.token_id for e in events] + [200 + turn, 201]
+    out[20] = outputs(engine.generate([GenerationRequest(20, SHARED[:33] + [250], 5, stop_token_ids=[])])[20])
+    engine.add_request(GenerationRequest(30, SHARED + [9, 9, 9], 50, stop_token_ids=[]))
+    for _ in range(5):
+        engine.step()
+    engine.abort(30)
+    while engine.has_work():
+        engine.step()
+    penalised = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.3)
+    out[31] = outputs(engine.generate([GenerationRequest(31, SHARED + [9, 9, 9], 6, penalised,
+                                                         stop_token_ids=[])])[31])
+    details = engine.generate([GenerationRequest(32, SHARED + [9, 9], 3, SamplingParams(prompt_logprobs=True),
+                                                 stop_token_ids=[])])[32]
+    out[32] = outputs(details) + [round(x, 4) for x in details[0].prompt_logprobs[1:]]
+    assert len(details[0].prompt_logprobs) == len(SHARED) + 2 and details[0].prompt_logprobs[0] is None
+    assert engine.kv_usage()[0] == 0
+    engine.router.scheduler.check_integrity()
+    return out
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_llama):
+    return conversation(make_engine(tiny_llama, caching=False))
+
+
+def test_the_cache_changes_no_token_and_no_logprob(tiny_llama, uncached):
+    engine = make_engine(tiny_llama, caching=True)
+    assert conversation(engine) == uncached
+    stats = engine.router.scheduler.cache.stats
+    assert stats.hit_tokens > 0.4 * stats.lookup_tokens
+
+
+def test_two_shards_with_the_cache_equal_one_without(tiny_llama, uncached):
+    with make_engine(tiny_llama, caching=True, num_shards=2) as engine:
+        assert conversation(engine) == uncached
+
+
+def test_a_repeated_prompt_prefills_only_its_last_token(tiny_llama):
+    engine = make_engine(tiny_llama, caching=True)
+    shards, prefill = engine.router.shards, []
+    submit = shards.submit
+
+    def recording_submit(step):
+        prefill.extend((r.request_id, len(r.input_ids)) for r in step.rows if r.input_ids[0] != FED_BACK)
+        submit(step)
+
+    shards.submit = recording_submit
+    first = engine.generate([GenerationRequest(1, SHARED, 4, stop_token_ids=[])])[1]
+    second = engine.generate([GenerationRequest(2, SHARED, 4, stop_token_ids=[])])[2]
+    assert outputs(first) == outputs(second)
+    assert prefill == [(1, 48), (1, len(SHARED) - 48), (2, 1)]
+    status = engine.router.scheduler.prefix_cache_status()
+    assert status["prefix_cache_hit_tokens"] == len(SHARED) - 1
+    assert status["prefix_cache_lookup_tokens"] == 2 * len(SHARED)
+    assert status["prefix_cache_tokens"] == len(SHARED) + 3     # the prompt and the fed-back answer
