@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, profile, bench (default), serving, ablation,
-#                                         e2e, tp (2 GPUs), compare, cpu
+#                                         e2e, tp (2 GPUs), compare, cpu, prefix
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine.
@@ -97,6 +97,15 @@ for stage in $stages; do
           --json "$OUT/cpu_$tag.json" 2>&1 | tail -14)
         rc=$?
       done ;;
+    prefix)
+      # The prefix cache on and off: shared-prefix and multi-turn loads (bench.prefix_bench), then
+      # the 512-request random-prompt load with the cache off (compare's run of . has it on).
+      ensure_7b
+      python3 -m bench.prefix_bench --model-dir "$MODEL_7B" ${PREFIX_ARGS:-} --json "$OUT/prefix.json" 2>&1 \
+        | tee "$OUT/prefix.log" | grep -v -E "it/s|s/it" | tail -12
+      rc=${PIPESTATUS[0]}
+      python3 -m bench.serving_bench --model-dir "$MODEL_7B" --workloads batch --no-peer \
+        --server-args "--prefix-caching false" --json "$OUT/prefix_off_batch.json" 2>&1 | grep -v -E "it/s|s/it" | tail -6 ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"

@@ -1,0 +1,139 @@
+"""Prefix-cache workloads through HTTP, on a server with the cache on and one with it off.
+
+    python -m bench.prefix_bench --model-dir /tmp/llama2-7b --json out.json
+    python -m bench.prefix_bench --model-dir weights/demo --shared-requests 8 --prefix-len 200 \\
+        --conversations 2 --turns 2 --turn-words 20 --new-tokens 8        # a CPU smoke run
+
+  shared     --shared-requests requests sent at once, each a --prefix-len-token prefix (the
+             same for all) plus 16-64 unique words, --new-tokens new tokens each
+             -> TTFT p50/p99, output tokens/s
+  multiturn  --conversations chats of --turns turns each, all chats at once, each chat's
+             turns one after the other: a turn's prompt is the previous prompt, its answer
+             and --turn-words new words -> TTFT p50/p99 of each turn
+
+Each workload runs on a fresh server with `--prefix-caching true`, then on one with
+`--prefix-caching false`; the table puts them side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+
+import aiohttp
+
+from . import load
+from .serving_bench import start_server, stop_server
+
+
+def shared_prefix_requests(tokenizer: load.ServerTokenizer, args) -> list[load.PromptRequest]:
+    """One long common prefix, then a few unique words per request (exact token lists via /tokenize)."""
+    pool, rng = load.single_token_words(tokenizer.tokens), random.Random(args.seed)
+    prefix, _ = load.build_prompt(args.prefix_len, pool, rng, tokenizer.ids)
+    requests = []
+    for _ in range(args.shared_requests):
+        text = prefix + " " + " ".join(rng.choice(pool) for _ in range(rng.randint(16, 64)))
+        requests.append(load.PromptRequest(text, tuple(tokenizer.ids(text)), args.new_tokens))
+    return requests
+
+
+async def stream_text(session: aiohttp.ClientSession, url: str, text: str, new_tokens: int) -> tuple[float, str]:
+    """(TTFT in seconds, the generated text) of one streamed request."""
+    body = {"inputs": text, "parameters": {"max_new_tokens": new_tokens, "do_sample": False}}
+    start, first, answer = time.perf_counter(), None, ""
+    async with session.post(url + "/generate_stream", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"error event: {event['error']}")
+            first = first or time.perf_counter()
+            answer = event.get("generated_text") or answer
+    return first - start, answer
+
+
+async def one_conversation(session, url: str, words: list[str], rng: random.Random, args) -> list[float]:
+    prompt, ttfts = "", []
+    for _ in range(args.turns):
+        prompt += " " + " ".join(rng.choice(words) for _ in range(args.turn_words))
+        ttft, answer = await stream_text(session, url, prompt.strip(), args.new_tokens)
+        ttfts.append(ttft)
+        prompt += answer
+    return ttfts
+
+
+async def multiturn(url: str, words: list[str], args) -> list[list[float]]:
+    """TTFTs per turn: result[t] holds turn t's TTFT of every conversation."""
+    timeout = aiohttp.ClientTimeout(total=load.HTTP_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        chats = [one_conversation(session, url, words, random.Random(args.seed + i), args)
+                 for i in range(args.conversations)]
+        per_chat = await asyncio.gather(*chats)
+    return [list(turn) for turn in zip(*per_chat)]
+
+
+def run_on_server(args, caching: bool) -> dict:
+    server = start_server(args, "--prefix-caching", "true" if caching else "false")
+    try:
+        tokenizer = load.ServerTokenizer(server.url)
+        shared = load.summarize_run(asyncio.run(load.run_load(server.url, shared_prefix_requests(tokenizer, args))))
+        turns = asyncio.run(multiturn(server.url, load.single_token_words(tokenizer.tokens), args))
+    finally:
+        stop_server(server, args)
+    return {"shared": shared, "multiturn_ttft_s": [load.describe(turn) for turn in turns]}
+
+
+def format_table(on: dict, off: dict) -> str:
+    ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731
+    rows = [("shared prefix: TTFT p50 / p99 (ms)",
+             *(f"{ms(r['shared']['ttft_s']['p50'])} / {ms(r['shared']['ttft_s']['p99'])}" for r in (on, off))),
+            ("shared prefix: output tok/s", *(f"{r['shared']['output_throughput']:.1f}" for r in (on, off))),
+            ("shared prefix: failed / mismatches",
+             *(f"{r['shared']['failed']} / {r['shared']['mismatches']}" for r in (on, off)))]
+    for t, (a, b) in enumerate(zip(on["multiturn_ttft_s"], off["multiturn_ttft_s"]), start=1):
+        rows.append((f"multi-turn, turn {t}: TTFT p50 / p99 (ms)", f"{ms(a['p50'])} / {ms(a['p99'])}",
+                     f"{ms(b['p50'])} / {ms(b['p99'])}"))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'':<{width}}  {'cache on':>18}  {'cache off':>18}"]
+    lines += [f"{label:<{width}}  {a:>18}  {b:>18}" for label, a, b in rows]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.prefix_bench", description=__doc__,
+                                     formatter_class=load.HelpFormatter)
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--shared-requests", type=int, default=256)
+    parser.add_argument("--prefix-len", type=int, default=3000, help="tokens of the common prefix")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turn-words", type=int, default=200, help="new words (about tokens) per turn")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-concurrent-requests", type=int, default=1024, help="the launcher's flag")
+    parser.add_argument("--server-timeout", type=float, default=1200.0)
+    parser.add_argument("--server-log-dir")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    args.server_arg = []
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    results = {"cache_on": run_on_server(args, True), "cache_off": run_on_server(args, False)}
+    print(format_table(results["cache_on"], results["cache_off"]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

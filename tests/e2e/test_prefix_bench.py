@@ -1,0 +1,17 @@
+"""bench.prefix_bench end to end on the demo model (two real servers: cache on, then off)."""
+from bench import prefix_bench
+from tests.e2e.server import REPO
+
+
+def test_prefix_bench_measures_both_servers_on_the_same_prompts(capsys):
+    results = prefix_bench.main(["--model-dir", str(REPO / "weights" / "demo"), "--shared-requests", "6",
+                                 "--prefix-len", "200", "--conversations", "2", "--turns", "2",
+                                 "--turn-words", "12", "--new-tokens", "4"])
+    for run in results.values():
+        shared = run["shared"]
+        assert shared["completed"] == 6 and shared["failed"] == 0 and shared["mismatches"] == 0
+        assert [turn["count"] for turn in run["multiturn_ttft_s"]] == [2, 2]
+    on, off = results["cache_on"]["shared"], results["cache_off"]["shared"]
+    assert on["input_tokens"] == off["input_tokens"]            # the same prompts on both servers
+    table = capsys.readouterr().out
+    assert "shared prefix: TTFT p50 / p99 (ms)" in table and "multi-turn, turn 2" in table
