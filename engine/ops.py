@@ -1,25 +1,21 @@
 """The one place that picks how an operation runs: a Triton kernel or its torch reference.
 
 Every kernel in ``kernels/`` has a launcher and a ``*_ref`` with the same signature.
-The model receives a ``KernelOps`` at construction (no global switch): on CUDA it runs
-the Triton launchers; on the CPU it runs the references by default, or the Triton
-kernels themselves when ``TRITON_INTERPRET=1`` (how CI proves the kernels end to end).
+The model receives a ``KernelOps`` at construction (no global switch): ``TritonOps`` on
+CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (how CI proves the kernels end to end);
+``TorchOps`` (the references) on the CPU otherwise, or with --disable-custom-kernels.
+Each op is a plain method that calls its kernel or reference by name, so go-to-definition
+from the model reaches the kernel. A layer's KV cache arrives as one ``KVLayer`` value;
+the methods unwrap what each kernel reads.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from kernels import decode_attention as _decode
-from kernels import penalties as _penalties
-from kernels import prefill_attention as _prefill
-from kernels import rmsnorm as _rmsnorm
-from kernels import rotary as _rotary
-from kernels import silu_and_mul as _silu
-from kernels import skinny_gemm as _gemm
+from engine.worker.kv_cache import KVLayer
+from kernels import decode_attention, penalties, prefill_attention, rmsnorm, rotary, silu_and_mul, skinny_gemm
 
 BACKENDS = ("triton", "torch")
 
@@ -31,35 +27,77 @@ def default_backend(device: torch.device) -> str:
     return "torch"
 
 
-@dataclass(frozen=True)
 class KernelOps:
+    """The ops the models and the sampler call; ``create`` picks the implementation."""
     backend: str
-    rmsnorm: Callable
-    add_rmsnorm: Callable
-    rotary_store_kv: Callable      # rotate q in place; rotated k and v into the KV cache
-    prefill_attention: Callable
-    decode_attention: Callable
-    silu_and_mul: Callable
-    apply_penalties: Callable
-    linear: Callable               # F.linear semantics; small decode batches take the skinny GEMM
 
-    @classmethod
-    def create(cls, backend: str) -> "KernelOps":
+    @staticmethod
+    def create(backend: str) -> "KernelOps":
         if backend not in BACKENDS:
             raise ValueError(f"unknown kernel backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-        ref = backend == "torch"
+        return TritonOps() if backend == "triton" else TorchOps()
 
-        def pick(module, name):
-            return getattr(module, name + "_ref" if ref else name)
 
-        return cls(
-            backend=backend,
-            rmsnorm=pick(_rmsnorm, "rmsnorm"),
-            add_rmsnorm=pick(_rmsnorm, "add_rmsnorm"),
-            rotary_store_kv=pick(_rotary, "rotary_store_kv"),
-            prefill_attention=pick(_prefill, "prefill_attention"),
-            decode_attention=pick(_decode, "decode_attention"),
-            silu_and_mul=pick(_silu, "silu_and_mul"),
-            apply_penalties=pick(_penalties, "apply_penalties"),
-            linear=pick(_gemm, "linear"),
-        )
+class TritonOps(KernelOps):
+    backend = "triton"
+
+    def rmsnorm(self, x, weight, eps: float):
+        return rmsnorm.rmsnorm(x, weight, eps)
+
+    def add_rmsnorm(self, x, residual, weight, eps: float):
+        return rmsnorm.add_rmsnorm(x, residual, weight, eps)
+
+    def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, kv: KVLayer, slots) -> None:
+        """Rotate q in place; rotated k and v into their slots of the KV cache."""
+        rotary.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv.data, slots)
+
+    def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
+                          max_q_len: int):
+        return prefill_attention.prefill_attention(q, kv.data, req_to_token, req_rows, q_start, q_len, seq_len,
+                                                   sm_scale, max_q_len)
+
+    def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale):
+        return decode_attention.decode_attention(q, kv.data, req_to_token, req_rows, seq_len, sm_scale)
+
+    def silu_and_mul(self, gate_up):
+        return silu_and_mul.silu_and_mul(gate_up)
+
+    def apply_penalties(self, logits, token_ids, token_counts, b_token_start, repetition, frequency,
+                        presence) -> None:
+        penalties.apply_penalties(logits, token_ids, token_counts, b_token_start, repetition, frequency, presence)
+
+    def linear(self, x, weight, bias=None):
+        """F.linear semantics; small decode batches take the skinny GEMM."""
+        return skinny_gemm.linear(x, weight, bias)
+
+
+class TorchOps(KernelOps):
+    backend = "torch"
+
+    def rmsnorm(self, x, weight, eps: float):
+        return rmsnorm.rmsnorm_ref(x, weight, eps)
+
+    def add_rmsnorm(self, x, residual, weight, eps: float):
+        return rmsnorm.add_rmsnorm_ref(x, residual, weight, eps)
+
+    def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, kv: KVLayer, slots) -> None:
+        rotary.rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, kv.data, slots)
+
+    def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
+                          max_q_len: int):
+        return prefill_attention.prefill_attention_ref(q, kv.data, req_to_token, req_rows, q_start, q_len,
+                                                       seq_len, sm_scale, max_q_len)
+
+    def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale):
+        return decode_attention.decode_attention_ref(q, kv.data, req_to_token, req_rows, seq_len, sm_scale)
+
+    def silu_and_mul(self, gate_up):
+        return silu_and_mul.silu_and_mul_ref(gate_up)
+
+    def apply_penalties(self, logits, token_ids, token_counts, b_token_start, repetition, frequency,
+                        presence) -> None:
+        penalties.apply_penalties_ref(logits, token_ids, token_counts, b_token_start, repetition, frequency,
+                                      presence)
+
+    def linear(self, x, weight, bias=None):
+        return skinny_gemm.skinny_gemm_ref(x, weight, bias)

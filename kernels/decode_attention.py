@@ -32,6 +32,7 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
+from ._online_softmax import attend_block
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 
@@ -40,33 +41,6 @@ CPU_SPLITS = 3
 # (BLOCK_N, num_warps, num_stages) on CUDA: BLOCK_N 32 with 2 warps is 0.5-1.4 us a layer faster than
 # 64 with 4 at batch 1 (bench.attention_bench, one H100)
 CUDA_LAUNCH = (32, 2, 2)
-
-
-@triton.jit
-def _attend_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base, stride_kv_slot,
-                  d_mask, scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    """Online-softmax update of (m_i, l_i, acc) with the keys at positions [start_n, min(start_n + BLOCK_N, end))."""
-    pos = start_n + tl.arange(0, BLOCK_N)
-    n_mask = pos < end
-    slots = tl.load(table_row + pos, mask=n_mask, other=0).to(tl.int64)
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0.0)
-    if UPCAST:  # IEEE fp32 dots, not TF32
-        qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    qk = qk * scale_log2
-    qk = tl.where(n_mask[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0.0)
-    if UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -108,13 +82,13 @@ def _decode_split_kernel(
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
         start_n = start
         while start_n < end:
-            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base,
-                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST)
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, 0, table_row, k_base, v_base,
+                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=False)
             start_n += BLOCK_N
     else:
         for start_n in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base,
-                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST)
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, 0, table_row, k_base, v_base,
+                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=False)
 
     has_keys = l_i > 0
     partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]

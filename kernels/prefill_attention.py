@@ -24,36 +24,9 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
+from ._online_softmax import attend_block
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
-
-
-@triton.jit
-def _attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base, stride_kv_slot,
-                  d_mask, scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    """Online-softmax update of (m_i, l_i, acc) with the keys at positions [start_n, start_n + BLOCK_N)."""
-    pos = start_n + tl.arange(0, BLOCK_N)
-    n_mask = pos < key_end
-    slots = tl.load(table_row + pos, mask=n_mask, other=0).to(tl.int64)
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0.0)
-    if UPCAST:  # IEEE fp32 dots, not TF32
-        qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    qk = qk * scale_log2
-    visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-    qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0.0)
-    if UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -101,13 +74,13 @@ def _prefill_attention_kernel(
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
         start_n = 0
         while start_n < key_end:
-            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base,
-                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST)
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base,
+                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True)
             start_n += BLOCK_N
     else:
         for start_n in range(0, key_end, BLOCK_N):
-            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base,
-                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST)
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base,
+                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True)
 
     acc = acc / l_i[:, None]
     out_rows = (q_start + offs_m)[:, None] * stride_out_token + head * stride_out_head

@@ -7,11 +7,26 @@
                 row ``max_requests`` is the dummy row.
 
 The router's SlotAllocator decides which slots and rows are used; this class only
-holds the tensors and writes the table entries a Step brings.
+holds the tensors and writes the table entries a Step brings. The model reaches one
+layer's cache through a ``KVLayer`` (made once per layer, so CUDA graphs see the same
+tensors every step), which ``engine.ops`` hands to the rotary/store and attention kernels.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class KVLayer:
+    """One layer's KV cache as the kernels read and write it.
+
+    ``data``: [num_slots + 1, 2 * kv_heads, head_dim], K heads then V heads per slot. A
+    quantized cache adds its scales here (a field beside ``data``), so the model's calls
+    stay as they are; only ``engine.ops`` and the kernels read them.
+    """
+    data: torch.Tensor
 
 
 class KVCache:
@@ -23,9 +38,10 @@ class KVCache:
         self.kv_heads = kv_heads
         self.kv_buffer = torch.empty(num_layers, num_slots + 1, 2 * kv_heads, head_dim, dtype=dtype, device=device)
         self.req_to_token = torch.full((max_requests + 1, max_seq_len), num_slots, dtype=torch.int32, device=device)
+        self.layers = tuple(KVLayer(self.kv_buffer[i]) for i in range(num_layers))
 
-    def layer(self, index: int) -> torch.Tensor:
-        return self.kv_buffer[index]
+    def layer(self, index: int) -> KVLayer:
+        return self.layers[index]
 
     def write_table(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """req_to_token[rows[t], positions[t]] = slots[t] for every new token t."""

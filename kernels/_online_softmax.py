@@ -1,0 +1,44 @@
+"""The online-softmax block both attention kernels run over a block of cached keys.
+
+One block of BLOCK_N key positions ``[start_n, start_n + BLOCK_N)`` (masked to ``key_end``)
+updates the running state of each query row: ``m_i`` the running max of the scaled
+scores (log2 units), ``l_i`` the running sum of ``exp2(score - m_i)``, ``acc`` the running
+``sum p * v``. Keys and values are read through the request's ``req_to_token`` row
+(``table_row``): position -> slot -> ``k_base`` / ``v_base + slot * stride_kv_slot``.
+``CAUSAL`` (prefill) also hides keys after each query's own position ``q_pos``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base, stride_kv_slot,
+                 d_mask, scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, CAUSAL: tl.constexpr):
+    """Online-softmax update of (m_i, l_i, acc) with the keys at positions [start_n, min(start_n + BLOCK_N, key_end))."""
+    pos = start_n + tl.arange(0, BLOCK_N)
+    n_mask = pos < key_end
+    slots = tl.load(table_row + pos, mask=n_mask, other=0).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0.0)
+    if UPCAST:  # IEEE fp32 dots, not TF32
+        qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * scale_log2
+    if CAUSAL:
+        visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+    else:
+        visible = n_mask[None, :]
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0.0)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
