@@ -57,7 +57,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default="on", help="decode CUDA graphs")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
-    from engine.models.config import load_model_config
+    from engine.models import load_model_config
 
     vocab = load_model_config(args.model_dir).vocab_size
     single, batch = batch1(vocab), many(vocab, count=args.requests)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.router.allocator import SlotAllocator
-from engine.models.config import load_model_config
+from engine.models import load_model_config
 from engine.protocol.messages import SamplingParams
 from engine.protocol.messages import FED_BACK, Step, StepRow
 from engine.worker.model_worker import ModelWorker, WorkerConfig, resolve_dtype

@@ -75,11 +75,11 @@ def _visible_gpus() -> int:
 
 def _check_checkpoint(model_dir: str, model_config) -> None:
     """Strict name and shape check before any process starts (reads the headers only)."""
-    from engine.models.llama import IGNORED_CHECKPOINT_NAMES, checkpoint_shapes
+    from engine.models import check_checkpoint
     from weights.checkpoint import open_checkpoint
 
     with open_checkpoint(model_dir) as checkpoint:
-        checkpoint.check(checkpoint_shapes(model_config), ignore_unexpected=IGNORED_CHECKPOINT_NAMES)
+        check_checkpoint(checkpoint, model_config)
 
 
 def _check_tokenizer_config(path: str | None) -> None:

@@ -1,23 +1,51 @@
-"""Architecture registry: config.json's ``architectures[0]`` -> model class.
+"""The model registry: config.json's ``architectures[0]`` -> the family that serves it.
 
-One implementation per family: Llama, Mistral and Qwen2 differ only in flags that
-``ModelConfig`` reads (GQA, q/k/v bias, tied embeddings, rope variant), so all three
-map to ``LlamaFamilyModel``.
+A family is one module (e.g. ``llama``: Llama 1/2/3/3.1, Mistral, Qwen2) that parses its own
+config into its own frozen config (a ``config.ModelConfig``), owns its checkpoint names,
+shapes and tensor-parallel slices, and composes the shared blocks of ``layers``; it
+registers one ``config.Family`` in ``FAMILIES`` below. Nothing else names a family: the
+engine loads configs, checks checkpoints and builds models through the functions here.
 """
 from __future__ import annotations
 
-from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError, load_model_config
-from engine.models.llama import LlamaFamilyModel
+from pathlib import Path
 
-__all__ = ["MODEL_REGISTRY", "load_model_config", "model_class_for"]
+from engine.models import llama
+from engine.models.config import Family, ModelConfig, ModelConfigError, read_config_json
 
-MODEL_REGISTRY = {name: LlamaFamilyModel for name in SUPPORTED_ARCHITECTURES}
+FAMILIES: tuple[Family, ...] = (llama.FAMILY,)
+MODEL_REGISTRY: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 
 
-def model_class_for(config: ModelConfig):
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(MODEL_REGISTRY)
+
+
+def family_for(architecture: str | None) -> Family:
     try:
-        return MODEL_REGISTRY[config.architecture]
+        return MODEL_REGISTRY[architecture]
     except KeyError:
-        raise ModelConfigError(
-            f"unsupported architecture {config.architecture!r}; supported: {', '.join(MODEL_REGISTRY)}"
-        ) from None
+        raise ModelConfigError(f"unsupported architecture {architecture!r} (config.json `architectures`); "
+                               f"supported: {', '.join(MODEL_REGISTRY)}") from None
+
+
+def load_model_config(model_dir: str | Path, rope_scaling: tuple[str, float] | None = None) -> ModelConfig:
+    """The family's frozen config of ``model_dir``; ``rope_scaling`` = (linear | dynamic, factor)
+    replaces the checkpoint's rope scaling and extends the context by the factor."""
+    raw = read_config_json(model_dir, rope_scaling)
+    family = family_for((raw.get("architectures") or [None])[0])
+    try:
+        return family.parse_config(raw)
+    except KeyError as e:
+        raise ModelConfigError(f"{Path(model_dir) / 'config.json'} lacks the field {e.args[0]!r}") from e
+
+
+def build_model(config: ModelConfig, ops, dtype, device, max_positions: int, tp):
+    """The family's model for ``config``, on this shard (weights not loaded yet)."""
+    return family_for(config.architecture).model(config, ops, dtype, device, max_positions, tp)
+
+
+def check_checkpoint(checkpoint, config: ModelConfig) -> None:
+    """Every tensor the family needs, with its full shape, and nothing unexpected (headers only)."""
+    family = family_for(config.architecture)
+    checkpoint.check(family.checkpoint_shapes(config), ignore_unexpected=family.ignored_names)

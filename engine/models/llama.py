@@ -9,42 +9,71 @@ Per layer, with T new tokens of a ragged batch (``ForwardBatch``):
     residual += h @ w_o.T; h = rmsnorm(residual)
     h = silu(h @ w_gate.T) * (h @ w_up.T) @ w_down.T          (gate|up fused)
 
-GEMMs are cuBLAS, or the skinny GEMM kernel for small decode batches; both, and the
-norms, rotary + KV store, attention and activation, come from ``KernelOps``. The model holds
-plain tensors (no autograd, no lazy attributes).
+The blocks come from ``engine.models.layers``; GEMMs are cuBLAS, or the skinny GEMM kernel
+for small decode batches; both, and the norms, rotary + KV store, attention and activation,
+come from ``KernelOps``. Llama, Mistral and Qwen2 differ only in what ``parse_config`` reads
+(GQA, q/k/v bias, tied embeddings, rope variant, Mistral's and Qwen2's sliding window).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from engine.models.config import ModelConfig
+from engine.models.config import Family, ModelConfig, ModelConfigError, shared_fields
+from engine.models.layers import (Attention, GatedMLP, Linear, LMHead, RowParallelLinear, Rotary,
+                                  VocabParallelEmbedding)
 from engine.models.parallel import FULL, Slice, TensorParallel, read
-from engine.models.rope import build_cos_sin_cache
 from engine.ops import KernelOps
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.kv_cache import KVCache
 
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Buffers some checkpoints carry that the model recomputes.
 IGNORED_CHECKPOINT_NAMES = (r"rotary_emb\.inv_freq$",)
 
 
-def checkpoint_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+@dataclass(frozen=True)
+class LlamaConfig(ModelConfig):
+    intermediate_size: int = 0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+
+    def sharded_sizes(self) -> dict[str, int]:
+        return {**super().sharded_sizes(), "intermediate_size": self.intermediate_size}
+
+
+def parse_config(raw: dict[str, Any]) -> LlamaConfig:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported; only 'silu' is")
+    is_qwen2 = raw["architectures"][0] == "Qwen2ForCausalLM"
+    sliding = raw.get("sliding_window") if (not is_qwen2 or raw.get("use_sliding_window")) else None
+    return LlamaConfig(
+        **{**shared_fields(raw), "sliding_window": int(sliding) if sliding else None},
+        intermediate_size=int(raw["intermediate_size"]),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", is_qwen2)),
+        qkv_bias=bool(raw.get("attention_bias", False)) or is_qwen2,
+    )
+
+
+def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this family must hold, with its full shape."""
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (c.q_size, c.hidden_size)
-        shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, c.hidden_size)
-        shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, c.hidden_size)
-        shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.q_size)
+        shapes[p + "self_attn.q_proj.weight"] = (c.num_heads * c.head_dim, c.hidden_size)
+        shapes[p + "self_attn.k_proj.weight"] = (c.num_kv_heads * c.head_dim, c.hidden_size)
+        shapes[p + "self_attn.v_proj.weight"] = (c.num_kv_heads * c.head_dim, c.hidden_size)
+        shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.num_heads * c.head_dim)
         if c.qkv_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (c.q_size,)
-            shapes[p + "self_attn.k_proj.bias"] = (c.kv_size,)
-            shapes[p + "self_attn.v_proj.bias"] = (c.kv_size,)
+            shapes[p + "self_attn.q_proj.bias"] = (c.num_heads * c.head_dim,)
+            shapes[p + "self_attn.k_proj.bias"] = (c.num_kv_heads * c.head_dim,)
+            shapes[p + "self_attn.v_proj.bias"] = (c.num_kv_heads * c.head_dim,)
         shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
@@ -54,18 +83,15 @@ def checkpoint_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 @dataclass
-class LayerWeights:
+class DecoderLayer:
     input_norm: torch.Tensor    # [hidden]
-    w_qkv: torch.Tensor         # [q + 2 kv, hidden]
-    b_qkv: torch.Tensor | None  # [q + 2 kv]
-    w_o: torch.Tensor           # [hidden, q]
+    attention: Attention
     post_norm: torch.Tensor     # [hidden]
-    w_gate_up: torch.Tensor     # [2 intermediate, hidden]
-    w_down: torch.Tensor        # [hidden, intermediate]
+    mlp: GatedMLP
 
 
 class LlamaFamilyModel:
-    def __init__(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device,
+    def __init__(self, config: LlamaConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device,
                  max_positions: int, tp: TensorParallel = TensorParallel()):
         tp.check(config)
         self.config = config
@@ -73,16 +99,13 @@ class LlamaFamilyModel:
         self.tp = tp
         self.num_heads = tp.heads(config)          # on this shard
         self.num_kv_heads = tp.kv_heads(config)
-        self.q_size = self.num_heads * config.head_dim
-        self.kv_size = self.num_kv_heads * config.head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.sm_scale = config.head_dim**-0.5
-        self.cos_sin_cache = build_cos_sin_cache(config, max_positions, dtype, self.device)
-        self.embed_tokens: torch.Tensor | None = None
-        self.lm_head: torch.Tensor | None = None
+        self.rotary = Rotary(config, max_positions, dtype, self.device)
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        self.lm_head: LMHead | None = None
         self.final_norm: torch.Tensor | None = None
-        self.layers: list[LayerWeights] = []
+        self.layers: list[DecoderLayer] = []
 
     # ---- weights -------------------------------------------------------------------
 
@@ -111,69 +134,44 @@ class LlamaFamilyModel:
         self._assemble(tensors)
 
     def _assemble(self, t: dict[str, torch.Tensor]) -> None:
-        c = self.config
-        self.embed_tokens = t.pop("model.embed_tokens.weight")
-        self.lm_head = self.embed_tokens if c.tie_word_embeddings else t.pop("lm_head.weight")
+        c, tp = self.config, self.tp
+        embed = t.pop("model.embed_tokens.weight")
+        self.embed_tokens = VocabParallelEmbedding(embed, tp.vocab_start(c), tp)
+        self.lm_head = LMHead(embed if c.tie_word_embeddings else t.pop("lm_head.weight"), tp)
         self.final_norm = t.pop("model.norm.weight")
-        self.layers = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            attn = [t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            bias = [t.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if c.qkv_bias else None
-            self.layers.append(LayerWeights(
-                input_norm=t.pop(p + "input_layernorm.weight"),
-                w_qkv=torch.cat(attn, dim=0),
-                b_qkv=torch.cat(bias, dim=0) if bias else None,
-                w_o=t.pop(p + "self_attn.o_proj.weight"),
-                post_norm=t.pop(p + "post_attention_layernorm.weight"),
-                w_gate_up=torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")], dim=0),
-                w_down=t.pop(p + "mlp.down_proj.weight"),
-            ))
+        self.layers = [self._layer(t, f"model.layers.{i}.") for i in range(c.num_layers)]
+
+    def _layer(self, t: dict[str, torch.Tensor], p: str) -> DecoderLayer:
+        c, tp = self.config, self.tp
+        qkv = Linear.fused([t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"],
+                           [t.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if c.qkv_bias else None)
+        attention = Attention(qkv, RowParallelLinear(t.pop(p + "self_attn.o_proj.weight"), tp), self.num_heads,
+                              self.num_kv_heads, c.head_dim, c.head_dim**-0.5)
+        gate_up = Linear.fused([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
+        mlp = GatedMLP(gate_up, RowParallelLinear(t.pop(p + "mlp.down_proj.weight"), tp))
+        return DecoderLayer(t.pop(p + "input_layernorm.weight"), attention,
+                            t.pop(p + "post_attention_layernorm.weight"), mlp)
 
     # ---- forward -------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of every new token."""
-        eps = self.config.rms_norm_eps
-        residual = self._embed(batch.input_ids)
-        hidden = self.ops.rmsnorm(residual, self.layers[0].input_norm, eps)
+        ops, eps = self.ops, self.config.rms_norm_eps
+        rotary = self.rotary(batch)
+        residual = self.embed_tokens(batch.input_ids)
+        hidden = ops.rmsnorm(residual, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            attn = self._attention(hidden, layer, batch, kv_cache.layer(index), kv_cache.req_to_token)
-            hidden = self.ops.add_rmsnorm(attn, residual, layer.post_norm, eps)
-            mlp = self._mlp(hidden, layer)
+            attn = layer.attention(ops, hidden, batch, kv_cache.layer(index), kv_cache.req_to_token, rotary)
+            hidden = ops.add_rmsnorm(attn, residual, layer.post_norm, eps)
+            mlp = layer.mlp(ops, hidden)
             next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
-            hidden = self.ops.add_rmsnorm(mlp, residual, next_norm, eps)
+            hidden = ops.add_rmsnorm(mlp, residual, next_norm, eps)
         return hidden
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.world_size == 1:
-            return self.embed_tokens[input_ids]
-        local = input_ids - self.tp.vocab_start(self.config)
-        outside = (local < 0) | (local >= self.embed_tokens.shape[0])
-        hidden = self.embed_tokens[local.masked_fill(outside, 0)]
-        hidden.masked_fill_(outside[:, None], 0)
-        return self.tp.all_reduce(hidden)
-
-    def _attention(self, hidden, layer: LayerWeights, batch: ForwardBatch, kv_layer, req_to_token):
-        c, ops = self.config, self.ops
-        qkv = self.ops.linear(hidden, layer.w_qkv, layer.b_qkv)
-        tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
-        q = qkv[:, :q_size].view(tokens, self.num_heads, c.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, c.head_dim)
-        v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, c.head_dim)
-        ops.rotary_store_kv(q, k, v, batch.positions, self.cos_sin_cache, kv_layer, batch.out_slots)
-        if batch.is_decode:
-            out = ops.decode_attention(q, kv_layer, req_to_token, batch.req_rows, batch.seq_len, self.sm_scale)
-        else:
-            out = ops.prefill_attention(q, kv_layer, req_to_token, batch.req_rows, batch.q_start, batch.q_len,
-                                        batch.seq_len, self.sm_scale, batch.max_q_len)
-        return self.tp.all_reduce(self.ops.linear(out.reshape(tokens, q_size), layer.w_o))
-
-    def _mlp(self, hidden, layer: LayerWeights):
-        gate_up = self.ops.linear(hidden, layer.w_gate_up)
-        return self.tp.all_reduce(self.ops.linear(self.ops.silu_and_mul(gate_up), layer.w_down))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, vocab] float32 logits (the GEMM in the model dtype, as transformers does)."""
-        return self.tp.gather_columns(self.ops.linear(hidden, self.lm_head)).float()
+        return self.lm_head(self.ops, hidden)
+
+
+FAMILY = Family(ARCHITECTURES, parse_config, LlamaFamilyModel, checkpoint_shapes, IGNORED_CHECKPOINT_NAMES)

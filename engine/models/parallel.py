@@ -37,12 +37,8 @@ class TensorParallel:
 
     def check(self, c: ModelConfig) -> None:
         w = self.world_size
-        checks = [
-            (c.num_heads % w == 0, f"num_attention_heads={c.num_heads}"),
-            (c.num_kv_heads % w == 0 or w % c.num_kv_heads == 0, f"num_key_value_heads={c.num_kv_heads}"),
-            (c.intermediate_size % w == 0, f"intermediate_size={c.intermediate_size}"),
-            (c.vocab_size % w == 0, f"vocab_size={c.vocab_size}"),
-        ]
+        checks = [(size % w == 0, f"{name}={size}") for name, size in c.sharded_sizes().items()]
+        checks.append((c.num_kv_heads % w == 0 or w % c.num_kv_heads == 0, f"num_key_value_heads={c.num_kv_heads}"))
         for ok, what in checks:
             if not ok:
                 raise ShardingError(f"{what} does not divide over --num-shard {w}: choose a shard count that "

@@ -32,11 +32,18 @@ def llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig, max_positions: int
 
 
 def dynamic_inv_freq(config: ModelConfig, seq_lens: torch.Tensor) -> torch.Tensor:
-    """NTK-aware inverse frequencies [len(seq_lens), head_dim/2] (HF `dynamic`)."""
+    """NTK-aware inverse frequencies [len(seq_lens), head_dim/2] (HF `dynamic`, in float32 as HF)."""
     rope, dim, max_pos = config.rope, config.head_dim, config.max_position_embeddings
-    base = rope.theta * ((rope.factor * seq_lens.double() / max_pos) - (rope.factor - 1)) ** (dim / (dim - 2))
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    return (1.0 / (base[:, None].float() ** exponents[None, :]))
+    base = rope.theta * ((rope.factor * seq_lens.float() / max_pos) - (rope.factor - 1)) ** (dim / (dim - 2))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=seq_lens.device).float() / dim
+    return 1.0 / (base[:, None] ** exponents[None, :])
+
+
+def cos_sin_rows(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[len(positions), head_dim] rows ``cat(cos, sin)`` of ``p * inv_freq`` (inv_freq [head_dim/2], or
+    one row per position), rounded through ``dtype`` as transformers casts them."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype).to(torch.float32)
 
 
 def inv_freq_for(config: ModelConfig) -> torch.Tensor:
@@ -57,10 +64,9 @@ def build_cos_sin_cache(config: ModelConfig, num_positions: int, dtype: torch.dt
     which is what Hugging Face applies to each decoded token.
     """
     positions = torch.arange(num_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq_for(config))
+    table = cos_sin_rows(positions, inv_freq_for(config), dtype)
     start = config.max_position_embeddings
     if config.rope.rope_type == "dynamic" and num_positions > start:
         beyond = positions[start:]
-        freqs[start:] = beyond[:, None] * dynamic_inv_freq(config, beyond + 1)
-    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    return table.to(dtype).to(torch.float32).to(device)
+        table[start:] = cos_sin_rows(beyond, dynamic_inv_freq(config, beyond + 1), dtype)
+    return table.to(device)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models import model_class_for
-from engine.models.config import ModelConfig, load_model_config
+from engine.models import build_model, load_model_config
+from engine.models.config import ModelConfig
 from engine.models.parallel import TensorParallel
 from engine.ops import KernelOps, default_backend
 from engine.protocol.messages import (
@@ -96,8 +96,7 @@ class ModelWorker:
         self.device = config.device
         self.tp = tp
         self.ops = KernelOps.create(config.kernel_backend or default_backend(config.device))
-        model_cls = model_class_for(self.model_config)
-        self.model = model_cls(self.model_config, self.ops, config.dtype, config.device, config.max_seq_len, tp)
+        self.model = build_model(self.model_config, self.ops, config.dtype, config.device, config.max_seq_len, tp)
         with open_checkpoint(config.model_dir) as checkpoint:
             self.model.load_weights(checkpoint)
         self.sampler = self._new_sampler()

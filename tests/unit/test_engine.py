@@ -1,13 +1,14 @@
 """The batched generation API: sampling reproducibility, aborts, limits, configs."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.models.config import ModelConfig, ModelConfigError, load_model_config
-from engine.protocol.messages import SamplingParams
-from engine.protocol.messages import FED_BACK
+from engine.models import load_model_config
+from engine.models.config import ModelConfigError
+from engine.protocol.messages import FED_BACK, SamplingParams
 from engine.worker.model_worker import resolve_dtype
 from tests.tiny_models import save_tiny_model
 
@@ -95,8 +96,8 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
 
 def test_default_dtype_follows_the_device_and_the_checkpoint(tiny_llama):
     config = load_model_config(tiny_llama)
-    half = ModelConfig(**{**config.__dict__, "checkpoint_dtype": torch.float16})
-    full = ModelConfig(**{**config.__dict__, "checkpoint_dtype": torch.float32})
+    half = replace(config, checkpoint_dtype=torch.float16)
+    full = replace(config, checkpoint_dtype=torch.float32)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_dtype(None, half, cpu) == torch.float32
     assert resolve_dtype(None, half, cuda) == torch.float16

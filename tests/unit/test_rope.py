@@ -4,7 +4,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from engine.models.config import ModelConfig
+from engine.models.llama import parse_config
 from engine.models.rope import build_cos_sin_cache
 
 VARIANTS = {
@@ -23,7 +23,7 @@ def test_cos_sin_table_matches_transformers(variant, dtype):
                             vocab_size=32, max_position_embeddings=128, rope_theta=10000.0,
                             rope_scaling=VARIANTS[variant])
     hf_config.architectures = ["LlamaForCausalLM"]
-    ours = ModelConfig.from_dict(hf_config.to_dict())
+    ours = parse_config(hf_config.to_dict())
     assert ours.rope.rope_type == variant
     positions = torch.arange(100)
     table = build_cos_sin_cache(ours, 128, dtype, "cpu")
@@ -38,7 +38,7 @@ def test_dynamic_scaling_beyond_the_trained_length_uses_the_ntk_base():
     hf_config = LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64,
                             vocab_size=32, max_position_embeddings=64, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     hf_config.architectures = ["LlamaForCausalLM"]
-    ours = ModelConfig.from_dict(hf_config.to_dict())
+    ours = parse_config(hf_config.to_dict())
     table = build_cos_sin_cache(ours, 100, torch.float32, "cpu")
     rotary = LlamaRotaryEmbedding(hf_config)
     # transformers rotates the token at position p of a growing sequence with the base for p + 1 tokens

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.models.config import load_model_config
+from engine.models import load_model_config
 from engine.models.llama import LlamaFamilyModel
 from engine.ops import KernelOps
 from engine.models.parallel import ShardingError, TensorParallel
@@ -66,23 +66,26 @@ def test_shards_concatenate_to_the_full_weights_and_read_only_their_slices(famil
     full, full_count = load_rank(path, 0, 1)
     shards = [load_rank(path, r, 2) for r in range(2)]
     (a, ca), (b, cb) = shards
-    assert torch.equal(torch.cat([a.embed_tokens, b.embed_tokens]), full.embed_tokens)
-    assert torch.equal(torch.cat([a.lm_head, b.lm_head]), full.lm_head)
+    assert torch.equal(torch.cat([a.embed_tokens.weight, b.embed_tokens.weight]), full.embed_tokens.weight)
+    assert torch.equal(torch.cat([a.lm_head.weight, b.lm_head.weight]), full.lm_head.weight)
+    q = a.num_heads * full.config.head_dim
+    kv_size = a.num_kv_heads * full.config.head_dim
     for la, lb, lf in zip(a.layers, b.layers, full.layers):
-        assert torch.equal(torch.cat([la.w_o, lb.w_o], dim=1), lf.w_o)
-        assert torch.equal(torch.cat([la.w_down, lb.w_down], dim=1), lf.w_down)
-        inter = la.w_gate_up.shape[0] // 2
-        gate = torch.cat([la.w_gate_up[:inter], lb.w_gate_up[:inter]])
-        assert torch.equal(gate, lf.w_gate_up[: 2 * inter])
-        q = a.q_size
-        assert torch.equal(torch.cat([la.w_qkv[:q], lb.w_qkv[:q]]), lf.w_qkv[: 2 * q])
+        assert torch.equal(torch.cat([la.attention.o.weight, lb.attention.o.weight], dim=1), lf.attention.o.weight)
+        assert torch.equal(torch.cat([la.mlp.down.weight, lb.mlp.down.weight], dim=1), lf.mlp.down.weight)
+        inter = la.mlp.gate_up.weight.shape[0] // 2
+        gate = torch.cat([la.mlp.gate_up.weight[:inter], lb.mlp.gate_up.weight[:inter]])
+        assert torch.equal(gate, lf.mlp.gate_up.weight[: 2 * inter])
+        qkv_a, qkv_b, qkv_f = la.attention.qkv, lb.attention.qkv, lf.attention.qkv
+        assert torch.equal(torch.cat([qkv_a.weight[:q], qkv_b.weight[:q]]), qkv_f.weight[: 2 * q])
         if full.config.num_kv_heads >= 2:
-            k = torch.cat([la.w_qkv[q : q + a.kv_size], lb.w_qkv[q : q + a.kv_size]])
-            assert torch.equal(k, lf.w_qkv[2 * q : 2 * q + full.kv_size])
+            k = torch.cat([qkv_a.weight[q : q + kv_size], qkv_b.weight[q : q + kv_size]])
+            assert torch.equal(k, qkv_f.weight[2 * q : 2 * q + 2 * kv_size])
         else:   # one KV head, replicated on both ranks
-            assert torch.equal(la.w_qkv[q:], lf.w_qkv[2 * q :]) and torch.equal(lb.w_qkv[q:], lf.w_qkv[2 * q :])
-        if lf.b_qkv is not None:
-            assert torch.equal(torch.cat([la.b_qkv[:q], lb.b_qkv[:q]]), lf.b_qkv[: 2 * q])
+            assert torch.equal(qkv_a.weight[q:], qkv_f.weight[2 * q :])
+            assert torch.equal(qkv_b.weight[q:], qkv_f.weight[2 * q :])
+        if qkv_f.bias is not None:
+            assert torch.equal(torch.cat([qkv_a.bias[:q], qkv_b.bias[:q]]), qkv_f.bias[: 2 * q])
     # only norms are read whole; every rank reads about half of the weights
     assert all("norm" in name for name in ca.full_reads + cb.full_reads)
     assert ca.elements < 0.62 * full_count.elements and cb.elements < 0.62 * full_count.elements

@@ -1,0 +1,146 @@
+"""The tensor-parallel building blocks every model family composes.
+
+Each block holds plain tensors (this shard's slice; no autograd, nothing created during
+forward, so the decode CUDA graphs capture it) and runs its kernels through the
+``KernelOps`` it is called with. Which slice of a checkpoint tensor a block holds comes
+from ``TensorParallel`` (column: output rows split; row: input columns split, then one
+all-reduce; vocab: rows split by token id):
+
+| block | holds | forward |
+| --- | --- | --- |
+| ``Linear`` | column-parallel or replicated weight (parts fused, e.g. q|k|v) | ``x @ w.T + b`` |
+| ``RowParallelLinear`` | the input-column slice | ``all_reduce(x @ w.T)`` |
+| ``VocabParallelEmbedding`` | this shard's token rows | rows of the ids it holds, all-reduced |
+| ``LMHead`` | this shard's vocabulary rows | float32 logits, columns gathered |
+| ``GatedMLP`` | gate|up fused, down | ``down(silu(gate) * up)`` |
+| ``Rotary`` | the cos/sin table | the table and positions the rotary kernel reads |
+| ``Attention`` | qkv (fused), o | rotary + KV store, prefill or decode attention over the cache, o |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.models.config import ModelConfig
+from engine.models.parallel import TensorParallel
+from engine.models.rope import build_cos_sin_cache, cos_sin_rows, dynamic_inv_freq
+
+
+@dataclass
+class Linear:
+    """y = x @ weight.T (+ bias); ``fused`` joins parts (e.g. q, k, v) along the output rows."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> "Linear":
+        return cls(torch.cat(weights, dim=0), torch.cat(biases, dim=0) if biases else None)
+
+    def __call__(self, ops, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class RowParallelLinear:
+    """This shard's input columns; the partial products are summed over the shards."""
+    weight: torch.Tensor
+    tp: TensorParallel
+
+    def __call__(self, ops, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(ops.linear(x, self.weight))
+
+
+@dataclass
+class VocabParallelEmbedding:
+    """Rows ``vocab_start .. vocab_start + len(weight)`` of the embedding on this shard."""
+    weight: torch.Tensor
+    vocab_start: int
+    tp: TensorParallel
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return self.weight[input_ids]
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        hidden = self.weight[local.masked_fill(outside, 0)]
+        hidden.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(hidden)
+
+
+@dataclass
+class LMHead:
+    """This shard's vocabulary rows of the output projection (maybe the embedding's, tied)."""
+    weight: torch.Tensor
+    tp: TensorParallel
+
+    def __call__(self, ops, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, vocab] float32 logits (the GEMM in the model dtype, as transformers does)."""
+        return self.tp.gather_columns(ops.linear(hidden, self.weight)).float()
+
+
+@dataclass
+class GatedMLP:
+    gate_up: Linear               # [2 * intermediate / shards, hidden]: gate rows, then up rows
+    down: RowParallelLinear
+
+    def __call__(self, ops, x: torch.Tensor) -> torch.Tensor:
+        return self.down(ops, ops.silu_and_mul(self.gate_up(ops, x)))
+
+
+class Rotary:
+    """The cos/sin rows the rotary kernel reads for a batch's new tokens.
+
+    Every rope type but ``dynamic`` reads one precomputed table by position. ``dynamic``
+    (NTK) follows transformers per forward pass: every new token of a row is rotated with
+    the base for that row's sequence length at the end of this step (the plain base while
+    it is within the trained context). A prompt prefilled in one step therefore uses the
+    base of its whole length, a decoded token at position p the base for p + 1 tokens, and
+    keys already cached keep their rotation. With chunked prefill the base follows each
+    chunk's end (what transformers computes when fed the same chunks).
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
+        self.config, self.dtype = config, dtype
+        self.table = build_cos_sin_cache(config, max_positions, dtype, device)
+        self.dynamic = config.rope.rope_type == "dynamic"
+
+    def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table, index of each new token's row in it)."""
+        if not self.dynamic:
+            return self.table, batch.positions
+        tokens = batch.positions.shape[0]
+        seq_len = batch.seq_len if batch.is_decode else torch.repeat_interleave(
+            batch.seq_len, batch.q_len, output_size=tokens)
+        trained = self.config.max_position_embeddings
+        inv_freq = dynamic_inv_freq(self.config, seq_len.clamp(min=trained).to(torch.float32))
+        rows = cos_sin_rows(batch.positions, inv_freq.to(batch.positions.device), self.dtype)
+        plain = seq_len <= trained
+        rows = torch.where(plain[:, None], self.table[batch.positions], rows)
+        return rows, torch.arange(tokens, device=rows.device)
+
+
+@dataclass
+class Attention:
+    """Self-attention of this shard's heads over the TokenAttention cache."""
+    qkv: Linear                   # [(heads + 2 * kv_heads) * head_dim / shards, hidden]: q, k, v rows
+    o: RowParallelLinear
+    num_heads: int                # on this shard
+    num_kv_heads: int
+    head_dim: int
+    sm_scale: float
+
+    def __call__(self, ops, hidden, batch, kv, req_to_token, rotary: tuple[torch.Tensor, torch.Tensor]):
+        qkv = self.qkv(ops, hidden)
+        tokens, q_size, kv_size = qkv.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        table, positions = rotary
+        ops.rotary_store_kv(q, k, v, positions, table, kv, batch.out_slots)
+        if batch.is_decode:
+            out = ops.decode_attention(q, kv, req_to_token, batch.req_rows, batch.seq_len, self.sm_scale)
+        else:
+            out = ops.prefill_attention(q, kv, req_to_token, batch.req_rows, batch.q_start, batch.q_len,
+                                        batch.seq_len, self.sm_scale, batch.max_q_len)
+        return self.o(ops, out.reshape(tokens, q_size))
