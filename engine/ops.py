@@ -62,9 +62,9 @@ class TritonOps(KernelOps):
     def silu_and_mul(self, gate_up):
         return silu_and_mul.silu_and_mul(gate_up)
 
-    def apply_penalties(self, logits, token_ids, token_counts, b_token_start, repetition, frequency,
-                        presence) -> None:
-        penalties.apply_penalties(logits, token_ids, token_counts, b_token_start, repetition, frequency, presence)
+    def apply_penalties(self, logits, counts, pool_rows, repetition, frequency, presence) -> None:
+        """In place on float32 logits; ``counts`` rows of ``pool_rows`` (< 0: no penalties)."""
+        penalties.apply_penalties(logits, counts, pool_rows, repetition, frequency, presence)
 
     def linear(self, x, weight, bias=None):
         """F.linear semantics; small decode batches take the skinny GEMM."""
@@ -94,10 +94,8 @@ class TorchOps(KernelOps):
     def silu_and_mul(self, gate_up):
         return silu_and_mul.silu_and_mul_ref(gate_up)
 
-    def apply_penalties(self, logits, token_ids, token_counts, b_token_start, repetition, frequency,
-                        presence) -> None:
-        penalties.apply_penalties_ref(logits, token_ids, token_counts, b_token_start, repetition, frequency,
-                                      presence)
+    def apply_penalties(self, logits, counts, pool_rows, repetition, frequency, presence) -> None:
+        penalties.apply_penalties_ref(logits, counts, pool_rows, repetition, frequency, presence)
 
     def linear(self, x, weight, bias=None):
         return skinny_gemm.skinny_gemm_ref(x, weight, bias)

@@ -14,7 +14,8 @@ else shares the batch, on any device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +25,8 @@ from engine.sampling.hashing import hash_uniform
 from engine.sampling.watermark import WatermarkConfig, apply_watermark
 from engine.transfer import start_to_host, to_device
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class RowSampling:
@@ -31,8 +34,8 @@ class RowSampling:
     params: SamplingParams
     seed: int
     step: int                                    # index of the token being generated
-    token_counts: dict[int, int] = field(default_factory=dict)  # prompt + generated tokens
-    num_tokens: int = 0
+    penalty_row: int = -1                        # its row of the sampler's PenaltyCounts; -1: no penalties
+    num_tokens: int = 0                          # prompt + generated tokens (TGI's frequency scaling)
     prev_token: int = 0                          # the token before the one being generated (watermark)
     grammar: object | None = None                # engine.sampling.grammar.GrammarMatcher when constrained
 
@@ -69,15 +72,60 @@ class DeviceSample:
         return SampleOutput(self.token_ids.tolist(), self.logprobs.tolist(), top_ids, top_lp)
 
 
+class PenaltyCounts:
+    """How often each token occurred in each penalised request, prompt and generated, on the device.
+
+    ``counts`` [capacity, vocab] int32 is created at the first penalised request (servers
+    whose requests never ask for penalties pay nothing) and doubles when its rows run out;
+    a request holds one row (``acquire``) until it is released. Prompt tokens are added as
+    they are prefilled (or taken from the prefix cache), sampled tokens right after each
+    sampling, from the device tensor of chosen ids: no host sync, nothing re-sent per step.
+    """
+
+    def __init__(self, vocab_size: int | None, device: torch.device):
+        self.vocab_size, self.device = vocab_size, device
+        self.counts = torch.zeros(0, vocab_size or 0, dtype=torch.int32, device=device)
+        self._free: list[int] = []
+
+    def acquire(self) -> int:
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.counts[row].zero_()
+        return row
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+
+    def add(self, row: int, token_ids: list[int]) -> None:
+        ids = to_device(token_ids, torch.int64, self.device)
+        self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    def add_sampled(self, rows: list[int], token_ids: torch.Tensor) -> None:
+        index = to_device(rows, torch.int64, self.device)
+        self.counts.index_put_((index, token_ids), torch.ones_like(token_ids, dtype=torch.int32), accumulate=True)
+
+    def _grow(self) -> None:
+        if self.vocab_size is None:
+            raise RuntimeError("penalties need the sampler's vocab_size")
+        old = self.counts.shape[0]
+        grown = torch.zeros(max(8, 2 * old), self.vocab_size, dtype=torch.int32, device=self.device)
+        grown[:old] = self.counts
+        self.counts = grown
+        self._free.extend(reversed(range(old, grown.shape[0])))
+        log.info("penalty counts: %d request rows (%.1f MiB)", grown.shape[0], grown.numel() * 4 / 2**20)
+
+
 class Sampler:
     """``grammars`` (an ``engine.sampling.grammar.GrammarCompiler``) computes the masks of constrained
     rows; ``watermark`` (an ``engine.sampling.watermark.WatermarkConfig``) holds gamma and delta."""
 
-    def __init__(self, ops, device: torch.device, grammars=None, watermark=None):
+    def __init__(self, ops, device: torch.device, grammars=None, watermark=None, vocab_size: int | None = None):
         self.ops = ops
         self.device = device
         self.grammars = grammars
         self.watermark = watermark or WatermarkConfig()
+        self.penalties = PenaltyCounts(vocab_size, device)
 
     def __call__(self, logits: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
         return self.launch(logits, rows).output()
@@ -86,7 +134,7 @@ class Sampler:
     def launch(self, logits: torch.Tensor, rows: list[RowSampling]) -> DeviceSample:
         """Queue the sampling of one token per row; nothing here waits for the device."""
         scores = self._constrain(logits, rows)
-        if any(r.params.has_penalties for r in rows):
+        if any(r.penalty_row >= 0 for r in rows):
             self._apply_penalties(scores, rows)
         sampled = [i for i, r in enumerate(rows) if r.params.do_sample]
         if sampled:
@@ -96,7 +144,15 @@ class Sampler:
         chosen = scores.argmax(dim=-1)
         if sampled:
             chosen[index] = self._draw(logprobs[index], [rows[i] for i in sampled])
+        self._count_chosen(chosen, rows)
         return self._output(logprobs, chosen, rows)
+
+    def _count_chosen(self, chosen: torch.Tensor, rows: list[RowSampling]) -> None:
+        """The chosen tokens into the penalised rows' counts, on the device (next step's penalties)."""
+        penalised = [i for i, r in enumerate(rows) if r.penalty_row >= 0]
+        if penalised:
+            index = to_device(penalised, torch.int64, chosen.device)
+            self.penalties.add_sampled([rows[i].penalty_row for i in penalised], chosen[index])
 
     def _constrain(self, logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
         """float32 scores with the grammar masks and the watermark bias applied."""
@@ -115,17 +171,11 @@ class Sampler:
         return scores
 
     def _apply_penalties(self, scores: torch.Tensor, rows: list[RowSampling]) -> None:
-        ids, counts, starts = [], [], [0]
-        for r in rows:
-            if r.params.has_penalties:
-                ids.extend(r.token_counts.keys())
-                counts.extend(r.token_counts.values())
-            starts.append(len(ids))
         # TGI's frequency penalty scales by each token's share of the sequence.
         freq = [r.params.frequency_penalty / max(r.num_tokens, 1) for r in rows]
         as_tensor = lambda v, dt: to_device(v, dt, self.device)  # noqa: E731
         self.ops.apply_penalties(
-            scores, as_tensor(ids, torch.int32), as_tensor(counts, torch.int32), as_tensor(starts, torch.int32),
+            scores, self.penalties.counts, as_tensor([r.penalty_row for r in rows], torch.int32),
             as_tensor([r.params.repetition_penalty for r in rows], torch.float32),
             as_tensor(freq, torch.float32),
             as_tensor([r.params.presence_penalty for r in rows], torch.float32),

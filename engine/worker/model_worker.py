@@ -120,7 +120,7 @@ class ModelWorker:
         c = self.model_config
         grammars = GrammarCompiler(self.config.model_dir, c.vocab_size, c.eos_token_ids) if self.tp.rank == 0 else None
         watermark = WatermarkConfig(self.config.watermark_gamma, self.config.watermark_delta)
-        return Sampler(self.ops, self.config.device, grammars, watermark)
+        return Sampler(self.ops, self.config.device, grammars, watermark, vocab_size=c.vocab_size)
 
     def _new_cache(self, num_slots: int) -> KVCache:
         c, cfg = self.model_config, self.config
@@ -189,7 +189,9 @@ class ModelWorker:
         token from ``last_tokens``, written on the device by the previous sampling.
         """
         for request_id in step.released:
-            self._sampling.pop(request_id, None)
+            state = self._sampling.pop(request_id, None)
+            if state is not None and state.penalty_row >= 0:
+                self.sampler.penalties.release(state.penalty_row)
         if not step.rows:
             return LaunchedStep.done(StepResult([]))
         results = [RowResult(r.request_id) for r in step.rows]
@@ -209,7 +211,7 @@ class ModelWorker:
             self._unfinished = None
 
     def _track_rows(self, step: Step) -> None:
-        """New rows get their sampling state; prompt tokens count for penalties (sampled ones at finish)."""
+        """New rows get their sampling state; prompt tokens count for penalties (sampled ones when sampled)."""
         for r in step.rows:
             state = self._sampling.get(r.request_id)
             if state is None:
@@ -218,12 +220,13 @@ class ModelWorker:
                 continue
             state.prev_token = r.input_ids[-1]
             state.num_tokens += len(r.input_ids) + len(r.prefix_slots or ())
-            if state.params.has_penalties:
-                for token in (r.prefix_ids or []) + r.input_ids:     # a cached prefix counts as prefilled
-                    state.token_counts[token] = state.token_counts.get(token, 0) + 1
+            if state.penalty_row >= 0:                               # a cached prefix counts as prefilled
+                self.sampler.penalties.add(state.penalty_row, (r.prefix_ids or []) + r.input_ids)
 
     def _new_row_state(self, row: StepRow) -> RowSampling:
         state = RowSampling(params=row.params, seed=row.seed, step=0)
+        if row.params.has_penalties and self.tp.rank == 0:      # rank 0 samples
+            state.penalty_row = self.sampler.penalties.acquire()
         grammars = self.sampler.grammars
         if row.params.grammar_type and grammars is not None:
             state.grammar = grammars.matcher(row.params.grammar_type, row.params.grammar)
@@ -313,7 +316,8 @@ class ModelWorker:
 
     @staticmethod
     def _record_tokens(sampled: list[int], out, states: list[RowSampling], results: list[RowResult]) -> None:
-        """The sampled tokens into the results and into each row's state (penalties, seed step, grammar)."""
+        """The sampled tokens into the results and into each row's state (seed step, grammar; the
+        sampler counted them for penalties on the device already)."""
         for j, i in enumerate(sampled):
             res, state, token = results[i], states[j], out.token_ids[j]
             res.token_id, res.logprob = token, out.logprobs[j]
@@ -321,8 +325,6 @@ class ModelWorker:
             state.step += 1
             state.prev_token = token
             state.num_tokens += 1
-            if state.params.has_penalties:
-                state.token_counts[token] = state.token_counts.get(token, 0) + 1
             if state.grammar is not None:
                 state.grammar.advance(token)
 

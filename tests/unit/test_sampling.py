@@ -16,16 +16,21 @@ from engine.sampling.sampler import RowSampling, Sampler
 from engine.protocol.messages import SamplingParams
 
 
+VOCAB = 64
+
+
 @pytest.fixture(params=["torch", "triton"])
 def sampler(request):
-    return Sampler(KernelOps.create(request.param), torch.device("cpu"))
+    return Sampler(KernelOps.create(request.param), torch.device("cpu"), vocab_size=VOCAB)
 
 
-def row(seed=0, step=0, history=(), **params):
-    counts = {}
-    for t in history:
-        counts[t] = counts.get(t, 0) + 1
-    return RowSampling(SamplingParams(**params), seed=seed, step=step, token_counts=counts, num_tokens=len(history))
+def row(seed=0, step=0, history=(), counts_in=None, **params):
+    """A row state; with penalties, ``history`` goes into ``counts_in`` (the sampler's PenaltyCounts)."""
+    state = RowSampling(SamplingParams(**params), seed=seed, step=step, num_tokens=len(history))
+    if state.params.has_penalties:
+        state.penalty_row = counts_in.acquire()
+        counts_in.add(state.penalty_row, list(history))
+    return state
 
 
 def test_greedy_picks_argmax_and_reports_its_logprob(sampler):
@@ -40,25 +45,56 @@ def test_greedy_picks_argmax_and_reports_its_logprob(sampler):
 
 
 def test_repetition_penalty_matches_transformers(sampler):
-    logits = torch.randn(1, 40)
+    logits = torch.randn(1, VOCAB)
     history = [3, 5, 5, 9, 30]
-    out = sampler(logits.clone(), [row(history=history, repetition_penalty=1.7, top_n_tokens=40)])
+    rows = [row(history=history, counts_in=sampler.penalties, repetition_penalty=1.7, top_n_tokens=VOCAB)]
+    out = sampler(logits.clone(), rows)
     expected = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([history]), logits.clone())
-    got = torch.full((40,), float("nan"))
+    got = torch.full((VOCAB,), float("nan"))
     got[out.top_ids[0]] = torch.tensor(out.top_logprobs[0])
     assert torch.allclose(got, torch.log_softmax(expected[0], -1), atol=1e-5)
 
 
 def test_frequency_and_presence_penalties(sampler):
-    logits = torch.randn(1, 20)
+    logits = torch.randn(1, VOCAB)
     history = [4, 4, 4, 7]
-    out = sampler(logits.clone(), [row(history=history, frequency_penalty=1.0, presence_penalty=0.5, top_n_tokens=20)])
+    rows = [row(history=history, counts_in=sampler.penalties, frequency_penalty=1.0, presence_penalty=0.5,
+                top_n_tokens=VOCAB)]
+    out = sampler(logits.clone(), rows)
     expected = logits[0].clone()
     expected[4] -= 1.0 * 3 / 4 + 0.5
     expected[7] -= 1.0 * 1 / 4 + 0.5
-    got = torch.full((20,), float("nan"))
+    got = torch.full((VOCAB,), float("nan"))
     got[out.top_ids[0]] = torch.tensor(out.top_logprobs[0])
     assert torch.allclose(got, torch.log_softmax(expected, -1), atol=1e-5)
+
+
+def test_penalty_counts_follow_the_steps_on_the_device(sampler):
+    """Over several steps, two penalised rows and one without: each step's penalised logits are
+    those of an explicit host count of prompt + sampled tokens; a released row is reused zeroed."""
+    torch.manual_seed(0)
+    prompts = [[1, 2, 2, 3], [5, 5, 6], [7, 8]]
+    params = [dict(repetition_penalty=1.5, frequency_penalty=0.5), dict(presence_penalty=0.7), dict()]
+    rows = [row(history=p, counts_in=sampler.penalties, top_n_tokens=VOCAB, **kw) for p, kw in zip(prompts, params)]
+    histories = [list(p) for p in prompts]
+    for step in range(4):
+        logits = torch.randn(3, VOCAB)
+        out = sampler(logits.clone(), rows)
+        for b, (state, kw) in enumerate(zip(rows, params)):
+            expected = logits[b].clone()
+            for token in set(histories[b]) if state.penalty_row >= 0 else ():
+                count, value = histories[b].count(token), expected[token]
+                value = value * kw.get("repetition_penalty", 1.0) if value < 0 else value / kw.get("repetition_penalty", 1.0)
+                expected[token] = value - (kw.get("frequency_penalty", 0.0) / len(histories[b]) * count
+                                           + kw.get("presence_penalty", 0.0))
+            got = torch.full((VOCAB,), float("nan"))
+            got[out.top_ids[b]] = torch.tensor(out.top_logprobs[b])
+            assert torch.allclose(got, torch.log_softmax(expected, -1), atol=1e-5), (step, b)
+            histories[b].append(out.token_ids[b])
+            state.num_tokens += 1
+    first = rows[0].penalty_row
+    sampler.penalties.release(first)
+    assert sampler.penalties.acquire() == first and not sampler.penalties.counts[first].any()
 
 
 @pytest.mark.parametrize("params,warper", [
