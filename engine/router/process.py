@@ -109,13 +109,16 @@ class RouterLoop:
 
     def run(self) -> None:
         self._send_status(force=True)
+        checked = True                  # the slots were checked since the last step
         while True:
             if not self._read_inbox(timeout=0 if self.router.has_work() else STATUS_INTERVAL_S):
                 return
             if self.healthy and self.router.has_work():
                 self._step()
-            elif self.healthy:
-                self.allocator.check_integrity()
+                checked = False
+            elif self.healthy and not checked:
+                self.router.scheduler.check_integrity()      # once each time the router goes idle
+                checked = True
             self._send_status()
 
     def _read_inbox(self, timeout: float) -> bool:
