@@ -17,13 +17,7 @@ import threading
 from typing import AsyncIterator, Protocol
 
 from engine.protocol.codec import decode, encode
-from engine.protocol.messages import (
-    Abort,
-    Events,
-    GenerationRequest,
-    RouterStatus,
-    TokenEvent,
-)
+from engine.protocol.messages import Abort, Events, GenerationRequest, RouterStatus, TokenEvent
 
 log = logging.getLogger(__name__)
 

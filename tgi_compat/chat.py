@@ -21,20 +21,9 @@ from starlette.responses import Response
 from .chat_template import ChatTemplate
 from .errors import InputValidationError, TGIError, ToolError
 from .fan_out import choice_request, gather_all, merge_streams
-from .http_input import (
-    ClientDisconnected,
-    cancel_on_disconnect,
-    check_api_key,
-    read_json,
-)
-from .openai_responses import (
-    DONE_EVENT,
-    OpenAIFormat,
-    logprob_json,
-    openai_error_event,
-    summed_headers,
-    usage_json,
-)
+from .http_input import ClientDisconnected, cancel_on_disconnect, check_api_key, read_json
+from .openai_responses import (DONE_EVENT, OpenAIFormat, logprob_json, openai_error_event, summed_headers,
+                               usage_json)
 from .openai_schema import ChatRequest, parse_chat_request
 from .outputs import GeneratedStep, GenerationResult
 from .responses import JSONBytesResponse
@@ -43,13 +32,7 @@ from .schema import GenerateParameters, GenerateRequest
 from .service import GenerateOutcome, GenerateService
 from .settings import ServerSettings
 from .sse import sse_data, sse_response
-from .tools import (
-    ToolCallStream,
-    next_tool_call_id,
-    parse_tool_output,
-    tool_grammar,
-    tools_to_use,
-)
+from .tools import ToolCallStream, next_tool_call_id, parse_tool_output, tool_grammar, tools_to_use
 
 
 @dataclass(frozen=True)

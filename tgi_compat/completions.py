@@ -14,21 +14,9 @@ from starlette.responses import Response
 from .chat import check_choice_count
 from .errors import OpenAIRouteError, TGIError
 from .fan_out import choice_request, gather_all, merge_streams
-from .http_input import (
-    ClientDisconnected,
-    cancel_on_disconnect,
-    check_api_key,
-    read_json,
-)
-from .openai_responses import (
-    DONE_EVENT,
-    OpenAIFormat,
-    models_json,
-    openai_error_event,
-    openai_finish_reason,
-    summed_headers,
-    usage_json,
-)
+from .http_input import ClientDisconnected, cancel_on_disconnect, check_api_key, read_json
+from .openai_responses import (DONE_EVENT, OpenAIFormat, models_json, openai_error_event, openai_finish_reason,
+                               summed_headers, usage_json)
 from .openai_schema import CompletionRequest, parse_completion_request
 from .responses import JSONBytesResponse
 from .routes import CLIENT_CLOSED_REQUEST, generate_headers

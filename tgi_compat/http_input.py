@@ -12,12 +12,7 @@ from typing import Any, Awaitable, TypeVar
 
 from starlette.requests import Request
 
-from .errors import (
-    BadRequestError,
-    PayloadTooLargeError,
-    UnauthorizedError,
-    UnsupportedMediaTypeError,
-)
+from .errors import BadRequestError, PayloadTooLargeError, UnauthorizedError, UnsupportedMediaTypeError
 
 T = TypeVar("T")
 
@@ -56,9 +51,45 @@ async def read_json(request: Request, payload_limit: int) -> Any:
         if len(body) > payload_limit:
             raise PayloadTooLargeError(payload_limit)
     try:
-        return json.loads(bytes(body), parse_constant=_reject_constant)
+        value = json.loads(bytes(body), parse_constant=_reject_constant)
+        _check_json_value(value)
+    except RecursionError:
+        raise BadRequestError(f"Failed to parse the request body as JSON: nesting deeper than {MAX_JSON_DEPTH}") \
+            from None
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequestError(f"Failed to parse the request body as JSON: {e}") from e
+    return value
+
+
+MAX_JSON_DEPTH = 128     # serde_json's recursion limit: TGI answers 400 beyond it
+
+
+def _check_json_value(value: Any) -> None:
+    """Refuse (ValueError) nesting deeper than ``MAX_JSON_DEPTH`` and strings that are not valid
+    Unicode (a lone surrogate escape such as "\\ud800", which serde_json refuses too)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            _check_unicode(item)
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nesting deeper than {MAX_JSON_DEPTH}")
+        if isinstance(item, dict):
+            for key in item:
+                _check_unicode(key)
+            stack.extend((v, depth + 1) for v in item.values())
+        else:
+            stack.extend((v, depth + 1) for v in item)
+
+
+def _check_unicode(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"lone surrogate in a string at character {e.start}") from None
 
 
 async def _wait_for_disconnect(request: Request) -> None:

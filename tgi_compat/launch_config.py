@@ -69,7 +69,8 @@ class LaunchConfig:
                                      choices=("linear", "dynamic"))
     rope_factor: float | None = _flag("RoPE scaling factor; alone it means linear scaling; the context length "
                                       "grows by this factor; default: the checkpoint's config", above=0.0)
-    tokenizer_config_path: str | None = _flag("alternative tokenizer_config.json (e.g. for its chat template); "
+    tokenizer_config_path: str | None = _flag("alternative tokenizer_config.json: its chat_template, bos_token and "
+                                              "eos_token replace the model's for chat requests; "
                                               "default: the model's")
     weights_cache_override: str | None = _flag("not supported: point --model-id at a local directory instead")
     huggingface_hub_cache: str | None = _flag("hub cache directory; default: huggingface_hub's "
@@ -442,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
         "environment variable named after it in upper snake case (--max-total-tokens <-> MAX_TOTAL_TOKENS); "
         "the command line wins. HF_TOKEN (or HUGGING_FACE_HUB_TOKEN), HF_HUB_OFFLINE and LOG_LEVEL are read "
         "too, and ENGINE_PDL=0 turns off programmatic dependent launch of the GPU kernels (Hopper and newer; "
-        "for measuring what it brings).")
+        "for measuring what it brings). Supported architectures (config.json `architectures`): "
+        f"{', '.join(_supported_architectures())}. Quantized checkpoints: none yet (unquantized weights only).")
     for f in fields(LaunchConfig):
         boolean = _types()[f.name] in (bool, bool | None)
         choices = f.metadata["choices"]
@@ -452,6 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
                             else f.name.upper(),
                             nargs="?" if boolean else None, const=True if boolean else None, help=_help(f))
     return parser
+
+
+def _supported_architectures() -> tuple[str, ...]:
+    from engine.models import supported_architectures
+
+    return supported_architectures()
 
 
 def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> LaunchConfig:

@@ -7,12 +7,7 @@ from starlette.responses import Response
 from engine.client import Backend
 
 from .errors import UnhealthyError, error_response
-from .http_input import (
-    ClientDisconnected,
-    cancel_on_disconnect,
-    check_api_key,
-    read_json,
-)
+from .http_input import ClientDisconnected, cancel_on_disconnect, check_api_key, read_json
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics
 from .responses import JSONBytesResponse, generate_json

@@ -6,6 +6,8 @@ a type error is a 422 ``Input validation error`` naming the field.
 """
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -53,8 +55,12 @@ class GenerateRequest:
 
 def _json_type(value: Any) -> str:
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-             list: "an array", dict: "an object"}
+             list: "an array", dict: "an object", type(None): "null"}
     return names.get(type(value), type(value).__name__)
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+ABSENT = object()       # "parameters" not in the body (null is a different thing: an error)
 
 
 def _type_error(name: str, expected: str, value: Any) -> InputValidationError:
@@ -72,9 +78,14 @@ def _integer(low: int, high: int) -> Callable[[str, Any], int]:
 
 
 def _number(name: str, value: Any) -> float:
+    """A JSON number as TGI's f32 holds it: one that float32 cannot hold (1e309, 1e39) is refused
+    here; one too small for float32 (1e-320) is 0.0, which the range checks then refuse."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _type_error(name, "a number", value)
-    return float(value)
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise InputValidationError(f"`{name}` must be a finite number within float32's range "
+                                   f"(|x| <= {FLOAT32_MAX:.4g}), got {value}")
+    return 0.0 if struct.unpack("f", struct.pack("f", float(value)))[0] == 0.0 else float(value)
 
 
 def _boolean(name: str, value: Any) -> bool:
@@ -134,8 +145,8 @@ assert set(_FIELD_PARSERS) == {f.name for f in fields(GenerateParameters)}
 
 
 def parse_parameters(raw: Any) -> GenerateParameters:
-    """``raw`` is the JSON value of "parameters"; None (absent or null) -> TGI's defaults."""
-    if raw is None:
+    """``raw`` is the JSON value of "parameters"; ABSENT -> TGI's defaults; null is refused, as TGI does."""
+    if raw is ABSENT:
         return DEFAULT_PARAMETERS
     if not isinstance(raw, dict):
         raise _type_error("parameters", "an object", raw)
@@ -154,7 +165,7 @@ def parse_generate_request(body: Any, *, with_stream_flag: bool = False) -> Gene
     if "inputs" not in body:
         raise InputValidationError("missing field `inputs`")
     inputs = _string("inputs", body["inputs"])
-    parameters = parse_parameters(body.get("parameters"))
+    parameters = parse_parameters(body.get("parameters", ABSENT))
     stream = False
     if with_stream_flag and body.get("stream") is not None:
         stream = _boolean("stream", body["stream"])

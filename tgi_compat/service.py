@@ -15,13 +15,8 @@ from typing import AsyncIterator
 from engine.client import Backend
 
 from .concurrency import ConcurrencyLimiter
-from .errors import (
-    GenerationError,
-    IncompleteGenerationError,
-    IncompleteGenerationStreamError,
-    InputValidationError,
-    TGIError,
-)
+from .errors import (GenerationError, IncompleteGenerationError, IncompleteGenerationStreamError,
+                     InputValidationError, TGIError)
 from .generation import generate_best_of, generate_result, generate_steps
 from .metrics import ServerMetrics
 from .outputs import GeneratedStep, GenerationResult, Timing
@@ -30,7 +25,7 @@ from .schema import GenerateRequest
 from .settings import ServerSettings
 from .sse import error_event, step_event
 from .tokenization import TemplatedTokenizer, TokenizerAdapter
-from .validation import Validator, ValidRequest, validate_best_of
+from .validation import ValidRequest, Validator, validate_best_of
 
 log = logging.getLogger("tgi_compat")
 
@@ -142,7 +137,10 @@ class GenerateService:
     def _record_failure(self, request_id: int, error: TGIError) -> None:
         if error.metric_label:
             self.metrics.request_failure.inc(err=error.metric_label)
-        log.info("request %d failed (%d %s): %s", request_id, error.status, error.error_type, error.message)
+        # The message may quote the request (a grammar, a stop sequence): only at DEBUG.
+        log.info("request %d failed (%d %s, %d-character message)", request_id, error.status, error.error_type,
+                 len(error.message))
+        log.debug("request %d failure: %s", request_id, error.message)
 
     def _unexpected(self, request_id: int, error: Exception) -> GenerationError:
         """A failure nobody classified (a backend bug): logged with its traceback, reported as 424."""

@@ -11,18 +11,8 @@ import time
 
 from engine.processes import child_setup
 from engine.protocol.codec import decode, encode
-from engine.protocol.messages import (
-    Abort,
-    Events,
-    GenerationRequest,
-    Ready,
-    RouterStatus,
-    ShardError,
-    Shutdown,
-    Step,
-    StepResult,
-    TokenEvent,
-)
+from engine.protocol.messages import (Abort, Events, GenerationRequest, Ready, RouterStatus, ShardError, Shutdown, Step,
+                                      StepResult, TokenEvent)
 
 log = logging.getLogger("engine.router")
 

@@ -36,14 +36,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.protocol.messages import (
-    FED_BACK,
-    RowResult,
-    SamplingParams,
-    Step,
-    StepResult,
-    StepRow,
-)
+from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, StepResult, StepRow
 from engine.router.allocator import SlotAllocator
 from engine.router.prefix_cache import Match, PrefixCache, TreeNode, common_prefix_length
 

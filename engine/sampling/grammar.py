@@ -113,7 +113,8 @@ class GrammarMatcher:
         self.eos_ids = eos_ids
         self._failure = failure
         if self.error is not None:
-            log.error("grammar failed in the worker; the request ends with EOS: %s", self.error)
+            log.error("grammar failed in the worker; the request ends with EOS")
+            log.debug("grammar failure: %s", self.error)       # may quote the request's grammar
 
     @property
     def only_eos(self) -> bool:
@@ -136,7 +137,8 @@ class GrammarMatcher:
         if self.only_eos:
             return
         if not self._matcher.consume_token(token_id):
-            log.error("grammar rejected sampled token %d: %s", token_id, self._matcher.get_error())
+            log.error("grammar rejected sampled token %d", token_id)
+            log.debug("grammar error: %s", self._matcher.get_error())      # may quote the request's grammar
 
     def fill_eos_only(self, words: torch.Tensor) -> None:
         words.zero_()

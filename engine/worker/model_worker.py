@@ -14,14 +14,7 @@ from engine.models import build_model, load_model_config
 from engine.models.config import ModelConfig
 from engine.models.parallel import TensorParallel
 from engine.ops import KernelOps, default_backend
-from engine.protocol.messages import (
-    FED_BACK,
-    RowResult,
-    SamplingParams,
-    Step,
-    StepResult,
-    StepRow,
-)
+from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, StepResult, StepRow
 from engine.sampling.grammar import GrammarCompiler
 from engine.sampling.sampler import RowSampling, Sampler
 from engine.sampling.watermark import WatermarkConfig

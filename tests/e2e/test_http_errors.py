@@ -27,6 +27,16 @@ STATUS_MATRIX = [
     ("grammar", {"inputs": "a", "parameters": {"grammar": {"type": "json", "value": {"type": "object"}}}}, 422,
      VALIDATION + "grammar is not valid: Grammar must have a 'properties' field"),
     ("malformed-json", b'{"inputs": "a",', 400, None),
+    ("parameters-null", {"inputs": "a", "parameters": None}, 422,
+     VALIDATION + "`parameters` must be an object, got null"),
+    ("temperature-underflows", b'{"inputs": "a", "parameters": {"temperature": 1e-320}}', 422,
+     VALIDATION + "`temperature` must be strictly positive"),
+    ("temperature-infinite", b'{"inputs": "a", "parameters": {"temperature": 1e309}}', 422,
+     VALIDATION + "`parameters.temperature` must be a finite number within float32's range (|x| <= 3.403e+38), got inf"),
+    ("nested-970", b'{"inputs": "a", "parameters": {"stop": ' + b"[" * 970 + b"]" * 970 + b"}}", 400,
+     "Failed to parse the request body as JSON: nesting deeper than 128"),
+    ("lone-surrogate", b'{"inputs": "a\\ud800"}', 400,
+     "Failed to parse the request body as JSON: lone surrogate in a string at character 1"),
 ]
 
 
@@ -136,3 +146,26 @@ def test_engine_failure_is_424(serve_app):
         assert error["error"].startswith("Request failed during generation: ")
         streamed = requests.post(url + "/generate_stream", json=body, timeout=30)
         assert streamed.status_code == 200 and b'"error_type":"generation"' in streamed.content
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/tokenize", "/chat_tokenize",
+                                   "/generate_stream"])
+@pytest.mark.parametrize("body,message", [
+    (b'{"model": "tgi", "messages": [], "tool_choice": "\\udc80"}', "lone surrogate"),
+    (b'{"inputs": ' + b"[" * 970 + b"]" * 970 + b"}", "nesting deeper than 128"),
+])
+def test_hostile_json_is_400_on_every_route(server_url, route, body, message):
+    response = requests.post(server_url + route, data=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]
+
+
+def test_request_text_stays_out_of_the_info_log(server_url, caplog):
+    """A refused grammar's regex (and any other quoted request text) is logged at DEBUG only."""
+    secret = "zq(secret-pattern"
+    body = {"inputs": "a", "parameters": {"grammar": {"type": "regex", "value": secret}}}
+    with caplog.at_level("INFO"):
+        response = requests.post(server_url + "/generate", json=body, timeout=30)
+    assert response.status_code == 422 and secret in response.json()["error"]
+    assert "request" in caplog.text and "failed (422 validation" in caplog.text
+    assert secret not in caplog.text

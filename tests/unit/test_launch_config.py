@@ -213,6 +213,7 @@ def test_help_explains_every_flag_its_default_and_its_variable(monkeypatch):
         assert help_text in text, name
     assert "(default: 3000) [env: PORT]" in text and "(default: 128) [env: MAX_CONCURRENT_REQUESTS]" in text
     assert "a HOSTNAME equal to this machine's name is ignored" in text
+    assert "Supported architectures (config.json `architectures`): LlamaForCausalLM, MistralForCausalLM" in text
 
 
 def test_help_exits_cleanly(capsys):

@@ -124,8 +124,25 @@ def test_prompt_at_exactly_max_input_tokens_is_allowed(tokenizer):
 
 def test_missing_parameters_mean_sampling_and_empty_parameters_mean_greedy(tokenizer):
     assert validate(tokenizer, {"inputs": "hello"}).params.do_sample is True
-    assert validate(tokenizer, {"inputs": "hello", "parameters": None}).params.do_sample is True
     assert validate(tokenizer, {"inputs": "hello", "parameters": {}}).params.do_sample is False
+
+
+def test_null_parameters_are_refused_as_tgi_does(tokenizer):
+    with pytest.raises(InputValidationError, match="`parameters` must be an object, got null"):
+        validate(tokenizer, {"inputs": "hello", "parameters": None})
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", 1e-320, "`temperature` must be strictly positive"),         # 0.0 in float32
+    ("temperature", 1e309, "`parameters.temperature` must be a finite number within float32's range"),
+    ("temperature", 1e39, "`parameters.temperature` must be a finite number within float32's range"),
+    ("repetition_penalty", 1e-46, "`repetition_penalty` must be strictly positive"),
+    ("top_p", 1e309, "`parameters.top_p` must be a finite number"),
+    ("frequency_penalty", -1e309, "`parameters.frequency_penalty` must be a finite number"),
+])
+def test_numbers_float32_cannot_hold_are_refused(tokenizer, field, value, message):
+    with pytest.raises(InputValidationError, match=message.replace("(", r"\(")):
+        validate(tokenizer, json.loads(json.dumps(body(**{field: value}))))
 
 
 @pytest.mark.parametrize("warper,value", [("temperature", 0.7), ("top_k", 5), ("top_p", 0.9), ("typical_p", 0.5)])
@@ -292,3 +309,21 @@ def test_api_key_compares_the_whole_header_case_insensitively(header, ok):
 
 def test_no_api_key_configured_lets_everything_through():
     check_api_key(make_request(b"", {}), None)
+
+
+@pytest.mark.parametrize("depth,ok", [(128, True), (129, False), (970, False), (100_000, False)])
+def test_json_nested_deeper_than_serde_allows_is_400(depth, ok):
+    body = b"[" * depth + b"]" * depth
+    if ok:
+        assert read(body, JSON, limit=10**6) is not None
+        return
+    with pytest.raises(BadRequestError, match="nesting deeper than 128"):
+        read(body, JSON, limit=10**6)
+
+
+@pytest.mark.parametrize("body", [b'{"inputs":"\\ud800"}', b'{"tool_choice":{"\\udfff":1}}',
+                                  b'{"messages":[{"content":"a\\ud83d"}]}'])
+def test_a_lone_surrogate_is_400(body):
+    with pytest.raises(BadRequestError, match="lone surrogate"):
+        read(body, JSON, limit=10**6)
+    assert read(b'{"inputs":"\\ud83d\\ude00"}', JSON) == {"inputs": "\U0001F600"}     # a pair is one character
