@@ -8,14 +8,45 @@ Every pipe is a ``multiprocess`` pipe (spawn context) carrying ``engine.protocol
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
+import sys
 
 
 def child_setup(log_level: str) -> None:
-    """Children leave Ctrl-C to the supervisor, which stops them in order."""
+    """Children die with the supervisor and leave Ctrl-C to it (it stops them in order)."""
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, however it dies (kill -9 too), so
+    no shard, router or front end outlives the launcher and holds its port. If the parent is
+    already gone (it died before this ran), exit now. Elsewhere than Linux: nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if parent == 1 or not _alive(parent):
+        os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def spawn_context():

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 from dataclasses import dataclass
 
 log = logging.getLogger("tgi_compat.frontend")
@@ -19,8 +18,9 @@ class FrontendSpec:
 
 def frontend_main(spec: FrontendSpec, conn, log_level: str = "INFO") -> None:
     """Load the tokenizer, wait for the router's Ready, then bind the port and serve."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the supervisor stops us with SIGTERM
+    from engine.processes import child_setup
+
+    child_setup(log_level)           # dies with the supervisor, which stops it with SIGTERM
     import uvicorn
 
     from engine.client import RouterClient

@@ -27,8 +27,8 @@ def free_port() -> int:
 
 
 class LaunchedServer:
-    def __init__(self, model_dir: str | Path, *args: str, env: dict | None = None):
-        self.port = free_port()
+    def __init__(self, model_dir: str | Path, *args: str, env: dict | None = None, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, str(REPO / "launcher.py"), "--model-id", str(model_dir), "--hostname", "127.0.0.1",
                "--port", str(self.port), *args, *shlex.split(os.environ.get("E2E_SERVER_ARGS", ""))]

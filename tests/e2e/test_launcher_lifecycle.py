@@ -74,3 +74,19 @@ def test_sigterm_stops_every_process_within_seconds(launcher_model_dir):
     assert time.monotonic() - start < 10
     assert srv.wait_no_children() == []
     srv.stop()
+
+
+def test_kill_9_of_the_launcher_takes_every_process_with_it_and_frees_the_port(launcher_model_dir):
+    args = ("--max-total-tokens", "128", "--max-input-tokens", "64")
+    srv = LaunchedServer(launcher_model_dir, *args).wait_healthy()
+    assert len(srv.children()) >= 4     # supervisor, shard, router, front end
+    srv.process.kill()
+    srv.process.wait(5)
+    assert srv.wait_no_children(timeout=5.0) == []
+    srv.stop()
+    again = LaunchedServer(launcher_model_dir, *args, port=srv.port)
+    try:
+        again.wait_healthy()
+        assert requests.get(again.url + "/health", timeout=5).status_code == 200
+    finally:
+        assert again.stop() == 0, again.output()
