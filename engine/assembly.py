@@ -50,6 +50,7 @@ class EngineConfig:
     master_addr: str = "localhost"
     master_port: int = 29500
     rope_scaling: tuple[str, float] | None = None   # (linear | dynamic, factor) over the checkpoint's
+    step_timeout_s: float | None = None   # server watchdog: no step result for this long -> unhealthy
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
     prefix_caching: bool = True           # reuse cached prompt prefixes' KV (engine.router.prefix_cache)

@@ -121,6 +121,12 @@ class LaunchConfig:
                                     "--waiting-served-ratio", 20, minimum=0)
     max_batch_size: int | None = _flag("largest running batch; default: --max-concurrent-requests x "
                                        "--max-best-of, at most 1024", minimum=1)
+    step_timeout: float = _flag("seconds the shards may take for one step before the server reports itself "
+                                "unhealthy (/health 503) and ends the requests in flight with an error; it is "
+                                "healthy again when the shards answer (this engine's; TGI has none). 60 s is far "
+                                "above any step we measured (a whole 100k-token prompt chunk, a first grammar "
+                                "compile) and short enough for a health check to catch a hung GPU or collective",
+                                60.0, above=0.0)
     admission: str = _flag("KV admission rule (this engine's): peak (LightLLM's peak future usage) or reserve "
                            "(TGI-style sum of maxima, for comparison)", "peak", choices=("peak", "reserve"))
     prefix_caching: bool = _flag("reuse the KV cache of prompt prefixes that earlier requests computed (a radix "

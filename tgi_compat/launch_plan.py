@@ -39,6 +39,7 @@ def plan_server(config: LaunchConfig) -> ServerPlan:
     from engine.models import load_model_config
     from weights.hub import model_info, resolve_model
 
+    check_port_free(config.hostname, config.port)      # before minutes of downloading and loading
     model_dir = str(resolve_model(config.model_id, config.revision, config.huggingface_hub_cache, config.hf_token))
     model_config = load_model_config(model_dir, rope_scaling=config.rope)
     _check_checkpoint(model_dir, model_config)
@@ -63,7 +64,7 @@ def engine_config(config: LaunchConfig, limits: Limits, model_dir: str) -> Engin
         waiting_served_ratio=config.waiting_served_ratio, max_waiting_steps=config.max_waiting_tokens,
         admission=config.admission, cuda_graphs=config.cuda_graphs, prefix_caching=config.prefix_caching,
         num_shards=resolve_num_shard(config, _visible_gpus()), master_addr=config.master_addr,
-        master_port=config.master_port, rope_scaling=config.rope,
+        master_port=config.master_port, rope_scaling=config.rope, step_timeout_s=config.step_timeout,
         **{k: v for k, v in watermark.items() if v is not None})
 
 
@@ -80,6 +81,23 @@ def _check_checkpoint(model_dir: str, model_config) -> None:
 
     with open_checkpoint(model_dir) as checkpoint:
         check_checkpoint(checkpoint, model_config)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """The front end's address must be free now (it binds only once the model is loaded)."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError as e:
+        raise ValueError(f"--hostname {host!r} cannot be resolved ({e})") from None
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn binds it
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--port {port} on {host} is taken ({e.strerror}): stop the server that holds it "
+                             f"or choose another --port") from None
 
 
 def _check_tokenizer_config(path: str | None) -> None:

@@ -24,6 +24,10 @@ class ShardFailure(RuntimeError):
     """A shard died or reported an error; the message names the rank and cause."""
 
 
+class ShardStalled(RuntimeError):
+    """No step result came within the watchdog time; the step is still in flight."""
+
+
 class PipeShards:
     """The router's view of the shards: the same Step bytes to all, the result from rank 0."""
 
@@ -43,8 +47,18 @@ class PipeShards:
             except OSError as e:
                 raise ShardFailure(f"shard {rank} is gone ({e})") from e
 
-    def collect(self) -> StepResult:
+    def collect(self, timeout: float | None = None) -> StepResult:
+        """Rank 0's result of the oldest step in flight; ShardStalled if none came within ``timeout``."""
+        if timeout is not None and not self.conns[0].poll(timeout):
+            raise ShardStalled(f"no step result from the shards for {timeout:g} s")
         return self._receive(0, StepResult)
+
+    def check_idle(self) -> None:
+        """While no step is in flight a shard says nothing: anything readable is a death or an error."""
+        for rank, conn in enumerate(self.conns):
+            if conn.poll(0):
+                message = self._receive(rank, object)
+                raise ShardFailure(f"shard {rank} sent {type(message).__name__} while idle")
 
     def shutdown(self) -> None:
         for conn in self.conns:
@@ -79,7 +93,7 @@ def router_main(plan, frontend_conn, shard_conns, log_level: str = "INFO") -> No
         log.error("startup failed: %s", e)
         frontend_conn.send_bytes(encode(RouterStatus(healthy=False, error=str(e))))
         return
-    loop = RouterLoop(build_router(plan, shards, capacity), frontend_conn)
+    loop = RouterLoop(build_router(plan, shards, capacity), frontend_conn, plan.config.step_timeout_s)
     log.info("router ready: %d KV slots, %d request rows", capacity, plan.max_requests)
     try:
         loop.run()
@@ -88,10 +102,13 @@ def router_main(plan, frontend_conn, shard_conns, log_level: str = "INFO") -> No
 
 
 class RouterLoop:
-    def __init__(self, router, conn):
+    def __init__(self, router, conn, step_timeout_s: float | None = None):
         self.router = router
+        self.shards = router.shards
         self.allocator = router.scheduler.allocator
         self.conn = conn
+        self.step_timeout_s = step_timeout_s     # the watchdog: no step result for this long -> stalled
+        self.stalled = False
         self.healthy = True
         self.error: str | None = None
         self._last_status = 0.0
@@ -103,12 +120,16 @@ class RouterLoop:
         while True:
             if not self._read_inbox(timeout=0 if self.router.has_work() else STATUS_INTERVAL_S):
                 return
-            if self.healthy and self.router.has_work():
+            if self.stalled:
+                self._wait_for_stalled_step()
+            elif self.healthy and self.router.has_work():
                 self._step()
                 checked = False
-            elif self.healthy and not checked:
-                self.router.scheduler.check_integrity()      # once each time the router goes idle
-                checked = True
+            elif self.healthy:
+                self._watch_idle_shards()
+                if not checked:
+                    self.router.scheduler.check_integrity()      # once each time the router goes idle
+                    checked = True
             self._send_status()
 
     def _read_inbox(self, timeout: float) -> bool:
@@ -137,15 +158,49 @@ class RouterLoop:
 
     def _step(self) -> None:
         try:
-            events = self.router.step()
+            events = self.router.step(timeout=self.step_timeout_s)
         except ShardFailure as e:
-            log.error("%s", e)
-            self.healthy = False
-            self.error = f"Request failed during generation: {e}"
-            self._send_status(force=True)          # /health answers 503 from now on
-            events = self.router.fail_all(self.error)
+            events = self._on_failure(e)
+        except ShardStalled as e:
+            events = self._on_stall(e)
         if events:
             self._send_events(events)
+
+    def _on_failure(self, error: ShardFailure) -> list[TokenEvent]:
+        """A dead or failed shard: unhealthy for good, every request ends with the error."""
+        log.error("%s", error)
+        self.healthy, self.stalled = False, False
+        self.error = f"Request failed during generation: {error}"
+        self._send_status(force=True)          # /health answers 503 from now on
+        return self.router.fail_all(self.error)
+
+    def _on_stall(self, stall: ShardStalled) -> list[TokenEvent]:
+        """Stuck shards: /health answers 503 and every request ends with the error; the steps in
+        flight stay, so that results that come late are read (and dropped) and the router recovers."""
+        log.error("%s (--step-timeout): unhealthy until the shards answer", stall)
+        self.healthy, self.stalled = False, True
+        self.error = f"Request failed during generation: {stall}"
+        self._send_status(force=True)
+        return self.router.abort_all(self.error)
+
+    def _wait_for_stalled_step(self) -> None:
+        try:
+            self.router.collect(timeout=STATUS_INTERVAL_S)
+        except ShardStalled:
+            return
+        except ShardFailure as e:
+            self._send_events(self._on_failure(e))
+            return
+        if not self.router.has_work():
+            log.info("the shards answer again: healthy")
+            self.healthy, self.stalled, self.error = True, False, None
+            self._send_status(force=True)
+
+    def _watch_idle_shards(self) -> None:
+        try:
+            self.shards.check_idle()
+        except ShardFailure as e:
+            self._send_events(self._on_failure(e))
 
     def _send_events(self, events: list[TokenEvent]) -> None:
         self.conn.send_bytes(encode(Events(events)))

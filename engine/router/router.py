@@ -24,8 +24,9 @@ class Shards(Protocol):
     def submit(self, step: Step) -> None:
         """Queue a step; the shards start it when the device is free."""
 
-    def collect(self) -> StepResult:
-        """The result of the oldest submitted step not yet collected (blocks until it is done)."""
+    def collect(self, timeout: float | None = None) -> StepResult:
+        """The result of the oldest submitted step not yet collected (blocks until it is done, or
+        raises after ``timeout`` seconds where the shards have a watchdog)."""
 
 
 class LocalShards:
@@ -38,7 +39,7 @@ class LocalShards:
     def submit(self, step: Step) -> None:
         self._launched.append(self.worker.launch(step))
 
-    def collect(self) -> StepResult:
+    def collect(self, timeout: float | None = None) -> StepResult:
         return self._launched.popleft().result()
 
 
@@ -66,7 +67,7 @@ class Router:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._in_flight)
 
-    def step(self) -> list[TokenEvent]:
+    def step(self, timeout: float | None = None) -> list[TokenEvent]:
         """Submit the next step, then collect the oldest in flight once two are (or nothing new came)."""
         step = self.scheduler.schedule()
         submitted = bool(step.rows or step.released)
@@ -75,13 +76,22 @@ class Router:
             self._in_flight.append(step)
         if not self._in_flight or (submitted and len(self._in_flight) < 2):
             return []
+        return self.collect(timeout)
+
+    def collect(self, timeout: float | None = None) -> list[TokenEvent]:
+        """The token events of the oldest step in flight. With ``timeout``, the shards may raise
+        ``ShardStalled`` (engine.router.process) when no result came: the step stays in flight."""
+        result = self.shards.collect(timeout)
         done = self._in_flight.popleft()
-        result = self.shards.collect()
         return [self._event(request, res, reason) for request, res, reason in self.scheduler.process(done, result)]
 
     def fail_all(self, message: str) -> list[TokenEvent]:
-        """End every queued and running request with an error (a shard died)."""
+        """End every queued and running request with an error (a shard died: nothing more comes back)."""
         self._in_flight.clear()
+        return self.abort_all(message)
+
+    def abort_all(self, message: str) -> list[TokenEvent]:
+        """End every queued and running request with an error; steps in flight stay to be collected."""
         requests = list(self.scheduler.waiting) + list(self.scheduler.running)
         for request in requests:
             self.scheduler.abort(request.request_id)

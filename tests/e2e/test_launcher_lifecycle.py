@@ -90,3 +90,20 @@ def test_kill_9_of_the_launcher_takes_every_process_with_it_and_frees_the_port(l
         assert requests.get(again.url + "/health", timeout=5).status_code == 200
     finally:
         assert again.stop() == 0, again.output()
+
+
+def test_a_taken_port_fails_before_the_model_loads(launcher_model_dir):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        start = time.monotonic()
+        srv = LaunchedServer(launcher_model_dir, port=port)
+        code = srv.process.wait(30)
+        elapsed = time.monotonic() - start
+        output = srv.output()
+        srv.stop()
+    assert code == 2 and elapsed < 5, (elapsed, output)
+    assert f"--port {port} on 127.0.0.1 is taken" in output and "choose another --port" in output

@@ -115,9 +115,9 @@ def test_steps_are_pipelined_one_deep_and_decode_rows_feed_the_workers_tokens(en
         calls.append(("submit", [r.input_ids for r in step.rows]))
         submit(step)
 
-    def recording_collect():
+    def recording_collect(timeout=None):
         calls.append(("collect", None))
-        return collect()
+        return collect(timeout)
 
     shards.submit, shards.collect = recording_submit, recording_collect
     try:
