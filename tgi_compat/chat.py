@@ -74,11 +74,13 @@ class ChatRoutes:
         return ChatPlan(request, tools is not None)
 
     async def chat_tokenize(self, request: Request) -> Response:
-        """TGI: `{"tokenize_response": [SimpleToken], "templated_text"}`; no API key needed."""
+        """TGI: `{"tokenize_response": [SimpleToken], "templated_text"}`; behind --api-key like chat
+        (TGI leaves it open), and within the prompt limits."""
+        check_api_key(request, self.settings.api_key)
         chat = parse_chat_request(await read_json(request, self.settings.payload_limit))
         plan = await self.plan(chat)
         inputs = plan.request.inputs
-        encoding = await self.service.templated_validator.tokenize(inputs, None)
+        encoding = await self.service.templated_validator.tokenize_bounded(inputs, None)
         return JSONBytesResponse({"tokenize_response": simple_tokens_json(inputs, encoding),
                                   "templated_text": inputs})
 

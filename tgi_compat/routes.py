@@ -87,7 +87,7 @@ class Handlers:
         """A bare list of {id, text, start, stop}; offsets in bytes of the UTF-8 input."""
         parsed = await self._parse(request)
         check_truncate(parsed.parameters.truncate, self.settings)
-        encoding = await self.service.validator.tokenize(parsed.inputs, parsed.parameters.truncate)
+        encoding = await self.service.validator.tokenize_bounded(parsed.inputs, parsed.parameters.truncate)
         return JSONBytesResponse(simple_tokens_json(parsed.inputs, encoding))
 
     async def health(self, request: Request) -> Response:

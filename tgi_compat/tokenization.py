@@ -30,6 +30,9 @@ class TokenizerAdapter:
         if self._backend is None:
             raise TypeError(f"a fast (Rust) tokenizer is required, got {type(tokenizer).__name__}")
         self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
+        # The most characters one token stands for (its vocabulary string; a byte-level token's
+        # string has one character per byte): a text needs at least len(text) / this many tokens.
+        self.longest_token_chars = max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tgi-tokenizer")
 
     def close(self) -> None:

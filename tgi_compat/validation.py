@@ -153,6 +153,7 @@ class GrammarChecker:
     def __init__(self, size: int = GRAMMAR_CACHE_SIZE):
         self.size = size
         self._verdicts: OrderedDict[tuple[str, str], str | None] = OrderedDict()
+        grammar_error("regex", "a")     # import and warm the grammar engine now, not on a request's thread
 
     async def check(self, kind: str, text: str) -> None:
         key = (kind, text)
@@ -183,18 +184,40 @@ def check_unsupported(p: GenerateParameters, s: ServerSettings) -> None:
             f"`adapter_id` {p.adapter_id!r} is not available: this server only serves {s.model_id!r}")
 
 
+# A prompt of more characters than this many times --max-input-tokens times the longest token
+# cannot fit (even where a normalizer drops some characters): refused before it is tokenized.
+CHARS_MARGIN = 2
+
+
 class Validator:
     def __init__(self, settings: ServerSettings, tokenizer: TokenizerAdapter):
         self.settings = settings
         self.tokenizer = tokenizer
         self.grammars = GrammarChecker()
+        self.max_chars = settings.max_input_tokens * tokenizer.longest_token_chars * CHARS_MARGIN
 
     async def tokenize(self, inputs: str, truncate: int | None) -> Encoding:
+        """The tokens of ``inputs`` (the last ``truncate`` of them); a text far too long for
+        --max-input-tokens without ``truncate`` is refused first, in constant time."""
+        if truncate is None and len(inputs) > self.max_chars:
+            longest = self.tokenizer.longest_token_chars
+            raise InputValidationError(
+                f"`inputs` must have less than {self.settings.max_input_tokens} tokens. Given: {len(inputs)} "
+                f"characters, at least {len(inputs) // (longest * CHARS_MARGIN)} tokens")
         try:
             encoding = await self.tokenizer.encode(inputs)
         except Exception as e:   # the Rust tokenizer's errors are not a fixed set
             raise InputValidationError(f"tokenizer error {e}") from e
         return encoding.keep_last(truncate)
+
+    async def tokenize_bounded(self, inputs: str, truncate: int | None) -> Encoding:
+        """/tokenize and /chat_tokenize: the same tokens, within the limits a prompt has (so an
+        answer is never larger than what a request could send)."""
+        encoding = await self.tokenize(inputs, truncate)
+        if len(encoding.ids) > self.settings.max_input_tokens:
+            raise InputValidationError(
+                f"`inputs` must have less than {self.settings.max_input_tokens} tokens. Given: {len(encoding.ids)}")
+        return encoding
 
     async def validate(self, request: GenerateRequest, return_full_text_default: bool) -> ValidRequest:
         p, s = request.parameters, self.settings

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
 
 import torch
@@ -152,7 +153,10 @@ def _bit(index: int) -> int:
 
 
 class GrammarCompiler:
-    """Rank 0's grammar engine: the tokenizer (loaded on first use) and compiled grammars.
+    """Rank 0's grammar engine: the tokenizer and compiled grammars.
+
+    The tokenizer (seconds for a large vocabulary) loads on a background thread from the
+    start, so the first grammar request does not stall every stream's step while it loads.
 
     ``vocab_size`` is the width of the logits (the model's vocabulary, which may exceed
     the tokenizer's); ``eos_ids`` the tokens that end a request.
@@ -165,6 +169,35 @@ class GrammarCompiler:
         self._tokenizer = None
         self._executor = None
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._load_error: BaseException | None = None
+        self._loading = threading.Thread(target=self._load_in_background, name="grammar-tokenizer", daemon=True)
+        self._loading.start()
+
+    def _load_in_background(self) -> None:
+        try:
+            self._load()
+            self._warm_masks()
+        except BaseException as e:   # noqa: BLE001  (reported to the first grammar request)
+            self._load_error = e
+
+    def _warm_masks(self) -> None:
+        """The first mask builds llguidance's token tables (0.8 s on the demo's vocabulary): once, here."""
+        from llguidance import LLMatcher
+
+        import llguidance.torch as llg_torch
+
+        warm = LLMatcher(self._tokenizer, grammar_source("json", json_grammar_text({"type": "object"})), log_level=0)
+        llg_torch.fill_next_token_bitmask(warm, torch.empty((1, self.words), dtype=torch.int32), 0)
+
+    def wait_loaded(self) -> None:
+        """Block until the background load ends (a failure is reported to grammar requests only)."""
+        self._loading.join()
+
+    def _ready(self) -> None:
+        """Wait for the background load (done long before the first grammar request, mostly)."""
+        self._loading.join()
+        if self._load_error is not None:
+            raise RuntimeError(f"the grammar engine could not load the tokenizer: {self._load_error}")
 
     @property
     def words(self) -> int:
@@ -195,8 +228,7 @@ class GrammarCompiler:
     def _template(self, kind: str, text: str):
         from llguidance import LLMatcher
 
-        if self._tokenizer is None:
-            self._load()
+        self._ready()
         key = (kind, text)
         template = self._compiled.get(key)
         if template is None:

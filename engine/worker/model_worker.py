@@ -107,6 +107,8 @@ class ModelWorker:
             capture = (graphs is None or len(graphs) > 0) and self.ops.backend == "triton"
             self.decoder = PaddedDecoder(self.model, self.kv_cache, self.last_tokens, config.max_requests,
                                          graphs or None, use_graphs=capture)
+        if self.sampler.grammars is not None:
+            self.sampler.grammars.wait_loaded()    # loaded beside the weights: ready before the first request
 
     def _new_sampler(self) -> Sampler:
         """Rank 0 samples: it alone holds the grammar engine (its tokenizer loads on first use)."""

@@ -186,14 +186,16 @@ def test_no_chat_template_is_tgis_template_error(server_url):
             model="tgi", messages=body["messages"], stream=True)
 
 
-def test_api_key_protects_chat_but_not_chat_tokenize():
+def test_api_key_protects_chat_and_chat_tokenize():
     with serve_demo(api_key="s3cret") as url:
         body = {"messages": CHAT, "max_tokens": 2}
         denied = requests.post(url + "/v1/chat/completions", json=body)
         assert (denied.status_code, denied.content) == (401, b"")
         allowed = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
         assert allowed.chat.completions.create(model="tgi", **body).usage.completion_tokens == 2
-        assert requests.post(url + "/chat_tokenize", json=body).status_code == 200
+        assert requests.post(url + "/chat_tokenize", json=body).status_code == 401
+        key = {"Authorization": "Bearer s3cret"}
+        assert requests.post(url + "/chat_tokenize", json=body, headers=key).status_code == 200
 
 
 def test_payload_limit_and_metrics_apply(url):
