@@ -25,6 +25,7 @@ def frontend_main(spec: FrontendSpec, conn, log_level: str = "INFO") -> None:
 
     from engine.client import RouterClient
     from tgi_compat.app import create_app
+    from tgi_compat.http_protocol import HeaderTimeoutProtocol
 
     client = RouterClient(conn)
     tokenizer = load_tokenizer(spec.model_dir, spec.tokenizer_config_path)
@@ -34,7 +35,8 @@ def frontend_main(spec: FrontendSpec, conn, log_level: str = "INFO") -> None:
         raise SystemExit(1)
     app = create_app(spec.settings, tokenizer, client)
     log.info("serving on http://%s:%d", spec.hostname, spec.port)
-    uvicorn.run(app, host=spec.hostname, port=spec.port, log_level="warning", timeout_graceful_shutdown=2)
+    uvicorn.run(app, host=spec.hostname, port=spec.port, log_level="warning", timeout_graceful_shutdown=2,
+                http=HeaderTimeoutProtocol)
 
 
 
