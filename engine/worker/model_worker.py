@@ -190,8 +190,9 @@ class ModelWorker:
         if not step.rows:
             return LaunchedStep.done(StepResult([]))
         results = [RowResult(r.request_id) for r in step.rows]
+        self._map_cached_prefixes(step)            # before either path's forward reads the table
         if self.decoder is not None and self.decoder.accepts(step):
-            sampled, logits = list(range(len(step.rows))), self.decoder.run(step)
+            sampled, logits = self._decode_with_graphs(step)
         else:
             sampled, logits = self._forward(step, results)
         self._finish_previous()
@@ -258,7 +259,6 @@ class ModelWorker:
         slots_t = to_device(slots, torch.int64, dev)
         token_rows_t = to_device(token_rows, torch.int64, dev)
         self.kv_cache.write_table(token_rows_t, positions_t, slots_t)
-        self._map_cached_prefixes(step)
         ids_t = to_device(ids, torch.int64, dev)
         if FED_BACK in ids:
             ids_t = torch.where(ids_t == FED_BACK, self.last_tokens[token_rows_t], ids_t)
@@ -268,6 +268,15 @@ class ModelWorker:
             q_len=to_device(q_len, torch.int32, dev), seq_len=to_device(seq_len, torch.int32, dev),
             max_q_len=max(q_len), is_decode=max(q_len) == 1,
         )
+
+    def _decode_with_graphs(self, step: Step) -> tuple[list[int], torch.Tensor]:
+        """One-token rows through the CUDA graphs: (the rows that sample, their logits). A row may
+        be a one-token prompt chunk (a prompt the prefix cache held but for its last token)."""
+        logits = self.decoder.run(step)
+        sampled = [i for i, r in enumerate(step.rows) if r.sample]
+        if len(sampled) < len(step.rows):
+            logits = logits[to_device(sampled, torch.int64, self.device)]
+        return sampled, logits
 
     def _map_cached_prefixes(self, step: Step) -> None:
         """req_to_token[row, 0:k] = the cached prefix slots a request's first row brings (prefix cache)."""
