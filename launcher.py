@@ -3,42 +3,76 @@
 The supervisor: parses TGI's launcher flags (``tgi_compat.launch_config``), resolves the
 weights (``weights.hub``), checks the checkpoint, spawns the shard workers, the router
 and the HTTP front end (``tgi_compat.launch_plan``), and stops them all together: on SIGINT or
-SIGTERM, or when any of them dies (exit code 1, the cause in one line).
+SIGTERM (the front end first: it stops accepting and running requests get up to
+--graceful-termination-timeout seconds to finish), or when any of them dies (exit code 1, the
+cause in one line). If the launcher itself dies (kill -9 too), every child dies with it
+(``engine.processes.die_with_parent``); multiprocess's resource tracker, which the first spawn
+starts, exits when the last holder of its pipe (the launcher and the children) is gone.
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
 
-SHUTDOWN_GRACE_S = 5.0      # children get this long to exit after SIGTERM
+SHUTDOWN_GRACE_S = 5.0      # children get this long to exit after SIGTERM (the front end: plus the drain time)
 DEATH_GRACE_S = 3.0         # after a shard dies, /health answers 503 this long before the exit
 
 log = logging.getLogger("launcher")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tgi_compat.launch_config import parse_args
+    from engine.processes import LogSetup
+    from tgi_compat.launch_config import check_port_free, parse_args
 
     config = parse_args(argv)
-    _setup_logging(config)
+    logs = LogSetup(config.log_level or "INFO", config.json_output)
+    logs.apply()
+    if config.hf_hub_offline:       # the children's huggingface_hub reads it at import (the plan passes it on)
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    if config.json_output:          # a download's bar would be one JSON record per refresh
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    log.info("args: %r", config)    # secrets (--api-key, --hf-token) are left out of the repr
+    for notice in config.notices:   # TGI plumbing flags that are accepted but change nothing here
+        log.warning("%s", notice)
+    if config.env:
+        log.info("runtime environment:\n%s", runtime_environment())
     try:
+        check_port_free(config.hostname, config.port)   # in a second, not after the model loaded
         plan = _plan(config)
     except ValueError as e:     # every startup error type derives from ValueError
         log.error("%s", e)
-        print(f"error: {e}", file=sys.stderr)
+        if not config.json_output:
+            print(f"error: {e}", file=sys.stderr)
         return 2
-    return _Supervisor(plan).run()
+    return _Supervisor(plan, config.graceful_termination_timeout).run()
 
 
-def _setup_logging(config) -> None:
-    level = getattr(config, "log_level", None) or "INFO"
-    if getattr(config, "json_output", False):
-        fmt = '{"timestamp":"%(asctime)s","level":"%(levelname)s","target":"%(name)s","message":"%(message)s"}'
+def runtime_environment() -> str:
+    """What ``-e/--env`` prints (TGI prints the same kind of table): versions and devices."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    if torch.cuda.is_available():
+        devices = ", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count()))
     else:
-        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level, format=fmt, stream=sys.stderr)
+        devices = f"cpu only ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+    rows = [("Platform", platform.platform()), ("Python", sys.version.split()[0]),
+            ("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"),
+            *((name, installed(name)) for name in ("triton", "transformers", "huggingface_hub", "safetensors",
+                                                   "tokenizers", "uvicorn", "starlette")),
+            ("Devices", devices)]
+    return "\n".join(f"{name + ':':<17}{value}" for name, value in rows)
 
 
 def _plan(config):
@@ -48,14 +82,16 @@ def _plan(config):
 
 
 class _Supervisor:
-    def __init__(self, plan):
+    def __init__(self, plan, drain_s: float = 0.0):
         self.plan = plan
+        self.drain_s = drain_s          # --graceful-termination-timeout: running requests may finish
         self.processes = []
         self.stopping = False
 
     def run(self) -> int:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
+        log.info("starting %d shard(s), the router and the front end", self.plan.engine.num_shards)
         self.processes = self.plan.start()
         for p in self.processes:
             log.info("started %s (pid %d)", p.name, p.pid)
@@ -88,17 +124,28 @@ class _Supervisor:
         return 1
 
     def _stop_all(self) -> None:
-        for p in reversed(self.processes):      # the front end first, the shards last
-            if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        for p in self.processes:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                log.warning("%s did not stop in %.0f s: killing it", p.name, SHUTDOWN_GRACE_S)
-                p.kill()
-                p.join(1.0)
+        """The front end first: it stops accepting and lets running requests finish (at most
+        ``drain_s``) while the router and the shards still serve them; then the rest, shards last."""
+        frontend = [p for p in self.processes if p.name == "frontend"]
+        if frontend and frontend[0].is_alive() and self.drain_s:
+            log.info("waiting up to %g s for running requests to finish (--graceful-termination-timeout)",
+                     self.drain_s)
+        _stop(frontend, self.drain_s + SHUTDOWN_GRACE_S)
+        _stop([p for p in reversed(self.processes) if p.name != "frontend"], SHUTDOWN_GRACE_S)
 
+
+def _stop(processes: list, grace_s: float) -> None:
+    """SIGTERM each, wait for all up to ``grace_s``, then SIGKILL the ones left."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            log.warning("%s did not stop in %.0f s: killing it", p.name, grace_s)
+            p.kill()
+            p.join(1.0)
 
 if __name__ == "__main__":
     sys.exit(main())

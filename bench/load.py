@@ -130,21 +130,31 @@ class ServerTokenizer:
         return [token["id"] for token in self.tokens(text)]
 
 
-def single_token_words(tokens_of: Callable[[str], list[dict]], candidates=CANDIDATE_WORDS) -> list[str]:
-    """The candidates (after the first) that tokenize to exactly one token, space included,
-    in a sentence of all candidates; one `/tokenize` call, matched by byte offsets."""
-    text = " ".join(candidates)
+def token_counts(tokens_of: Callable[[str], list[dict]], words: list[str]) -> list[int]:
+    """How many tokens each word of the sentence ``" ".join(words)`` takes (one `/tokenize`
+    call, matched by byte offsets; a word's leading space counts with it)."""
+    text = " ".join(words)
     starts = [m.start() for m in re.finditer(r"\S+", text)]
-    counts = [0] * len(candidates)
+    counts = [0] * len(words)
     for token in tokens_of(text):
         if token["stop"] > token["start"]:                       # skips BOS and other added tokens
-            word = max(i for i, s in enumerate(starts) if s <= token["start"] + 1)
-            counts[word] += 1
-    pool = sorted({w for i, w in enumerate(candidates) if i > 0 and counts[i] == 1})
+            counts[max(i for i, s in enumerate(starts) if s <= token["start"] + 1)] += 1
+    return counts
+
+
+def single_token_words(tokens_of: Callable[[str], list[dict]], candidates=CANDIDATE_WORDS,
+                       words_per_call: int = 16) -> list[str]:
+    """The candidates (after the first) that tokenize to exactly one token, space included.
+    Asked ``words_per_call`` at a time, each sentence led by the word before (so that every
+    word has its space): a few dozen tokens per call, within any --max-input-tokens."""
+    pool = set()
+    for begin in range(1, len(candidates), words_per_call):
+        words = list(candidates[begin - 1: begin + words_per_call])
+        pool.update(w for w, n in zip(words[1:], token_counts(tokens_of, words)[1:]) if n == 1)
     if not pool:
         raise RuntimeError("the tokenizer splits every candidate word into several tokens; "
                            "extend CANDIDATE_WORDS with words of this vocabulary")
-    return pool
+    return sorted(pool)
 
 
 def build_prompt(target_len: int, pool: list[str], rng: random.Random,
@@ -153,17 +163,20 @@ def build_prompt(target_len: int, pool: list[str], rng: random.Random,
     first are one token each; the first (no space before it) may take more, then the
     word count is adjusted, or, for a one-word prompt, the next pool word is tried."""
     words = [rng.choice(pool) for _ in range(target_len)]
-    count = target_len
+    count, tried = target_len, set()
     for _ in range(attempts + len(pool)):
         words += [rng.choice(pool) for _ in range(count - len(words))]
         text = " ".join(words[:count])
         ids = ids_of(text)
         if len(ids) == target_len:
             return text, ids
+        tried.add(count)
         if count == 1 and len(ids) > target_len:
             words[0] = pool[(pool.index(words[0]) + 1) % len(pool)]
         else:
             count = max(1, count + target_len - len(ids))
+            if count in tried:      # a tokenizer that merges across words: other words, not another count
+                words = [rng.choice(pool) for _ in range(count)]
     raise ValueError(f"cannot build a prompt of exactly {target_len} tokens from single-token words "
                      f"(the tokenizer adds special tokens; ask for a longer prompt)")
 

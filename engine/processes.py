@@ -9,17 +9,113 @@ Every pipe is a ``multiprocess`` pipe (spawn context) carrying ``engine.protocol
 from __future__ import annotations
 
 import ctypes
+import io
+import json
 import logging
 import os
 import signal
 import sys
+import threading
+from dataclasses import dataclass
 
 
-def child_setup(log_level: str) -> None:
-    """Children die with the supervisor and leave Ctrl-C to it (it stops them in order)."""
+def child_setup(log: "LogSetup | str") -> None:
+    """Children die with the supervisor and leave Ctrl-C to it (it stops them in order); they
+    log as the launcher does (``log``: a ``LogSetup``, or a level name for plain text)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    (log if isinstance(log, LogSetup) else LogSetup(log)).apply()
+
+
+# ---- logs: one setup and one formatter for every process ----------------------------------------
+
+@dataclass(frozen=True)
+class LogSetup:
+    """How every process of the server logs (the launcher's --log-level and --json-output).
+
+    With ``json_lines`` each line a process writes to stdout or stderr is one JSON object in
+    TGI's shape (``{"timestamp", "level", "fields": {"message"}, "target"}``): the log records
+    through ``JsonFormatter``, and anything else Python code prints (warnings, progress bars,
+    a child's traceback) as a record of the ``stdout``/``stderr`` target. Bytes that C/C++
+    code writes straight to the file descriptors are not covered (a one-shard CPU server
+    writes none: tests/e2e/test_launcher_lifecycle.py parses every line)."""
+    level: str = "INFO"
+    json_lines: bool = False
+
+    def apply(self) -> None:
+        stream = sys.stderr
+        if self.json_lines:
+            stream = getattr(sys.stderr, "target", sys.stderr)      # applied twice: keep the real one
+            sys.stdout = _LinesAsRecords(logging.getLogger("stdout"), logging.INFO)
+            sys.stderr = _LinesAsRecords(logging.getLogger("stderr"), logging.WARNING, stream)
+            logging.captureWarnings(True)
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(JsonFormatter() if self.json_lines else logging.Formatter(PLAIN_FORMAT))
+        logging.basicConfig(level=self.level, handlers=[handler], force=True)
+
+
+PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line (``json.dumps`` escapes quotes, newlines and
+    control characters), in the shape of TGI's ``--json-output``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = {"message": record.getMessage()}
+        if record.exc_info:
+            fields["exception"] = self.formatException(record.exc_info)
+        return json.dumps({
+            "timestamp": _iso_utc(record.created), "level": record.levelname, "fields": fields,
+            "target": record.name, "process": _process_name(),
+        }, ensure_ascii=False)
+
+
+def _iso_utc(created: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _process_name() -> str:
+    import multiprocess as mp
+
+    name = mp.current_process().name
+    return "launcher" if name == "MainProcess" else name
+
+
+class _LinesAsRecords(io.TextIOBase):
+    """A text stream whose every line (``\n`` or a progress bar's ``\r``) becomes a log record,
+    so that no process writes a line that is not JSON."""
+
+    def __init__(self, logger: logging.Logger, level: int, target=None):
+        self.logger, self.level, self.target = logger, level, target
+        self._pending = ""
+        self._busy = threading.local()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if getattr(self._busy, "on", False):        # logging's own error report: never recurse
+            return len(text)
+        self._busy.on = True
+        try:
+            *lines, self._pending = (self._pending + text).replace("\r", "\n").split("\n")
+            for line in lines:
+                if line.strip():
+                    self.logger.log(self.level, "%s", line.rstrip())
+        finally:
+            self._busy.on = False
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending.strip():
+            pending, self._pending = self._pending, ""
+            self.write(pending + "\n")
+
+    def isatty(self) -> bool:
+        return False
 
 
 PR_SET_PDEATHSIG = 1
@@ -28,7 +124,10 @@ PR_SET_PDEATHSIG = 1
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies, however it dies (kill -9 too), so
     no shard, router or front end outlives the launcher and holds its port. If the parent is
-    already gone (it died before this ran), exit now. Elsewhere than Linux: nothing."""
+    already gone (it died before this ran), exit now. Elsewhere than Linux: nothing.
+
+    Linux sends the signal when the *thread* that spawned this process ends, so processes are
+    spawned from the launcher's main thread only (``ServerPlan.start`` in ``_Supervisor.run``)."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -55,7 +154,7 @@ def spawn_context():
     return mp.get_context("spawn")
 
 
-def spawn_shards(plan, log_level: str = "INFO") -> tuple[list, list]:
+def spawn_shards(plan, log_level: "LogSetup | str" = "INFO") -> tuple[list, list]:
     """Start one shard process per rank of ``plan`` (an ``engine.assembly.EnginePlan``);
     returns (processes, the router's pipe ends, in rank order)."""
     from engine.worker.process import ShardSpec, shard_main
@@ -72,7 +171,7 @@ def spawn_shards(plan, log_level: str = "INFO") -> tuple[list, list]:
     return processes, list(router_ends)
 
 
-def spawn_router(plan, frontend_end, router_ends, log_level: str = "INFO"):
+def spawn_router(plan, frontend_end, router_ends, log_level: "LogSetup | str" = "INFO"):
     """Start the router process of ``plan`` between a front end's pipe end and the shards' pipe ends."""
     from engine.router.process import router_main
 

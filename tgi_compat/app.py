@@ -14,9 +14,11 @@ from starlette.routing import Route
 
 from engine.client import Backend
 
+from .api_docs import ApiDocs
 from .chat import ChatRoutes
 from .completions import CompletionRoutes
 from .errors import TGIError, handle_tgi_error, handle_unexpected_error
+from .invocations import Invocations
 from .metrics import ServerMetrics
 from .routes import Handlers
 from .service import GenerateService
@@ -26,6 +28,7 @@ from .tokenization import TokenizerAdapter
 
 def _routes(h: Handlers) -> list[Route]:
     chat, completions = ChatRoutes(h.settings, h.service), CompletionRoutes(h.settings, h.service)
+    sagemaker = Invocations(h.settings, h.compat_generate, chat.chat_completions, completions.completions)
     return [
         Route("/generate", h.generate, methods=["POST"]),
         Route("/generate_stream", h.generate_stream, methods=["POST"]),
@@ -40,7 +43,24 @@ def _routes(h: Handlers) -> list[Route]:
         Route("/chat_tokenize", chat.chat_tokenize, methods=["POST"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),
         Route("/v1/models", completions.models, methods=["GET"]),
+        Route("/invocations", sagemaker.invocations, methods=["POST"]),
+        *ApiDocs(h.settings).routes(),
     ]
+
+
+# Response headers a browser page may read (TGI's timing headers).
+EXPOSED_HEADERS = ["x-compute-type", "x-compute-time", "x-compute-characters", "x-total-time",
+                   "x-validation-time", "x-queue-time", "x-inference-time", "x-time-per-token",
+                   "x-prompt-tokens", "x-generated-tokens"]
+
+
+def cors_middleware(settings: ServerSettings) -> Middleware:
+    """CORS as TGI's `--cors-allow-origin` (any origin when unset), with the request headers
+    browsers send: `Authorization` (for `--api-key`) and `Content-Type`. A preflight from
+    another origin is refused (400, no `Access-Control-Allow-Origin`)."""
+    origins = list(settings.cors_allow_origin) if settings.cors_allow_origin else ["*"]
+    return Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                      allow_headers=["authorization", "content-type"], expose_headers=EXPOSED_HEADERS)
 
 
 def create_app(settings: ServerSettings, tokenizer, backend: Backend) -> Starlette:
@@ -58,10 +78,8 @@ def create_app(settings: ServerSettings, tokenizer, backend: Backend) -> Starlet
         if owns_tokenizer:
             tokenizer.close()
 
-    cors = Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST"],
-                      allow_headers=["content-type"])
     handlers_by_error = {TGIError: handle_tgi_error, Exception: handle_unexpected_error}
-    app = Starlette(routes=_routes(handlers), middleware=[cors], exception_handlers=handlers_by_error,
-                    lifespan=lifespan)
+    app = Starlette(routes=_routes(handlers), middleware=[cors_middleware(settings)],
+                    exception_handlers=handlers_by_error, lifespan=lifespan)
     app.state.settings, app.state.service, app.state.metrics = settings, service, metrics
     return app

@@ -49,7 +49,7 @@ def chat_parameters(chat: ChatRequest, grammar: dict | None) -> GenerateParamete
         repetition_penalty=None if chat.presence_penalty is None else chat.presence_penalty + 2.0,
         frequency_penalty=chat.frequency_penalty, top_p=chat.top_p, max_new_tokens=chat.max_tokens,
         stop=chat.stop, details=True, seed=chat.seed, top_n_tokens=chat.top_logprobs, grammar=grammar,
-        adapter_id=None if chat.model in (None, "tgi") else chat.model)
+        adapter_id=None)   # `model` names no adapter: none is loaded (TGI ignores it then)
 
 
 def check_choice_count(n: int, settings: ServerSettings) -> None:

@@ -33,7 +33,7 @@ def completion_requests(req: CompletionRequest) -> list[GenerateRequest]:
         temperature=None if greedy else req.temperature, do_sample=not greedy,
         repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty, top_p=req.top_p,
         max_new_tokens=req.max_tokens, stop=req.stop, details=True, seed=req.seed,
-        adapter_id=None if req.model in (None, "tgi") else req.model)
+        adapter_id=None)   # `model` names no adapter: none is loaded (TGI ignores it then)
     return [choice_request(GenerateRequest(inputs=prompt, parameters=parameters), k)
             for prompt in req.prompts for k in range(req.n)]
 

@@ -14,10 +14,13 @@ class FrontendSpec:
     port: int
     settings: object               # tgi_compat.settings.ServerSettings
     tokenizer_config_path: str | None = None   # --tokenizer-config-path: its chat template and special tokens
+    graceful_shutdown_s: float = 2.0           # --graceful-termination-timeout: running requests may finish
 
 
-def frontend_main(spec: FrontendSpec, conn, log_level: str = "INFO") -> None:
-    """Load the tokenizer, wait for the router's Ready, then bind the port and serve."""
+def frontend_main(spec: FrontendSpec, conn, log_level="INFO") -> None:
+    """Load the tokenizer, wait for the router's Ready, then bind the port and serve until
+    SIGTERM (then: stop accepting, let running requests finish within ``graceful_shutdown_s``).
+    ``log_level``: an ``engine.processes.LogSetup`` (or a level name)."""
     from engine.processes import child_setup
 
     child_setup(log_level)           # dies with the supervisor, which stops it with SIGTERM
@@ -28,17 +31,28 @@ def frontend_main(spec: FrontendSpec, conn, log_level: str = "INFO") -> None:
     from tgi_compat.http_protocol import HeaderTimeoutProtocol
 
     client = RouterClient(conn)
+    log.info("loading the tokenizer of %s", spec.model_dir)
     tokenizer = load_tokenizer(spec.model_dir, spec.tokenizer_config_path)
+    log.info("waiting for the shards to load the model, warm up and size the KV cache")
     status = client.wait_ready()
     if not status.healthy:
         log.error("not serving: %s", status.error)
         raise SystemExit(1)
     app = create_app(spec.settings, tokenizer, client)
-    log.info("serving on http://%s:%d", spec.hostname, spec.port)
-    uvicorn.run(app, host=spec.hostname, port=spec.port, log_level="warning", timeout_graceful_shutdown=2,
-                http=HeaderTimeoutProtocol)
+    log.info("%s", serving_line(spec, status.kv_capacity))
+    # log_config=None: uvicorn's loggers go through the process's own handler (--json-output too).
+    uvicorn.run(app, host=spec.hostname, port=spec.port, log_level="warning", log_config=None,
+                timeout_graceful_shutdown=spec.graceful_shutdown_s, http=HeaderTimeoutProtocol)
 
 
+def serving_line(spec: FrontendSpec, kv_slots: int) -> str:
+    """The one line that says what is served, with which limits (TGI logs its args likewise)."""
+    s = spec.settings
+    return (f"serving {s.model_id} on http://{spec.hostname}:{spec.port}: {s.model_dtype} on "
+            f"{s.num_shards} {s.model_device_type} shard(s), {kv_slots} KV slots (tokens), "
+            f"max_input_tokens {s.max_input_tokens}, max_total_tokens {s.max_total_tokens}, "
+            f"max_batch_prefill_tokens {s.max_batch_prefill_tokens}, "
+            f"max_concurrent_requests {s.max_concurrent_requests}")
 
 
 # What a tokenizer_config.json given by --tokenizer-config-path replaces (TGI reads the same keys).

@@ -8,11 +8,12 @@ the environment: each flag can be set through its upper-snake-case variable
 and ``resolve_num_shard`` the shard count that depends on the visible GPUs.
 
 Flags of TGI that this engine does not implement are of two kinds: those that would
-change what is served (``--quantize``, ``--trust-remote-code``, ``--speculate``,
-``--kv-cache-dtype``, ``--lora-adapters``, ``--weights-cache-override``) are errors; those
-that only concern TGI's plumbing (``--shard-uds-path``, ``--otlp-endpoint``, ``--ngrok``,
-``--usage-stats``, ...) are accepted, and ``LaunchConfig.notices`` lists the ones set to
-something that is not applied, for the launcher to log.
+change what is served or that a user relies on (``--quantize``, ``--trust-remote-code``,
+``--speculate``, ``--kv-cache-dtype``, ``--lora-adapters``, ``--weights-cache-override``,
+``--otlp-endpoint``) are errors when set; those that only concern TGI's plumbing
+(``--shard-uds-path``, ``--ngrok``, ``--prometheus-port``, ...) are accepted, and
+``LaunchConfig.notices`` lists the ones set to something that is not applied, for the
+launcher to log.
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ class LaunchConfig:
     hf_token: str | None = _flag("token for gated or private hub models (prefer the environment variable; "
                                  "HUGGING_FACE_HUB_TOKEN is read too); default: huggingface_hub's saved login",
                                  env="HF_TOKEN", secret=True)
-    hf_hub_offline: bool = _flag("use the hub cache only, never the network", False, env="HF_HUB_OFFLINE")
+    hf_hub_offline: bool = _flag("use the hub cache only, never the network (the hub code gets it as "
+                                 "HF_HUB_OFFLINE=1 would give it)", False, env="HF_HUB_OFFLINE")
     # ---- sharding and the devices ----
     num_shard: int | None = _flag("tensor-parallel shards, one process and GPU each; default: every visible "
                                   "GPU (1 on a CPU)", minimum=1, too_small="`num_shard` cannot be < 1")
@@ -145,24 +147,27 @@ class LaunchConfig:
     disable_grammar_support: bool = _flag("refuse `grammar` in requests", False)
     enable_prefill_logprobs: bool = _flag("accepted for TGI compatibility: prompt logprobs are always available "
                                           "here (`decoder_input_details`)", False)
-    cors_allow_origin: tuple[str, ...] | None = _flag("comma-separated CORS origins; not applied: any origin is "
-                                                      "allowed; default: any")
+    cors_allow_origin: tuple[str, ...] | None = _flag("comma-separated origins a browser may call the API from "
+                                                      "(CORS); default: any")
     prometheus_port: int = _flag("TGI's separate metrics port; not applied: /metrics is served on --port",
                                  9000, minimum=1, maximum=65535)
     watermark_gamma: float | None = _flag("fraction of the vocabulary in the green list of requests with "
                                           "`watermark: true` (Kirchenbauer et al.); default: 0.5", above=0.0)
     watermark_delta: float | None = _flag("bias added to the green logits of requests with `watermark: true`; "
                                           "default: 2.0", minimum=0.0)
-    graceful_termination_timeout: int = _flag("seconds the shards get to finish after SIGTERM", 90, short="-g",
-                                              minimum=0)
+    graceful_termination_timeout: int = _flag("on SIGTERM or Ctrl-C the server stops accepting requests at once "
+                                              "and the running ones get this many seconds to finish; then every "
+                                              "process stops", 90, short="-g", minimum=0)
     # ---- logs, tracing and TGI plumbing ----
-    json_output: bool = _flag("log as JSON lines", False)
+    json_output: bool = _flag("every process (launcher, shards, router, front end) logs one JSON object per "
+                              "line: {timestamp, level, fields: {message}, target, process}", False)
     log_level: str = _flag("logging level: debug, info, warning or error", "INFO", env="LOG_LEVEL",
                            choices=LOG_LEVELS)
-    env: bool = _flag("print the runtime environment (versions, devices) at start", False, env=NO_ENV, short="-e")
-    otlp_endpoint: str | None = _flag("OpenTelemetry endpoint; not applied: no traces are exported; default: "
-                                      "unset")
-    otlp_service_name: str = _flag("OpenTelemetry service name; not applied",
+    env: bool = _flag("log the runtime environment at start (versions of Python, torch, triton, transformers "
+                      "and huggingface_hub, the devices), then serve", False, env=NO_ENV, short="-e")
+    otlp_endpoint: str | None = _flag("OpenTelemetry endpoint; not supported yet: no traces are exported, so "
+                                      "setting it is an error; default: unset")
+    otlp_service_name: str = _flag("OpenTelemetry service name; not supported yet (an error when changed)",
                                    "text-generation-inference.router")
     shard_uds_path: str = _flag("TGI's router-to-shard gRPC socket; not applied: the shards talk over pipes",
                                 "/tmp/text-generation-server")
@@ -196,12 +201,13 @@ _UNSUPPORTED = {
     "kv_cache_dtype": "--kv-cache-dtype is not supported yet: the KV cache uses the model's dtype",
     "lora_adapters": "--lora-adapters is not supported yet: merge the adapter into the weights",
     "weights_cache_override": "--weights-cache-override is not supported: point --model-id at a local directory",
+    "otlp_endpoint": "--otlp-endpoint is not supported yet: this server exports no OpenTelemetry traces; leave "
+                     "it unset",
+    "otlp_service_name": "--otlp-service-name is not supported yet: this server exports no OpenTelemetry "
+                         "traces; leave it unset",
 }
 NOT_APPLIED = {
-    "cors_allow_origin": "any origin is allowed",
     "prometheus_port": "/metrics is served on --port",
-    "otlp_endpoint": "no traces are exported",
-    "otlp_service_name": "no traces are exported",
     "shard_uds_path": "the shards talk over pipes",
     "ngrok": "no tunnel is opened; expose --port yourself",
     "ngrok_authtoken": "no tunnel is opened",
@@ -220,7 +226,7 @@ def _default(name: str):
 def _check(c: LaunchConfig) -> None:
     """The checks that need no model (TGI's launcher does them before starting anything)."""
     for name, message in _UNSUPPORTED.items():
-        if getattr(c, name):
+        if getattr(c, name) not in (_default(name), None, False):
             raise LaunchError(message)
     for f in fields(c):
         value = getattr(c, f.name)
@@ -442,15 +448,14 @@ def _help(f) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """One flag per ``LaunchConfig`` field; every default is None so that parse_args can tell
     a flag given on the command line from one left to the environment or the dataclass."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="launcher.py", allow_abbrev=False, usage="%(prog)s [--model-id ID] [--num-shard N] [--port PORT] "
         "[FLAG ...]   (all flags: --help)",
         description="Serve a Hugging Face model with TGI's HTTP API. Every flag can also be set through the "
         "environment variable named after it in upper snake case (--max-total-tokens <-> MAX_TOTAL_TOKENS); "
         "the command line wins. HF_TOKEN (or HUGGING_FACE_HUB_TOKEN), HF_HUB_OFFLINE and LOG_LEVEL are read "
         "too, and ENGINE_PDL=0 turns off programmatic dependent launch of the GPU kernels (Hopper and newer; "
-        "for measuring what it brings). Supported architectures (config.json `architectures`): "
-        f"{', '.join(_supported_architectures())}. Quantized checkpoints: none yet (unquantized weights only).")
+        "for measuring what it brings).")
     for f in fields(LaunchConfig):
         boolean = _types()[f.name] in (bool, bool | None)
         choices = f.metadata["choices"]
@@ -462,10 +467,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _supported_architectures() -> tuple[str, ...]:
-    from engine.models import supported_architectures
+class _Parser(argparse.ArgumentParser):
+    """Adds what the model registry serves to --help, read only when help is printed (the
+    registry imports torch; a launcher that only parses flags starts without it)."""
 
-    return supported_architectures()
+    def format_help(self) -> str:
+        from engine.models import supported_architectures
+
+        return (super().format_help() + "\nSupported architectures (config.json `architectures`): "
+                f"{', '.join(supported_architectures())}. Quantized checkpoints: none yet (unquantized weights "
+                f"only).\n")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """The front end's address must be free now (it binds only once the model is loaded): a
+    taken port fails in a second, not after minutes of downloading and loading."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError as e:
+        raise LaunchError(f"--hostname {host!r} cannot be resolved ({e})") from None
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn binds it
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise LaunchError(f"--port {port} on {host} is taken ({e.strerror}): stop the server that holds it "
+                              f"or choose another --port") from None
 
 
 def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> LaunchConfig:

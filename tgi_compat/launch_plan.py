@@ -8,20 +8,23 @@ the shards, the router and the front end, in that order.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from engine.assembly import EngineConfig, EnginePlan, plan_engine
-from engine.processes import spawn_context, spawn_router, spawn_shards
+from engine.processes import LogSetup, spawn_context, spawn_router, spawn_shards
 
 from .frontend_process import FrontendSpec, frontend_main
 from .launch_config import LaunchConfig, Limits, resolve_limits, resolve_num_shard
+
+log = logging.getLogger("launcher")
 
 
 @dataclass(frozen=True)
 class ServerPlan:
     engine: EnginePlan
     frontend: FrontendSpec
-    log_level: str = "INFO"
+    log_level: LogSetup = LogSetup()        # how every process logs (--log-level, --json-output)
 
     def start(self) -> list:
         """Spawn the shards, the router and the front end, wired with pipes; in that order."""
@@ -39,18 +42,26 @@ def plan_server(config: LaunchConfig) -> ServerPlan:
     from engine.models import load_model_config
     from weights.hub import model_info, resolve_model
 
-    check_port_free(config.hostname, config.port)      # before minutes of downloading and loading
-    model_dir = str(resolve_model(config.model_id, config.revision, config.huggingface_hub_cache, config.hf_token))
+    offline = _offline(config)
+    log.info("resolving the weights of %s%s", config.model_id, " (offline: the hub cache only)" if offline else "")
+    model_dir = str(resolve_model(config.model_id, config.revision, config.huggingface_hub_cache, config.hf_token,
+                                  offline=offline))
     model_config = load_model_config(model_dir, rope_scaling=config.rope)
+    log.info("checking the checkpoint in %s", model_dir)
     _check_checkpoint(model_dir, model_config)
     _check_tokenizer_config(config.tokenizer_config_path)
     limits = resolve_limits(config, model_config.max_context, None)
     engine = plan_engine(engine_config(config, limits, model_dir))
     _check_master_address(config.master_addr, config.master_port, engine.num_shards)
-    sha, pipeline_tag = model_info(config.model_id, config.revision)
+    sha, pipeline_tag = model_info(config.model_id, config.revision, config.hf_token, offline=offline)
     frontend = FrontendSpec(model_dir, config.hostname, config.port, _settings(config, limits, sha, pipeline_tag, engine),
-                            config.tokenizer_config_path)
-    return ServerPlan(engine, frontend, config.log_level or "INFO")
+                            config.tokenizer_config_path, graceful_shutdown_s=config.graceful_termination_timeout)
+    return ServerPlan(engine, frontend, LogSetup(config.log_level or "INFO", config.json_output))
+
+
+def _offline(config: LaunchConfig) -> bool | None:
+    """--hf-hub-offline for the hub code: True, or None to leave it to huggingface_hub (HF_HUB_OFFLINE)."""
+    return True if config.hf_hub_offline else None
 
 
 def engine_config(config: LaunchConfig, limits: Limits, model_dir: str) -> EngineConfig:
@@ -81,23 +92,6 @@ def _check_checkpoint(model_dir: str, model_config) -> None:
 
     with open_checkpoint(model_dir) as checkpoint:
         check_checkpoint(checkpoint, model_config)
-
-
-def check_port_free(host: str, port: int) -> None:
-    """The front end's address must be free now (it binds only once the model is loaded)."""
-    import socket
-
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except OSError as e:
-        raise ValueError(f"--hostname {host!r} cannot be resolved ({e})") from None
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn binds it
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            raise ValueError(f"--port {port} on {host} is taken ({e.strerror}): stop the server that holds it "
-                             f"or choose another --port") from None
 
 
 def _check_tokenizer_config(path: str | None) -> None:
@@ -145,4 +139,5 @@ def _settings(config: LaunchConfig, limits: Limits, sha, pipeline_tag, engine: E
         num_shards=engine.num_shards,
         max_batch_total_tokens=limits.max_batch_total_tokens, waiting_served_ratio=config.waiting_served_ratio,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+        cors_allow_origin=config.cors_allow_origin,
     )

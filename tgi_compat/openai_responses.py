@@ -2,7 +2,7 @@
 
 ``object`` comes first (TGI tags its enums with it), ``id`` is always "", ``created`` is
 unix seconds, ``system_fingerprint`` is ``<version>-<docker_label or "native">``.
-Streams end with ``data:[DONE]`` and report errors in-band as
+Streams end with ``data: [DONE]`` and report errors in-band as
 ``{"error": {"message", "http_status_code": 422}}`` (TGI `into_openai_event`).
 """
 from __future__ import annotations
@@ -16,7 +16,9 @@ from .outputs import GenerationResult, Token
 from .settings import ServerSettings
 from .sse import sse_data
 
-DONE_EVENT = b"data:[DONE]\n\n"
+# With the space, unlike TGI's `data:[DONE]` (same event for SSE parsers): huggingface_hub's
+# InferenceClient stops only at the exact line `data: [DONE]` and fails on TGI's.
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def openai_finish_reason(finish_reason: str) -> str:

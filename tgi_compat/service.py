@@ -136,7 +136,7 @@ class GenerateService:
 
     def _record_failure(self, request_id: int, error: TGIError) -> None:
         if error.metric_label:
-            self.metrics.request_failure.inc(err=error.metric_label)
+            self.metrics.request_failure.labels(err=error.metric_label).inc()
         # The message may quote the request (a grammar, a stop sequence): only at DEBUG.
         log.info("request %d failed (%d %s, %d-character message)", request_id, error.status, error.error_type,
                  len(error.message))
@@ -150,7 +150,7 @@ class GenerateService:
         return failure
 
     def _record_dropped(self, request_id: int, generated: int | None = None) -> None:
-        self.metrics.request_failure.inc(err="dropped")
+        self.metrics.request_failure.labels(err="dropped").inc()
         after = "" if generated is None else f" after {generated} tokens"
         log.info("request %d cancelled: the client disconnected%s", request_id, after)
 

@@ -31,7 +31,9 @@ class ServerSettings:
     router_name: str = "lightserve"       # /info "router" (TGI: "text-generation-router")
     sha: str | None = None
     docker_label: str | None = None
-    compute_type: str = "gpu+optimized"   # x-compute-type header (TGI: env COMPUTE_TYPE)
+    # x-compute-type header (TGI: env COMPUTE_TYPE, default "gpu+optimized"); None: true to the
+    # device: "gpu+optimized" on CUDA (as TGI), "cpu+optimized" on a CPU
+    compute_type: str | None = None
     model_dtype: str = "float16"
     model_device_type: str = "cuda"
     num_shards: int = 1
@@ -41,6 +43,8 @@ class ServerSettings:
     max_batch_prefill_tokens: int | None = None
     max_batch_size: int | None = None
     keep_alive_s: float = 15.0            # SSE keep-alive comment interval
+    # --cors-allow-origin: the origins a browser may call from; None: any origin (TGI's default)
+    cors_allow_origin: tuple[str, ...] | None = None
 
     def __post_init__(self):
         checks = [
@@ -54,6 +58,9 @@ class ServerSettings:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"{message} (got {self})")
+        if self.compute_type is None:
+            device = {"cuda": "gpu"}.get(self.model_device_type, self.model_device_type)
+            object.__setattr__(self, "compute_type", f"{device}+optimized")
 
     @property
     def compat_return_full_text(self) -> bool:

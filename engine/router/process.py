@@ -80,9 +80,10 @@ class PipeShards:
 
 
 
-def router_main(plan, frontend_conn, shard_conns, log_level: str = "INFO") -> None:
+def router_main(plan, frontend_conn, shard_conns, log_level="INFO") -> None:
     """The router process: wait for every shard's Ready, then run the step loop (``plan``: an
-    ``engine.assembly.EnginePlan``, the same one the shards were started from)."""
+    ``engine.assembly.EnginePlan``, the same one the shards were started from; ``log_level``: an
+    ``engine.processes.LogSetup`` or a level name)."""
     from engine.assembly import build_router
 
     child_setup(log_level)

@@ -32,13 +32,16 @@ class ShardSpec:
     model_config: object           # the family's frozen config (engine.models), as the plan decided it
 
 
-def shard_main(spec: ShardSpec, conn, log_level: str = "INFO") -> None:
+def shard_main(spec: ShardSpec, conn, log_level="INFO") -> None:
+    """``log_level``: an ``engine.processes.LogSetup`` (or a level name)."""
     child_setup(log_level)
     try:
         from engine.models.parallel import TensorParallel
         from engine.worker.model_worker import ModelWorker
 
         worker_config = _join_group(spec)
+        log.info("shard %d: loading the model on %s, then warm-up and KV cache sizing", spec.rank,
+                 worker_config.device)
         worker = ModelWorker(worker_config, spec.model_config, tp=TensorParallel(spec.rank, spec.world_size))
         conn.send_bytes(encode(Ready(spec.rank, worker.num_slots)))
         log.info("shard %d ready: %d KV slots", spec.rank, worker.num_slots)

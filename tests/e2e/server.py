@@ -65,6 +65,11 @@ class LaunchedServer:
         out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
         return [int(pid) for pid, sid in (line.split() for line in out.splitlines()) if int(sid) == self.process.pid]
 
+    def commands(self) -> list[str]:
+        """The command lines of the processes of the server's session (the resource tracker's too)."""
+        out = subprocess.run(["ps", "-o", "args=", "-s", str(self.process.pid)], capture_output=True, text=True)
+        return out.stdout.splitlines()
+
     def wait_no_children(self, timeout: float = 5.0) -> list[int]:
         """Wait for every process of the session to go; returns the ones left (should be [])."""
         deadline = time.monotonic() + timeout

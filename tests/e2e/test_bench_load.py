@@ -125,10 +125,10 @@ def test_batch_size_is_polled_from_metrics(runs):
 
 def test_failed_requests_are_counted_not_raised(server):
     tokenizer = load.ServerTokenizer(server.url)
-    too_long = load.build_requests(tokenizer, [(200, 4)], seed=0)      # > --max-input-tokens 192
+    too_long = load.build_requests(tokenizer, [(150, 120)], seed=0)      # > --max-total-tokens 256
     run = asyncio.run(load.run_load(server.url, too_long))
     (result,) = run.results
-    assert not result.success and "192" in result.error and result.token_times == []
+    assert not result.success and "256" in result.error and result.token_times == []
     missing = asyncio.run(load.run_load(server.url + "/no-such-route", too_long))
     assert missing.results[0].error.startswith("HTTP 404")
     summary = load.summarize_run(run)
@@ -293,3 +293,42 @@ def test_serving_bench_arguments_and_table():
     summary = {"output_throughput": 300.0, "completed": 1, "failed": 0, "eos_early": 0, "mismatches": 0}
     table = serving_bench.format_table(args, {"batch": summary}, {"batch": 100.0}, {})
     assert "3.00x" in table and "512 requests output tok/s" in table
+
+
+# ---- the latency/throughput sweep's PNG (bench.plot) ------------------------------------
+
+def test_sweep_draws_latency_against_throughput_png(tmp_path):
+    from PIL import Image
+
+    from bench import plot
+    from tests.e2e.demo_server import serve_demo
+
+    png, saved = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    with serve_demo() as url:
+        points = plot.main(["--url", url, "--rates", "20,inf", "--num-requests", "6", "--prompt-len", "8-24",
+                            "--output-len", "6", "--png", str(png), "--json", str(saved)])
+    assert [p["rate"] for p in points] == [20.0, math.inf]
+    assert all(p["summary"]["completed"] == 6 and p["summary"]["failed"] == 0 for p in points)
+    with Image.open(png) as image:
+        image.load()                      # decodes every pixel: a truncated or corrupt file raises
+        assert image.format == "PNG" and image.size == (1100, 450)
+        assert image.text["Series"] == "TTFT p50, TTFT p99, TPOT p50, TPOT p99"
+        assert len(image.getcolors(maxcolors=1 << 16) or ()) > 10     # something was drawn
+    figure = plot.plot_sweep(points, tmp_path / "again.png")
+    ttft, tpot = figure.axes
+    assert [line.get_label() for line in ttft.get_lines()] == ["TTFT p50", "TTFT p99"]
+    assert [line.get_label() for line in tpot.get_lines()] == ["TPOT p50", "TPOT p99"]
+    x, p99 = tpot.get_lines()[1].get_data()
+    assert list(x) == [p["summary"]["output_throughput"] for p in points]
+    assert list(p99) == [p["summary"]["tpot_s"]["p99"] * 1000 for p in points]
+    plot.main(["--from-json", str(saved), "--png", str(tmp_path / "redrawn.png")])
+    assert (tmp_path / "redrawn.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_rates_are_checked():
+    from bench import plot
+
+    assert plot.parse_rates("1, 2.5,inf") == [1.0, 2.5, math.inf]
+    for bad in ("", "0,1", "-1", "nan"):
+        with pytest.raises(ValueError, match="--rates"):
+            plot.parse_rates(bad)

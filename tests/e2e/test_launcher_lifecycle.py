@@ -6,6 +6,8 @@ e2e, a 7B that sizes its KV cache from the free memory) the servers do not overl
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 import signal
 import subprocess
@@ -56,9 +58,11 @@ def test_a_killed_shard_fails_requests_marks_unhealthy_and_stops_the_launcher(sm
     assert next(line for line in lines if line.startswith(b"data:"))
     shard_pid = int(re.search(r"started shard-0 \(pid (\d+)\)", small_server.output()).group(1))
     subprocess.run(["kill", "-9", str(shard_pid)], check=True)
+    killed = time.monotonic()
     rest = b"\n".join(lines)
     assert b'"error_type":"generation"' in rest
     assert requests.get(small_server.url + "/health", timeout=5).status_code == 503
+    assert time.monotonic() - killed < 2.0          # the stream's error and /health's 503 within 2 s
     small_server.process.wait(30)
     assert small_server.process.returncode != 0
     assert small_server.wait_no_children() == []
@@ -79,7 +83,8 @@ def test_sigterm_stops_every_process_within_seconds(launcher_model_dir):
 def test_kill_9_of_the_launcher_takes_every_process_with_it_and_frees_the_port(launcher_model_dir):
     args = ("--max-total-tokens", "128", "--max-input-tokens", "64")
     srv = LaunchedServer(launcher_model_dir, *args).wait_healthy()
-    assert len(srv.children()) >= 4     # supervisor, shard, router, front end
+    assert len(srv.children()) >= 5     # supervisor, resource tracker, shard, router, front end
+    assert any("resource_tracker" in command for command in srv.commands())    # multiprocess starts one
     srv.process.kill()
     srv.process.wait(5)
     assert srv.wait_no_children(timeout=5.0) == []
@@ -107,3 +112,63 @@ def test_a_taken_port_fails_before_the_model_loads(launcher_model_dir):
         srv.stop()
     assert code == 2 and elapsed < 5, (elapsed, output)
     assert f"--port {port} on 127.0.0.1 is taken" in output and "choose another --port" in output
+
+
+def _stream_events(url: str, body: dict) -> list[dict]:
+    response = requests.post(url, json=body, stream=True, timeout=60)
+    return [json.loads(line[5:]) for line in response.iter_lines() if line.startswith(b"data:")]
+
+
+def _logged(server, text: str, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while text not in server.output():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _refuses_connections(url: str, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            requests.get(url + "/health", timeout=1)
+        except requests.ConnectionError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_json_output_env_and_a_graceful_termination_that_lets_a_stream_finish(launcher_model_dir):
+    """One server for three flags: -e logs the environment; on SIGTERM the front end stops accepting
+    while a running stream (admitted while its shard is held with SIGSTOP, so it cannot have
+    finished before) completes within --graceful-termination-timeout; with --json-output every line
+    of every process is one JSON object."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    srv = LaunchedServer(launcher_model_dir, "--json-output", "-e", "--graceful-termination-timeout", "30",
+                         "--max-total-tokens", "256", "--max-input-tokens", "64").wait_healthy()
+    try:
+        shard = int(re.search(r"started shard-0 \(pid (\d+)\)", srv.output()).group(1))
+        body = {"inputs": "hello", "parameters": {"max_new_tokens": 100, "details": True}}
+        os.kill(shard, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            try:
+                events = pool.submit(_stream_events, srv.url + "/generate_stream", body)
+                assert _logged(srv, "request 1 admitted", within=10.0)
+                srv.process.send_signal(signal.SIGTERM)
+                assert _refuses_connections(srv.url, within=10.0), srv.output()[-3000:]
+            finally:
+                os.kill(shard, signal.SIGCONT)
+            events = events.result(60)
+        assert "error" not in events[-1] and events[-1]["details"]["generated_tokens"] == 100, events[-1]
+        assert srv.process.wait(30) == 0
+        assert srv.wait_no_children() == []
+    finally:
+        srv.stop()
+    records = [json.loads(line) for line in srv.output().splitlines()]     # every line is JSON
+    messages = " ".join(r["fields"]["message"] for r in records)
+    assert {r["process"] for r in records} >= {"launcher", "shard-0", "router", "frontend"}
+    assert "runtime environment:" in messages and "torch:" in messages and "transformers:" in messages
+    assert re.search(r"serving \S+ on http://127\.0\.0\.1:\d+: \w+ on 1 cpu shard\(s\), \d+ KV slots", messages)
+    assert "waiting up to 30 s for running requests to finish" in messages

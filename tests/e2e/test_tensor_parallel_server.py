@@ -26,7 +26,7 @@ def test_two_shard_server_answers_like_one_shard(qwen2_dir):
     try:
         srv.wait_healthy()
         info = requests.get(srv.url + "/info", timeout=5).json()
-        assert "\ntgi_num_shards 2\n" in requests.get(srv.url + "/metrics", timeout=5).text
+        assert "\ntgi_num_shards 2.0\n" in requests.get(srv.url + "/metrics", timeout=5).text
         for i, prompt in enumerate(PROMPTS):
             body = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "details": True}}
             details = requests.post(srv.url + "/generate", json=body, timeout=60).json()["details"]

@@ -27,7 +27,6 @@ SAMPLES = {
                                                                    ("https://a.b", "https://c.d")),
     "prometheus_port": ("9001", 9001), "watermark_gamma": ("0.5", 0.5), "watermark_delta": ("2", 2.0),
     "graceful_termination_timeout": ("10", 10), "json_output": ("true", True), "log_level": ("debug", "DEBUG"),
-    "otlp_endpoint": ("http://otel:4317", "http://otel:4317"), "otlp_service_name": ("svc", "svc"),
     "shard_uds_path": ("/tmp/s", "/tmp/s"), "ngrok": ("true", True), "ngrok_authtoken": ("tok", "tok"),
     "ngrok_edge": ("edge", "edge"), "usage_stats": ("off", "off"),
 }
@@ -37,7 +36,10 @@ UNSUPPORTED = {"trust_remote_code": ("true", "--trust-remote-code is not support
                "speculate": ("2", "--speculate is not supported yet"),
                "kv_cache_dtype": ("fp8_e5m2", "--kv-cache-dtype is not supported yet"),
                "lora_adapters": ("org/adapter", "--lora-adapters is not supported yet"),
-               "weights_cache_override": ("/w", "--weights-cache-override is not supported")}
+               "weights_cache_override": ("/w", "--weights-cache-override is not supported"),
+               "otlp_endpoint": ("http://otel:4317", "--otlp-endpoint is not supported yet: this server exports no "
+                                 "OpenTelemetry traces"),
+               "otlp_service_name": ("svc", "--otlp-service-name is not supported yet")}
 NO_ENV_FIELDS = {"env"}
 
 
@@ -214,6 +216,7 @@ def test_help_explains_every_flag_its_default_and_its_variable(monkeypatch):
     assert "(default: 3000) [env: PORT]" in text and "(default: 128) [env: MAX_CONCURRENT_REQUESTS]" in text
     assert "a HOSTNAME equal to this machine's name is ignored" in text
     assert "Supported architectures (config.json `architectures`): LlamaForCausalLM, MistralForCausalLM" in text
+    assert "Quantized checkpoints: none yet" in text
 
 
 def test_help_exits_cleanly(capsys):
@@ -223,11 +226,23 @@ def test_help_exits_cleanly(capsys):
 
 
 def test_flags_accepted_but_not_applied_are_listed():
-    c = parse_args(["--otlp-endpoint", "http://otel:4317", "--ngrok", "--prometheus-port", "9000"], {})
-    assert c.notices == ("--otlp-endpoint is accepted for TGI compatibility but not applied: no traces are exported",
-                         "--ngrok is accepted for TGI compatibility but not applied: no tunnel is opened; expose "
-                         "--port yourself")
+    c = parse_args(["--ngrok", "--prometheus-port", "9000", "--cors-allow-origin", "https://a.b"], {})
+    assert c.notices == ("--ngrok is accepted for TGI compatibility but not applied: no tunnel is opened; expose "
+                         "--port yourself",)
     assert set(NOT_APPLIED) <= set(FIELDS)
+
+
+def test_applied_flags_do_not_say_not_applied():
+    """The flags this engine applies (issue 13): their help makes no 'not applied' claim, none is a notice."""
+    applied = ("cors_allow_origin", "env", "hf_hub_offline", "graceful_termination_timeout", "json_output",
+               "disable_custom_kernels", "rope_scaling", "tokenizer_config_path")
+    help_of = {f.name: f.metadata["help"] for f in dataclasses.fields(LaunchConfig)}
+    for name in applied:
+        assert "not applied" not in help_of[name] and name not in NOT_APPLIED, name
+
+
+def test_otlp_service_name_left_at_its_default_is_accepted():
+    assert parse_args(["--otlp-service-name", "text-generation-inference.router"], {}).otlp_endpoint is None
 
 
 def test_rope_flags_follow_tgi():
@@ -290,3 +305,32 @@ def test_a_bad_engine_pdl_switch_is_a_usage_error(capsys):
     assert "environment variable ENGINE_PDL='off': expected 1" in message and "or 0 (off)" in message
     for value in ("0", "1", ""):
         assert parse_args([], {"ENGINE_PDL": value}).model_id == DEMO_MODEL
+
+
+def _blocked_network(monkeypatch):
+    """Any connection attempt fails at once; huggingface_hub itself believes it is online."""
+    import socket
+
+    from huggingface_hub import constants
+
+    def refuse(*args, **kwargs):
+        raise OSError("network blocked by the test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_hf_hub_offline_reaches_the_hub_code(flag, tmp_path, monkeypatch):
+    """With --hf-hub-offline a model missing from the cache fails with the offline error and never
+    touches the network; without it the same launch tries the network (and fails otherwise)."""
+    from tgi_compat.launch_plan import plan_server
+
+    _blocked_network(monkeypatch)
+    argv = ["--model-id", "some-org/not-cached", "--huggingface-hub-cache", str(tmp_path), "--hostname",
+            "127.0.0.1", "--port", "1"] + (["--hf-hub-offline"] if flag else [])
+    with pytest.raises(ValueError) as error:
+        plan_server(parse_args(argv, {}))
+    offline = "is not in the hub cache and the hub is offline" in str(error.value)
+    assert offline == flag, str(error.value)

@@ -1,44 +1,63 @@
-"""Prometheus exposition of TGI's metric names, owned by each app."""
+"""TGI's metric names, kinds and labels through prometheus_client, one registry per app."""
 from __future__ import annotations
 
-import re
+from prometheus_client.parser import text_string_to_metric_families
 
-from tgi_compat.metrics import Histogram, ServerMetrics, duration_buckets, linear_buckets
+from tgi_compat.metrics import ServerMetrics, duration_buckets, linear_buckets
 
-TGI_NAMES = ["tgi_request_count", "tgi_request_success", "tgi_request_failure", "tgi_request_duration",
-             "tgi_request_validation_duration", "tgi_request_queue_duration", "tgi_request_inference_duration",
-             "tgi_request_mean_time_per_token_duration", "tgi_request_input_length", "tgi_request_generated_tokens",
-             "tgi_request_max_new_tokens", "tgi_queue_size", "tgi_batch_current_size", "tgi_batch_current_max_tokens",
-             "tgi_batch_max_total_tokens", "tgi_kv_cache_usage", "tgi_num_shards"]
+TGI_KINDS = {
+    "tgi_request_count": "counter", "tgi_request_success": "counter", "tgi_request_failure": "counter",
+    "tgi_request_duration": "histogram", "tgi_request_validation_duration": "histogram",
+    "tgi_request_queue_duration": "histogram", "tgi_request_inference_duration": "histogram",
+    "tgi_request_mean_time_per_token_duration": "histogram", "tgi_request_input_length": "histogram",
+    "tgi_request_generated_tokens": "histogram", "tgi_request_max_new_tokens": "histogram",
+    "tgi_queue_size": "gauge", "tgi_batch_current_size": "gauge", "tgi_batch_current_max_tokens": "gauge",
+    "tgi_batch_max_total_tokens": "gauge",
+    # ours
+    "tgi_kv_cache_usage": "gauge", "tgi_kv_cache_used_slots": "gauge", "tgi_kv_cache_total_slots": "gauge",
+    "tgi_num_shards": "gauge",
+}
 
 
-def test_every_tgi_metric_is_exposed_with_a_type():
-    text = ServerMetrics(100, 200, num_shards=2).render()
-    for name in TGI_NAMES:
-        assert re.search(rf"^# TYPE {name} (counter|gauge|histogram)$", text, re.M), name
-    assert "tgi_num_shards 2\n" in text
+def families(text: str) -> dict:
+    return {family.name: family for family in text_string_to_metric_families(text)}
 
 
-def test_counters_with_labels():
+def sample_lines(text: str) -> set[str]:
+    return {line for line in text.splitlines() if not line.startswith("#")}
+
+
+def test_every_tgi_metric_parses_with_its_kind():
+    parsed = families(ServerMetrics(100, 200, num_shards=2).render())
+    assert {name: parsed[name].type for name in TGI_KINDS} == TGI_KINDS
+    assert parsed["tgi_num_shards"].samples[0].value == 2
+
+
+def test_counters_keep_tgi_names_and_labels():
     metrics = ServerMetrics(100, 200, 1)
-    metrics.request_count.inc()
-    metrics.request_count.inc()
-    metrics.request_failure.inc(err="validation")
-    metrics.request_failure.inc(err="overloaded")
-    metrics.request_failure.inc(err="validation")
+    metrics.request_count.inc(2)
+    for err in ("validation", "overloaded", "validation"):
+        metrics.request_failure.labels(err=err).inc()
     text = metrics.render()
-    assert "tgi_request_count 2\n" in text
-    assert 'tgi_request_failure{err="validation"} 2\n' in text
-    assert 'tgi_request_failure{err="overloaded"} 1\n' in text
+    lines = sample_lines(text)
+    assert "# TYPE tgi_request_count counter" in text.splitlines()
+    assert "tgi_request_count 2.0" in lines
+    assert {'tgi_request_failure{err="validation"} 2.0', 'tgi_request_failure{err="overloaded"} 1.0'} <= lines
+    assert "_total" not in text.replace("max_total_tokens", "").replace("total_slots", "")
+    assert "_created" not in text
 
 
-def test_histogram_buckets_are_cumulative():
-    histogram = Histogram("h", "help", [1, 2, 5])
-    for value in (0.5, 1, 1.5, 7):
-        histogram.observe(value)
-    lines = histogram.render()
-    assert lines[2:] == ['h_bucket{le="1"} 2', 'h_bucket{le="2"} 3', 'h_bucket{le="5"} 3',
-                         'h_bucket{le="+Inf"} 4', "h_sum 10", "h_count 4"]
+def test_histograms_use_tgi_buckets():
+    metrics = ServerMetrics(100, 200, 1)
+    for value in (0.0001, 0.0002, 10.0):
+        metrics.request_duration.observe(value)
+    parsed = families(metrics.render())["tgi_request_duration"]
+    buckets = {s.labels["le"]: s.value for s in parsed.samples if s.name.endswith("_bucket")}
+    assert len(buckets) == 36 and buckets["0.00015"] == 1 and buckets["+Inf"] == 3
+    assert {s.name: s.value for s in parsed.samples}["tgi_request_duration_count"] == 3
+    input_buckets = [s for s in families(metrics.render())["tgi_request_input_length"].samples
+                     if s.name.endswith("_bucket")]
+    assert input_buckets[0].labels["le"] == "1.0" and input_buckets[-2].labels["le"] == "100.0"
 
 
 def test_tgi_bucket_layouts():
@@ -50,14 +69,20 @@ def test_tgi_bucket_layouts():
 def test_gauges_come_from_backend_stats():
     metrics = ServerMetrics(100, 200, 1)
     metrics.update_from_stats({"queue_size": 3, "batch_size": 2, "kv_used": 256, "kv_capacity": 1024}, None)
-    text = metrics.render()
-    for line in ("tgi_queue_size 3", "tgi_batch_current_size 2", "tgi_batch_current_max_tokens 256",
-                 "tgi_batch_max_total_tokens 1024", "tgi_kv_cache_usage 0.25"):
-        assert line + "\n" in text
+    lines = sample_lines(metrics.render())
+    for line in ("tgi_queue_size 3.0", "tgi_batch_current_size 2.0", "tgi_batch_current_max_tokens 256.0",
+                 "tgi_batch_max_total_tokens 1024.0", "tgi_kv_cache_usage 0.25", "tgi_kv_cache_used_slots 256.0",
+                 "tgi_kv_cache_total_slots 1024.0"):
+        assert line in lines
 
 
 def test_each_app_has_its_own_registry():
     first, second = ServerMetrics(10, 20, 1), ServerMetrics(10, 20, 1)
     first.request_success.inc()
-    assert "tgi_request_success 1\n" in first.render()
-    assert "tgi_request_success 0\n" in second.render()
+    assert "tgi_request_success 1.0" in sample_lines(first.render())
+    assert "tgi_request_success 0.0" in sample_lines(second.render())
+
+
+def test_names_lists_the_exported_families():
+    metrics = ServerMetrics(10, 20, 1)
+    assert metrics.names() == set(families(metrics.render())) == set(TGI_KINDS)

@@ -28,7 +28,7 @@ def sse_payloads(response) -> list[str]:
     body = response.content.decode()
     events = [e for e in body.split("\n\n") if e and not e.startswith(":")]
     assert all(e.startswith("data:") and "\n" not in e for e in events), body
-    return [e[len("data:"):] for e in events]
+    return [e[len("data:"):].removeprefix(" ") for e in events]   # SSE: one space may follow the colon
 
 
 def test_chat_completion_is_transformers_greedy_on_the_templated_prompt(client):
