@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-ENV_SWITCH = "ENGINE_PDL"
-SWITCH_VALUES = {None: True, "": True, "1": True, "0": False}
+from .pdl_switch import ENV_SWITCH, SWITCH_VALUES
+
 MIN_CAPABILITY = 9
 
 

@@ -527,7 +527,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
 
 def _check_pdl_switch(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     """ENGINE_PDL is read by the kernels in every shard; a bad value stops the launcher before any starts."""
-    from kernels._pdl import ENV_SWITCH, SWITCH_VALUES
+    from kernels.pdl_switch import ENV_SWITCH, SWITCH_VALUES
 
     if environ.get(ENV_SWITCH) not in SWITCH_VALUES:
         parser.error(f"environment variable {ENV_SWITCH}={environ[ENV_SWITCH]!r}: expected 1 (programmatic "

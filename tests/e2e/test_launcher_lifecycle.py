@@ -170,5 +170,5 @@ def test_json_output_env_and_a_graceful_termination_that_lets_a_stream_finish(la
     messages = " ".join(r["fields"]["message"] for r in records)
     assert {r["process"] for r in records} >= {"launcher", "shard-0", "router", "frontend"}
     assert "runtime environment:" in messages and "torch:" in messages and "transformers:" in messages
-    assert re.search(r"serving \S+ on http://127\.0\.0\.1:\d+: \w+ on 1 cpu shard\(s\), \d+ KV slots", messages)
+    assert re.search(r"serving \S+ on http://127\.0\.0\.1:\d+: \w+ on 1 (cpu|cuda) shard\(s\), \d+ KV slots", messages)
     assert "waiting up to 30 s for running requests to finish" in messages
