@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, profile, bench (default), serving, ablation,
-#                                         e2e, tp (2 GPUs), compare, cpu, prefix
+#                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
-# this tree), one after the other in this run: before and after numbers from one machine.
+# this tree), one after the other in this run: before and after numbers from one machine; prefix
+# runs the prefix-cache loads on each tree's launcher (PREFIX_CACHE=on|off|both for this tree's).
 # serving/ablation drive the real launcher over HTTP (bench.serving_bench); POISSON_S sets the
 # Poisson phase's length (default 120 s, the issue's two minutes).
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
@@ -51,11 +52,21 @@ for stage in $stages; do
         --out "$MODEL_13B" --dtype bfloat16 --device cuda 2>&1 | tail -2
       python3 -m bench.engine_bench --model-dir "$MODEL_13B" --no-peer --num-shards 2 --json "$OUT/tp2_13b.json" \
         2>&1 | tee -a "$OUT/tp.log" | grep -E "tokens/s|capacity" ;;
-    profile)
-      ensure_7b
-      python3 -m bench.profile_step --model-dir "$MODEL_7B" --batch-sizes "${PROFILE_BATCHES:-1,32,128,256}" \
-        --table-dir "$OUT" --json "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | grep -v -E "it/s|s/it" | tail -8
+    shared)
+      # the shared-prefix (cascade) decode kernel's launch sweep, 3,000 shared positions
+      python3 -m bench.attention_bench --shared-prefix 3000 --batch-sizes ${SHARED_BATCHES:-64,256} --seq-lens 3064 \
+        --json "$OUT/shared_sweep.json" 2>&1 | tee "$OUT/shared_sweep.log" | tail -6
       rc=${PIPESTATUS[0]} ;;
+    profile)
+      # PROFILE_TREES=".baseline ." profiles each tree in turn (device and host time per decode step)
+      ensure_7b
+      for tree in ${PROFILE_TREES:-.}; do
+        tag=$(basename "$(realpath "$tree")"); mkdir -p "$OUT/$tag"
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 -m bench.profile_step --model-dir "$MODEL_7B" \
+          --batch-sizes "${PROFILE_BATCHES:-1,32,128,256}" --table-dir "$OUT/$tag" --json "$OUT/profile_$tag.json" 2>&1 \
+          | tee "$OUT/profile_$tag.log" | grep -v -E "it/s|s/it" | tail -8)
+        rc=$?
+      done ;;
     bench)
       ensure_7b
       python3 -m bench.engine_bench --model-dir "$MODEL_7B" ${BENCH_ARGS:-} --json "$OUT/engine_bench.json" 2>&1 \
@@ -84,7 +95,7 @@ for stage in $stages; do
       for tree in ${COMPARE_TREES:-.baseline .}; do
         tag=$(basename "$(realpath "$tree")")
         (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 -m bench.serving_bench --model-dir "$MODEL_7B" \
-          --workloads batch1,batch --no-peer --json "$OUT/compare_$tag.json" 2>&1 | tee "$OUT/compare_$tag.log" \
+          --workloads batch1,batch --no-peer ${COMPARE_ARGS:-} --json "$OUT/compare_$tag.json" 2>&1 | tee "$OUT/compare_$tag.log" \
           | grep -v -E "it/s|s/it" | tail -12)
         rc=${PIPESTATUS[0]}
       done ;;
@@ -98,14 +109,18 @@ for stage in $stages; do
         rc=$?
       done ;;
     prefix)
-      # The prefix cache on and off: shared-prefix and multi-turn loads (bench.prefix_bench), then
-      # the 512-request random-prompt load with the cache off (compare's run of . has it on).
+      # The shared-prefix and multi-turn loads (bench.prefix_bench): the cache on with the launcher of
+      # each tree of COMPARE_TREES but the last (before), then on and off with this tree's (after).
       ensure_7b
-      python3 -m bench.prefix_bench --model-dir "$MODEL_7B" ${PREFIX_ARGS:-} --json "$OUT/prefix.json" 2>&1 \
-        | tee "$OUT/prefix.log" | grep -v -E "it/s|s/it" | tail -12
-      rc=${PIPESTATUS[0]}
-      python3 -m bench.serving_bench --model-dir "$MODEL_7B" --workloads batch --no-peer \
-        --server-args "--prefix-caching false" --json "$OUT/prefix_off_batch.json" 2>&1 | grep -v -E "it/s|s/it" | tail -6 ;;
+      trees=(${COMPARE_TREES:-.baseline .})
+      for tree in "${trees[@]:0:${#trees[@]}-1}"; do
+        tag=$(basename "$(realpath "$tree")")
+        LAUNCHER_REPO=$tree python3 -m bench.prefix_bench --model-dir "$MODEL_7B" --cache on ${PREFIX_ARGS:-} \
+          --json "$OUT/prefix_$tag.json" 2>&1 | tee "$OUT/prefix_$tag.log" | grep -v -E "it/s|s/it" | tail -11
+      done
+      python3 -m bench.prefix_bench --model-dir "$MODEL_7B" --cache ${PREFIX_CACHE:-both} ${PREFIX_ARGS:-} \
+        --json "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log" | grep -v -E "it/s|s/it" | tail -11
+      rc=${PIPESTATUS[0]} ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"

@@ -12,7 +12,10 @@
              and --turn-words new words -> TTFT p50/p99 of each turn
 
 Each workload runs on a fresh server with `--prefix-caching true`, then on one with
-`--prefix-caching false`; the table puts them side by side.
+`--prefix-caching false` (`--cache on|off` runs one of them); the table puts them side by
+side, with the server's own step numbers after the shared-prefix load (`/metrics`: steps,
+mean forward time of prefill and decode steps, mean queue time). `LAUNCHER_REPO=<tree>`
+serves another tree's launcher (a before/after comparison in one run).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import random
 import time
 
 import aiohttp
+import requests
 
 from . import load
 from .serving_bench import start_server, stop_server
@@ -83,25 +87,55 @@ def run_on_server(args, caching: bool) -> dict:
     try:
         tokenizer = load.ServerTokenizer(server.url)
         shared = load.summarize_run(asyncio.run(load.run_load(server.url, shared_prefix_requests(tokenizer, args))))
+        shared["server"] = server_step_numbers(server.url)
         turns = asyncio.run(multiturn(server.url, load.single_token_words(tokenizer.tokens), args))
     finally:
         stop_server(server, args)
     return {"shared": shared, "multiturn_ttft_s": [load.describe(turn) for turn in turns]}
 
 
-def format_table(on: dict, off: dict) -> str:
+def server_step_numbers(url: str) -> dict:
+    """Steps and mean times from the server's /metrics (absent metrics: an older server)."""
+    text = requests.get(url + "/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("tgi_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    out = {}
+    for method in ("prefill", "decode"):
+        count = values.get(f'tgi_batch_forward_duration_count{{method="{method}"}}')
+        if count:
+            out[f"{method}_steps"] = int(count)
+            out[f"{method}_forward_ms"] = 1000 * values[f'tgi_batch_forward_duration_sum{{method="{method}"}}'] / count
+    for phase in ("validation", "queue"):      # queue: submission to the first token
+        count = values.get(f"tgi_request_{phase}_duration_count")
+        if count:
+            out[f"{phase}_ms"] = 1000 * values[f"tgi_request_{phase}_duration_sum"] / count
+    return out
+
+
+def format_table(columns: dict[str, dict]) -> str:
     ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731
+    runs = list(columns.values())
     rows = [("shared prefix: TTFT p50 / p99 (ms)",
-             *(f"{ms(r['shared']['ttft_s']['p50'])} / {ms(r['shared']['ttft_s']['p99'])}" for r in (on, off))),
-            ("shared prefix: output tok/s", *(f"{r['shared']['output_throughput']:.1f}" for r in (on, off))),
-            ("shared prefix: failed / mismatches",
-             *(f"{r['shared']['failed']} / {r['shared']['mismatches']}" for r in (on, off)))]
-    for t, (a, b) in enumerate(zip(on["multiturn_ttft_s"], off["multiturn_ttft_s"]), start=1):
-        rows.append((f"multi-turn, turn {t}: TTFT p50 / p99 (ms)", f"{ms(a['p50'])} / {ms(a['p99'])}",
-                     f"{ms(b['p50'])} / {ms(b['p99'])}"))
+             *(f"{ms(r['shared']['ttft_s']['p50'])} / {ms(r['shared']['ttft_s']['p99'])}" for r in runs)),
+            ("shared prefix: output tok/s", *(f"{r['shared']['output_throughput']:.1f}" for r in runs)),
+            ("shared prefix: failed / mismatches", *(f"{r['shared']['failed']} / {r['shared']['mismatches']}" for r in runs)),
+            ("shared prefix: prefill steps, mean forward ms", *(
+                f"{r['shared']['server'].get('prefill_steps', '-')}, {r['shared']['server'].get('prefill_forward_ms', 0):.1f}"
+                for r in runs)),
+            ("shared prefix: decode steps, mean forward ms", *(
+                f"{r['shared']['server'].get('decode_steps', '-')}, {r['shared']['server'].get('decode_forward_ms', 0):.1f}"
+                for r in runs)),
+            ("shared prefix: server mean validation / queue ms", *(
+                f"{r['shared']['server'].get('validation_ms', 0):.0f} / {r['shared']['server'].get('queue_ms', 0):.0f}"
+                for r in runs))]
+    for t, turn in enumerate(zip(*(r["multiturn_ttft_s"] for r in runs)), start=1):
+        rows.append((f"multi-turn, turn {t}: TTFT p50 / p99 (ms)", *(f"{ms(a['p50'])} / {ms(a['p99'])}" for a in turn)))
     width = max(len(r[0]) for r in rows)
-    lines = [f"{'':<{width}}  {'cache on':>18}  {'cache off':>18}"]
-    lines += [f"{label:<{width}}  {a:>18}  {b:>18}" for label, a, b in rows]
+    lines = [f"{'':<{width}}" + "".join(f"  {name:>18}" for name in columns)]
+    lines += [f"{row[0]:<{width}}" + "".join(f"  {cell:>18}" for cell in row[1:]) for row in rows]
     return "\n".join(lines)
 
 
@@ -119,6 +153,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-concurrent-requests", type=int, default=1024, help="the launcher's flag")
     parser.add_argument("--server-timeout", type=float, default=1200.0)
     parser.add_argument("--server-log-dir")
+    parser.add_argument("--cache", choices=["on", "off", "both"], default="both", help="which servers to run")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.server_arg = []
@@ -127,8 +162,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    results = {"cache_on": run_on_server(args, True), "cache_off": run_on_server(args, False)}
-    print(format_table(results["cache_on"], results["cache_off"]), flush=True)
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.cache]
+    results = {f"cache_{'on' if caching else 'off'}": run_on_server(args, caching) for caching in modes}
+    print(format_table({name.replace("_", " "): run for name, run in results.items()}), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

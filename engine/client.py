@@ -14,17 +14,22 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from engine.protocol.codec import decode, encode
-from engine.protocol.messages import Abort, Events, GenerationRequest, RouterStatus, TokenEvent
+from engine.protocol.messages import Abort, Events, GenerationRequest, RouterStatus, StepStats, TokenEvent
 
 log = logging.getLogger(__name__)
+
+StepObserver = Callable[[list[StepStats]], None]
+
 
 class Backend(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
     def healthy(self) -> bool: ...
     def stats(self) -> dict: ...
+    def observe_steps(self, observer: StepObserver) -> None:
+        """Call ``observer`` (on another thread) with the numbers of the engine's steps as they end."""
 
 
 class _EventRouting:
@@ -34,6 +39,17 @@ class _EventRouting:
         self._queues: dict[int, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
+        self._step_observer: StepObserver | None = None
+
+    def observe_steps(self, observer: StepObserver) -> None:
+        self._step_observer = observer
+
+    def _report_steps(self, steps: list[StepStats]) -> None:
+        if steps and self._step_observer is not None:
+            try:
+                self._step_observer(steps)
+            except Exception:
+                log.exception("the step observer failed")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         self._loop = asyncio.get_running_loop()
@@ -100,7 +116,10 @@ class RouterClient(_EventRouting):
     def stats(self) -> dict:
         s = self._status
         return {"queue_size": s.queue_size, "batch_size": s.batch_size, "kv_used": s.kv_used,
-                "kv_capacity": s.kv_capacity}
+                "kv_capacity": s.kv_capacity, "prefix_cache_tokens": s.prefix_cache_tokens,
+                "prefix_cache_lookup_tokens": s.prefix_cache_lookup_tokens,
+                "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+                "prefix_cache_evicted_tokens": s.prefix_cache_evicted_tokens}
 
     def _send(self, message) -> None:
         data = encode(message)
@@ -127,6 +146,7 @@ class RouterClient(_EventRouting):
                 return
             if isinstance(message, Events):
                 self._deliver(message.events)
+                self._report_steps(message.steps)
             elif isinstance(message, RouterStatus):
                 self._status = message
                 self._ready.set()
@@ -150,7 +170,7 @@ class InProcessBackend(_EventRouting):
         used, capacity = self.engine.kv_usage()
         scheduler = self.engine.router.scheduler
         return {"queue_size": len(scheduler.waiting), "batch_size": len(scheduler.running),
-                "kv_used": used, "kv_capacity": capacity}
+                "kv_used": used, "kv_capacity": capacity, **scheduler.prefix_cache_status()}
 
     def _submit(self, request: GenerationRequest) -> None:
         self._inbox.put(request)
@@ -187,3 +207,4 @@ class InProcessBackend(_EventRouting):
             log.exception("engine step failed")
             self._error = f"Request failed during generation: {type(e).__name__}: {e}"
             self._deliver(self.engine.router.fail_all(self._error))
+        self._report_steps(self.engine.router.take_stats())

@@ -52,12 +52,13 @@ class TritonOps(KernelOps):
         rotary.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv.data, slots)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
-                          max_q_len: int):
+                          max_q_len: int, shared=None):
         return prefill_attention.prefill_attention(q, kv.data, req_to_token, req_rows, q_start, q_len, seq_len,
-                                                   sm_scale, max_q_len)
+                                                   sm_scale, max_q_len, shared=shared)
 
-    def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale):
-        return decode_attention.decode_attention(q, kv.data, req_to_token, req_rows, seq_len, sm_scale)
+    def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None):
+        """``shared``: a prefix several rows share (``ForwardBatch.shared_prefix``), attended to once for them."""
+        return decode_attention.decode_attention(q, kv.data, req_to_token, req_rows, seq_len, sm_scale, shared=shared)
 
     def silu_and_mul(self, gate_up):
         return silu_and_mul.silu_and_mul(gate_up)
@@ -84,11 +85,11 @@ class TorchOps(KernelOps):
         rotary.rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, kv.data, slots)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
-                          max_q_len: int):
+                          max_q_len: int, shared=None):
         return prefill_attention.prefill_attention_ref(q, kv.data, req_to_token, req_rows, q_start, q_len,
                                                        seq_len, sm_scale, max_q_len)
 
-    def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale):
+    def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None):
         return decode_attention.decode_attention_ref(q, kv.data, req_to_token, req_rows, seq_len, sm_scale)
 
     def silu_and_mul(self, gate_up):

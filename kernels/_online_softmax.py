@@ -42,3 +42,20 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask, scale_log2,
+                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr):
+    """``attend_block`` over the key positions [start, end), every one visible to every query row."""
+    if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
+        start_n = start
+        while start_n < end:
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, 0, table_row, k_base, v_base,
+                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=False)
+            start_n += BLOCK_N
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, 0, table_row, k_base, v_base,
+                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=False)
+    return m_i, l_i, acc

@@ -12,6 +12,12 @@ Stage 2, grid (request, q head): merges the splits by their log-sum-exp.
 The chunk is derived on the device from ``b_seq_len``, so no host lengths are needed and
 the launch can be captured in a CUDA graph.
 
+Shared prefix (cascade attention, ``kernels.shared_prefix``). With ``shared = (b_prefix_len [B],
+source [2])`` the requests whose first P positions hold the same slots attend to them in the
+shared-prefix kernel (each prefix K/V block loaded once for a tile of requests), whose
+splits follow the split kernel's in ``mid_out``; the split kernel then walks only positions
+``b_prefix_len[b]..b_seq_len[b] - 1``, and the merge takes both kernels' splits.
+
 | buffer   | shape                      | dtype   |
 | -------- | -------------------------- | ------- |
 | mid_out  | [B, Hq, num_splits, D]     | float32 |
@@ -25,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import shared_prefix
 from ._checks import (
     check_last_dim_contiguous,
     check_same_dtype,
@@ -32,7 +39,7 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
-from ._online_softmax import attend_block
+from ._online_softmax import attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 
@@ -50,8 +57,9 @@ def _decode_split_kernel(
     stride_q_batch, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
     stride_mid_batch, stride_mid_head, stride_mid_split, stride_lse_batch, stride_lse_head,
     kv_heads, group_size, head_dim, num_splits,
+    b_first_ptr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-    WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
 ):
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
@@ -60,8 +68,9 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(b_seq_len_ptr + b)
     table_row = req_to_token_ptr + tl.load(b_req_row_ptr + b).to(tl.int64) * stride_table_row
-    chunk = tl.cdiv(seq_len, num_splits)
-    start = split * chunk
+    first = tl.load(b_first_ptr + b) if SHARED else 0       # positions before it: the shared-prefix kernel
+    chunk = tl.cdiv(seq_len - first, num_splits)
+    start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -79,16 +88,8 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     k_base = kv_ptr + kv_head * stride_kv_head + offs_d[None, :]
     v_base = k_base + kv_heads * stride_kv_head
-    if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
-        start_n = start
-        while start_n < end:
-            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, 0, table_row, k_base, v_base,
-                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=False)
-            start_n += BLOCK_N
-    else:
-        for start_n in range(start, end, BLOCK_N):
-            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, 0, table_row, k_base, v_base,
-                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=False)
+    m_i, l_i, acc = attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask,
+                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP)
 
     has_keys = l_i > 0
     partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -101,12 +102,14 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    mid_out_ptr, mid_lse_ptr, out_ptr,
+    mid_out_ptr, mid_lse_ptr, out_ptr, b_first_ptr,
     stride_mid_batch, stride_mid_head, stride_mid_split, stride_lse_batch, stride_lse_head,
     stride_out_batch, stride_out_head,
-    head_dim, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    head_dim, num_splits, total_splits,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
 ):
+    """Splits ``0..num_splits-1`` (the split kernel's), then the shared prefix's up to ``total_splits``
+    for a member of the group."""
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -114,6 +117,8 @@ def _decode_merge_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
+    if SHARED:
+        s_mask = s_mask | ((offs_s < total_splits) & (offs_s * 0 + tl.load(b_first_ptr + b) > 0))
     d_mask = offs_d < head_dim
     lse = tl.load(mid_lse_ptr + b * stride_lse_batch + head * stride_lse_head + offs_s,
                   mask=s_mask, other=float("-inf"))
@@ -163,47 +168,66 @@ def _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits) -> None:
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
                      b_req_row: torch.Tensor, b_seq_len: torch.Tensor, sm_scale: float,
-                     num_splits: int | None = None) -> torch.Tensor:
-    """q [B, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [B, Hq, D] in q's dtype."""
+                     num_splits: int | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     ) -> torch.Tensor:
+    """q [B, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [B, Hq, D] in q's dtype.
+
+    ``shared``: ``(b_prefix_len [B] int32, source [2] int32)``, a prefix that several requests
+    share (see the module's docstring); the result is the same as without it."""
     _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits)
+    if shared is not None:
+        shared_prefix.check(shared, q.shape[0], q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
-    splits = num_splits or default_num_splits(q.shape[0], kv_layer.shape[1] // 2, q.device)
+    kv_heads = kv_layer.shape[1] // 2
+    splits = num_splits or default_num_splits(q.shape[0], kv_heads, q.device)
     block_n, num_warps, num_stages = CUDA_LAUNCH if q.is_cuda else (32, 4, 1)
-    launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits, block_n, num_warps, num_stages)
+    launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits, block_n, num_warps, num_stages,
+           shared=shared)
     return out
 
 
 def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits: int, block_n: int,
-           num_warps: int, num_stages: int) -> None:
-    """Both stages with explicit launch parameters (``decode_attention`` picks them; benchmarks sweep them)."""
+           num_warps: int, num_stages: int, shared=None, shared_launch: tuple[int, int, int, int] | None = None,
+           ) -> None:
+    """The stages with explicit launch parameters (``decode_attention`` picks them; benchmarks sweep them)."""
     batch, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     group = q_heads // kv_heads
-    mid_out = torch.empty((batch, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=q.device)
+    params = shared_launch or shared_prefix.default_launch(q.device)
+    prefix_splits = 0 if shared is None else shared_prefix.default_splits(batch, kv_heads, group, q.device, params[0])
+    total = splits + prefix_splits
+    mid_out = torch.empty((batch, q_heads, total, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, q_heads, total), dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     mid_strides = (mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+    scale_log2 = float(sm_scale) * math.log2(math.e)
     pdl = launch_options(q)
+    first = b_seq_len if shared is None else shared[0]     # unread without SHARED
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, kv_layer, req_to_token, b_req_row, b_seq_len, mid_out, mid_lse,
-        float(sm_scale) * math.log2(math.e),
+        scale_log2,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), req_to_token.stride(0),
         *mid_strides,
-        kv_heads, group, head_dim, splits,
+        kv_heads, group, head_dim, splits, first,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, num_warps=num_warps, num_stages=num_stages, **pdl,
+        UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, SHARED=shared is not None,
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )
+    if shared is not None:
+        shared_prefix.launch(q, kv_layer, req_to_token, shared, mid_out, mid_lse, scale_log2,
+                             first_split=splits, splits=prefix_splits, params=params)
     _decode_merge_kernel[(batch, q_heads)](
-        mid_out, mid_lse, out, *mid_strides, out.stride(0), out.stride(1), head_dim, splits,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4, **pdl,
+        mid_out, mid_lse, out, first, *mid_strides, out.stride(0), out.stride(1), head_dim, splits, total,
+        BLOCK_S=triton.next_power_of_2(total), BLOCK_D=block_d, SHARED=shared is not None, num_warps=4, **pdl,
     )
 
 
 def decode_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
                          b_req_row: torch.Tensor, b_seq_len: torch.Tensor, sm_scale: float,
-                         num_splits: int | None = None) -> torch.Tensor:
+                         num_splits: int | None = None, shared=None) -> torch.Tensor:
+    """Every request over all its positions (``num_splits`` and ``shared`` change only how the kernel walks them)."""
     q_heads = q.shape[1]
     kv_heads = kv_layer.shape[1] // 2
     out = torch.empty_like(q, memory_format=torch.contiguous_format)

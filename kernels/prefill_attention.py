@@ -8,6 +8,13 @@ and attends to positions ``0..p``, whose keys and values live in
 
 Grid: (request, q head, block of BLOCK_M new tokens); each program walks key blocks of
 BLOCK_N positions up to the last position its query block can see.
+
+Shared prefix (``shared = (b_prefix_len [B], source [2])``, see ``kernels.shared_prefix``):
+the new tokens of the requests whose first P positions hold the same slots attend to those
+positions in the shared-prefix kernel first (each prefix K/V block loaded once for a tile
+of tokens of many requests); this kernel then starts each such token's online softmax from
+that partial result (max = its log2-sum-exp, sum = 1, accumulator = its normalised output)
+and walks only positions ``P..``.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
+from . import shared_prefix
 from ._online_softmax import attend_block
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
@@ -37,8 +45,9 @@ def _prefill_attention_kernel(
     stride_q_token, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
     stride_out_token, stride_out_head,
     kv_heads, group_size, head_dim,
+    b_first_ptr, mid_out_ptr, mid_lse_ptr, stride_mid_token, stride_mid_head, stride_lse_token, stride_lse_head,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-    WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
 ):
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
@@ -67,18 +76,30 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    first = 0
+    if SHARED:      # start from the shared prefix's partial result (kernels.shared_prefix)
+        first = tl.load(b_first_ptr + b)
+        member = (offs_m * 0 + first) > 0
+        tokens = (q_start + offs_m)
+        lse = tl.load(mid_lse_ptr + tokens * stride_lse_token + head * stride_lse_head, mask=m_mask & member,
+                      other=float("-inf"))
+        partial = tl.load(mid_out_ptr + tokens[:, None] * stride_mid_token + head * stride_mid_head + offs_d[None, :],
+                          mask=(m_mask & member)[:, None] & d_mask[None, :], other=0.0)
+        m_i = tl.where(member, lse, m_i)
+        l_i = tl.where(member, 1.0, l_i)
+        acc = tl.where(member[:, None], partial, acc)
     k_base = kv_ptr + kv_head * stride_kv_head + offs_d[None, :]
     v_base = k_base + kv_heads * stride_kv_head
     # the last position any query of this block sees
     key_end = tl.minimum(seq_len, prefix + (block_m + 1) * BLOCK_M)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
-        start_n = 0
+        start_n = first
         while start_n < key_end:
             m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base,
                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True)
             start_n += BLOCK_N
     else:
-        for start_n in range(0, key_end, BLOCK_N):
+        for start_n in range(first, key_end, BLOCK_N):
             m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base,
                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True)
 
@@ -113,15 +134,32 @@ def _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
 
 def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
                       b_req_row: torch.Tensor, b_q_start: torch.Tensor, b_q_len: torch.Tensor,
-                      b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int) -> torch.Tensor:
-    """q [T, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [T, Hq, D] contiguous, q's dtype."""
+                      b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int,
+                      shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q [T, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [T, Hq, D] contiguous, q's dtype.
+
+    ``shared``: ``(b_prefix_len [B] int32, source [2] int32)``, a prefix that several requests
+    share (see the module's docstring); the result is the same as without it."""
     _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, max_q_len)
     tokens, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     batch = b_req_row.shape[0]
+    if shared is not None:
+        shared_prefix.check(shared, batch, q.device)
     out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0 or batch == 0 or max_q_len == 0:
         return out
+    scale_log2 = float(sm_scale) * math.log2(math.e)
+    mid_out = mid_lse = b_first = b_seq_len            # unread without SHARED
+    mid_strides = (0, 0, 0, 0)
+    if shared is not None:
+        b_first = shared[0]
+        token_first = torch.repeat_interleave(b_first, b_q_len, output_size=tokens)
+        mid_out = torch.empty((tokens, q_heads, 1, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((tokens, q_heads, 1), dtype=torch.float32, device=q.device)
+        shared_prefix.launch(q, kv_layer, req_to_token, (token_first, shared[1]), mid_out, mid_lse, scale_log2,
+                             first_split=0, splits=1, params=shared_prefix.default_launch(q.device))
+        mid_strides = (mid_out.stride(0), mid_out.stride(1), mid_lse.stride(0), mid_lse.stride(1))
     block_d = max(16, triton.next_power_of_2(head_dim))
     on_gpu = q.device.type == "cuda"
     block_m, block_n = (64, 64) if on_gpu else (32, 32)
@@ -129,19 +167,21 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: tor
     _prefill_attention_kernel[grid](
         q, kv_layer, req_to_token, out,
         b_req_row, b_q_start, b_q_len, b_seq_len,
-        float(sm_scale) * math.log2(math.e),
+        scale_log2,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1),
         kv_heads, q_heads // kv_heads, head_dim,
+        b_first, mid_out, mid_lse, *mid_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=upcast_dots(q), WHILE_LOOP=not on_gpu,
-        num_warps=4, num_stages=2, **launch_options(q),
+        SHARED=shared is not None, num_warps=4, num_stages=2, **launch_options(q),
     )
     return out
 
 
 def prefill_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
                           b_req_row: torch.Tensor, b_q_start: torch.Tensor, b_q_len: torch.Tensor,
-                          b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int) -> torch.Tensor:
+                          b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int, shared=None) -> torch.Tensor:
+    """Every new token over all the positions it sees (``shared`` changes only how the kernel walks them)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)

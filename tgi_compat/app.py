@@ -69,6 +69,7 @@ def create_app(settings: ServerSettings, tokenizer, backend: Backend) -> Starlet
     if owns_tokenizer:
         tokenizer = TokenizerAdapter(tokenizer, settings.validation_workers)
     metrics = ServerMetrics(settings.max_input_tokens, settings.max_total_tokens, settings.num_shards)
+    backend.observe_steps(metrics.observe_steps)
     service = GenerateService(settings, tokenizer, backend, metrics)
     handlers = Handlers(settings, service, backend, metrics)
 

@@ -7,18 +7,32 @@ both so that TGI's dashboards and alerts keep working:
 - counters keep TGI's names: `tgi_request_count`, not prometheus_client's `tgi_request_count_total`;
 - there are no `*_created` series (TGI's exporter has none).
 
-Gauges that describe the engine are set from ``backend.stats()`` at scrape time. Extra:
-`tgi_kv_cache_usage` (0..1, TGI issue #3275), `tgi_kv_cache_used_slots` /
-`tgi_kv_cache_total_slots` and `tgi_num_shards`. TGI's per-step batch metrics
-(`tgi_batch_inference_*`, `tgi_batch_forward_duration`, `tgi_batch_next_size`, ...) need
-per-step numbers from the router, which the front end does not receive yet: they are not
-exported rather than exported empty.
+Gauges that describe the engine are set from ``backend.stats()`` at scrape time; TGI's
+per-step batch metrics (`tgi_batch_*`, label `method="prefill"|"decode"`) are observed as
+the router reports its steps (``observe_steps``). A step is "prefill" when it carries
+prompt tokens (chunked prefill mixes them with decode rows, as TGI v3's chunking does);
+`tgi_batch_concat{reason="chunking"}` counts the steps in which new requests joined a
+running batch. Durations: concat = scheduling (admission and the step's rows), forward =
+the shards' time, decode = sampled tokens to token events, filter = freeing finished
+requests, inference = all of a step.
+
+Extra: `tgi_kv_cache_usage` (0..1, TGI issue #3275), `tgi_kv_cache_used_slots` /
+`tgi_kv_cache_total_slots`, `tgi_num_shards`, and the prefix cache's
+`tgi_prefix_cache_tokens` (slots it holds), `tgi_prefix_cache_lookup_tokens` and
+`tgi_prefix_cache_hit_tokens` (prompt tokens of admitted requests, and of those the ones
+taken from the cache: their rates' ratio is the hit rate) and `tgi_prefix_cache_evicted_tokens`.
 """
 from __future__ import annotations
 
 import re
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
@@ -85,9 +99,56 @@ class ServerMetrics:
         self.kv_total_slots = Gauge("tgi_kv_cache_total_slots", "KV cache slots (tokens) in all", registry=r)
         self.num_shards = Gauge("tgi_num_shards", "Tensor-parallel shards", registry=r)
         self.num_shards.set(num_shards)
+        self._batch_metrics(r, seconds)
+        self._prefix_cache_metrics(r)
         self._view = _WithoutCreated(r)
         counters = sorted(f.name for f in self._view.collect() if f.type == "counter")
         self._counter_total = re.compile(rf"^((?:# (?:HELP|TYPE) )?(?:{'|'.join(counters)}))_total\b", re.M)
+
+    def _batch_metrics(self, r: CollectorRegistry, seconds: list[float]) -> None:
+        def by_method(kind, name: str, help_text: str, **extra):
+            return kind(name, help_text, ["method"], registry=r, **extra)
+
+        self.batch_count = by_method(Counter, "tgi_batch_inference_count", "Steps run")
+        self.batch_success = by_method(Counter, "tgi_batch_inference_success", "Steps that succeeded")
+        self.batch_failure = by_method(Counter, "tgi_batch_inference_failure", "Steps that failed")
+        self.batch_durations = {
+            phase: by_method(Histogram, f"tgi_batch_{phase}_duration", help_text, buckets=seconds)
+            for phase, help_text in [
+                ("inference", "A whole step: scheduling to token events (s)"),
+                ("forward", "The shards' time for a step (s)"),
+                ("decode", "Turning a step's sampled tokens into token events (s)"),
+                ("filter", "Freeing the requests that finished in a step (s)"),
+                ("concat", "Scheduling a step: admission and its rows (s)"),
+            ]}
+        self.batch_next_size = Histogram("tgi_batch_next_size", "Rows (requests) in a step",
+                                         buckets=[float(i) for i in range(1, 1025)], registry=r)
+        self.batch_concat = Counter("tgi_batch_concat", "Steps in which requests joined a running batch",
+                                    ["reason"], registry=r)
+
+    def _prefix_cache_metrics(self, r: CollectorRegistry) -> None:
+        self.prefix_cache_tokens = Gauge("tgi_prefix_cache_tokens", "KV slots the prefix cache holds", registry=r)
+        self.prefix_cache_counters = {
+            key: Counter(f"tgi_{key}", help_text, registry=r) for key, help_text in [
+                ("prefix_cache_lookup_tokens", "Prompt tokens of admitted requests"),
+                ("prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache"),
+                ("prefix_cache_evicted_tokens", "Cached tokens evicted to make room"),
+            ]}
+        self._prefix_cache_seen = dict.fromkeys(self.prefix_cache_counters, 0)
+
+    def observe_steps(self, steps: list) -> None:
+        """Record the router's ``StepStats`` (called on the backend's reader thread)."""
+        for step in steps:
+            self.batch_count.labels(method=step.method).inc()
+            if not step.ok:
+                self.batch_failure.labels(method=step.method).inc()
+                continue
+            self.batch_success.labels(method=step.method).inc()
+            for phase, histogram in self.batch_durations.items():
+                histogram.labels(method=step.method).observe(getattr(step, f"{phase}_s"))
+            self.batch_next_size.observe(step.size)
+            if step.joined:
+                self.batch_concat.labels(reason="chunking").inc()
 
     def update_from_stats(self, stats: dict, fallback_capacity: int | None) -> None:
         """Set the engine gauges from a backend's ``stats()`` (queue, batch and KV numbers)."""
@@ -103,6 +164,12 @@ class ServerMetrics:
         self.kv_usage.set(used / slots if slots else 0.0)
         if stats.get("num_shards"):
             self.num_shards.set(stats["num_shards"])
+        self.prefix_cache_tokens.set(stats.get("prefix_cache_tokens", 0))
+        for key, counter in self.prefix_cache_counters.items():
+            total = stats.get(key, 0)
+            if total > self._prefix_cache_seen[key]:        # the router's totals only grow
+                counter.inc(total - self._prefix_cache_seen[key])
+                self._prefix_cache_seen[key] = total
 
     def names(self) -> set[str]:
         """Every metric family this app exports (TGI's names)."""

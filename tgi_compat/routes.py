@@ -1,6 +1,8 @@
 """The HTTP handlers: parse, call the service, format. No generation logic lives here."""
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -99,8 +101,10 @@ class Handlers:
         return JSONBytesResponse(info_json(self.settings, self.backend.stats()))
 
     async def metrics_text(self, request: Request) -> Response:
+        """Rendered on a thread: about 2,000 samples take milliseconds, which the event loop
+        (every stream's tokens) should not wait for."""
         self.metrics.update_from_stats(self.backend.stats(), self.settings.max_batch_total_tokens)
-        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+        return Response(await asyncio.to_thread(self.metrics.render), media_type=METRICS_CONTENT_TYPE)
 
 
 def simple_tokens_json(inputs: str, encoding: Encoding) -> list[dict]:

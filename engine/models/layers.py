@@ -139,8 +139,9 @@ class Attention:
         table, positions = rotary
         ops.rotary_store_kv(q, k, v, positions, table, kv, batch.out_slots)
         if batch.is_decode:
-            out = ops.decode_attention(q, kv, req_to_token, batch.req_rows, batch.seq_len, self.sm_scale)
+            out = ops.decode_attention(q, kv, req_to_token, batch.req_rows, batch.seq_len, self.sm_scale,
+                                       shared=batch.shared_prefix)
         else:
             out = ops.prefill_attention(q, kv, req_to_token, batch.req_rows, batch.q_start, batch.q_len,
-                                        batch.seq_len, self.sm_scale, batch.max_q_len)
+                                        batch.seq_len, self.sm_scale, batch.max_q_len, shared=batch.shared_prefix)
         return self.o(ops, out.reshape(tokens, q_size))

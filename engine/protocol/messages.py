@@ -94,6 +94,9 @@ class StepRow:
     # The request's first row when its prompt starts with a cached prefix (start_pos tokens):
     prefix_slots: list[int] | None = None  # their slots: req_to_token[row, 0:start_pos] (prefix cache)
     prefix_ids: list[int] | None = None    # their token ids, sent only with penalties (they count as prompt)
+    # A decode row of the step's shared-prefix group: positions 0..shared_prefix_len-1 hold the same
+    # slots in every member's req_to_token row (engine.router.shared_prefix, cascade attention)
+    shared_prefix_len: int = 0
 
 
 @dataclass
@@ -111,6 +114,7 @@ class RowResult:
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None   # one per logprob target of the row
+    error: str | None = None      # a request feature failed in the worker (a grammar): the request ends with it
 
 
 @dataclass
@@ -152,6 +156,21 @@ class RouterStatus:
 
 
 @dataclass(frozen=True)
+class StepStats:
+    """One router step's numbers, for TGI's ``tgi_batch_*`` metrics."""
+    method: str               # "prefill" (the step has prompt tokens) | "decode"
+    size: int                 # rows (requests) in the step
+    joined: bool              # requests joined a batch that was already running (a concatenation)
+    concat_s: float           # scheduling: admission and the step's rows
+    forward_s: float          # the shards: from submission (or the previous result, if later) to the result
+    decode_s: float           # sampled tokens -> token events (stop criteria)
+    filter_s: float           # freeing the requests that finished
+    inference_s: float        # scheduling start -> token events
+    ok: bool = True           # False: the shards failed during this step
+
+
+@dataclass(frozen=True)
 class Events:
-    """Router -> front end: every token event of one step."""
+    """Router -> front end: every token event of one step, and the numbers of the steps since the last."""
     events: list
+    steps: list = field(default_factory=list)    # StepStats

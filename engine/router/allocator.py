@@ -84,10 +84,15 @@ class SlotAllocator:
         held = self._held_list(request_id)
         if held:
             raise AllocatorError(f"request {request_id!r} already holds {len(held)} slots; share comes first")
-        for slot in slots:
-            if not self._cached[slot]:
-                raise AllocatorError(f"slot {slot} is not cached: only the prefix cache's slots are shared")
-            self._hold(slot)
+        if not all(map(self._cached.__getitem__, slots)):
+            slot = next(s for s in slots if not self._cached[s])
+            raise AllocatorError(f"slot {slot} is not cached: only the prefix cache's slots are shared")
+        holders, newly = self._holders, 0
+        for slot in slots:              # inlined: thousands of slots per admission behind a long prefix
+            count = holders[slot]
+            newly += count == 0
+            holders[slot] = count + 1
+        self._used += newly
         held.extend(slots)
 
     def allocate(self, request_id, count: int) -> list[int]:
@@ -111,11 +116,6 @@ class SlotAllocator:
             raise AllocatorError(f"request {request_id!r} has no row; call open_request first")
         return held
 
-    def _hold(self, slot: int) -> None:
-        if self._holders[slot] == 0:
-            self._used += 1
-        self._holders[slot] += 1
-
     def held(self, request_id) -> int:
         return len(self._slots_of.get(request_id, ()))
 
@@ -132,13 +132,15 @@ class SlotAllocator:
         if request_id not in self._row_of:
             raise AllocatorError(f"request {request_id!r} holds nothing (released twice?)")
         slots = self._slots_of.pop(request_id)
-        freed = []
+        holders, cached, freed, unused = self._holders, self._cached, [], 0
         for slot in slots:
-            self._holders[slot] -= 1
-            if self._holders[slot] == 0:
-                self._used -= 1
-                if not self._cached[slot]:
+            count = holders[slot] - 1
+            holders[slot] = count
+            if count == 0:
+                unused += 1
+                if not cached[slot]:
                     freed.append(slot)
+        self._used -= unused
         self._free_slots.extend(reversed(freed))
         self._free_rows.append(self._row_of.pop(request_id))
         return len(slots)

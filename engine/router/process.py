@@ -164,8 +164,7 @@ class RouterLoop:
             events = self._on_failure(e)
         except ShardStalled as e:
             events = self._on_stall(e)
-        if events:
-            self._send_events(events)
+        self._send_events(events)
 
     def _on_failure(self, error: ShardFailure) -> list[TokenEvent]:
         """A dead or failed shard: unhealthy for good, every request ends with the error."""
@@ -204,7 +203,10 @@ class RouterLoop:
             self._send_events(self._on_failure(e))
 
     def _send_events(self, events: list[TokenEvent]) -> None:
-        self.conn.send_bytes(encode(Events(events)))
+        """The events, with the numbers of the steps collected since the last message (if any)."""
+        steps = self.router.take_stats()
+        if events or steps:
+            self.conn.send_bytes(encode(Events(events, steps)))
 
     def _send_status(self, force: bool = False) -> None:
         scheduler = self.router.scheduler

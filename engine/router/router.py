@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
-from engine.protocol.messages import GenerationRequest, Step, StepResult, TokenEvent
+from engine.protocol.messages import (
+    FED_BACK,
+    GenerationRequest,
+    Step,
+    StepResult,
+    StepStats,
+    TokenEvent,
+)
 from engine.router.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
@@ -43,12 +52,32 @@ class LocalShards:
         return self._launched.popleft().result()
 
 
+@dataclass
+class _Flight:
+    """A submitted step and its timestamps (``time.perf_counter``)."""
+    step: Step
+    started: float            # scheduling began
+    submitted: float          # handed to the shards
+
+    @property
+    def method(self) -> str:
+        return "prefill" if any(row.input_ids[:1] != [FED_BACK] for row in self.step.rows) else "decode"
+
+    @property
+    def joined(self) -> bool:
+        """New requests (rows that carry their sampling parameters) beside rows already running."""
+        new = sum(row.params is not None for row in self.step.rows)
+        return 0 < new < len(self.step.rows)
+
+
 class Router:
     def __init__(self, scheduler: Scheduler, shards: Shards, eos_token_ids: tuple[int, ...]):
         self.scheduler = scheduler
         self.shards = shards
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._in_flight: deque[Step] = deque()
+        self._in_flight: deque[_Flight] = deque()
+        self._last_result = 0.0                 # when the previous step's result came back
+        self._stats: list[StepStats] = []
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request; ValueError if it can never fit (too long for the limits)."""
@@ -69,11 +98,12 @@ class Router:
 
     def step(self, timeout: float | None = None) -> list[TokenEvent]:
         """Submit the next step, then collect the oldest in flight once two are (or nothing new came)."""
+        started = time.perf_counter()
         step = self.scheduler.schedule()
         submitted = bool(step.rows or step.released)
         if submitted:
             self.shards.submit(step)
-            self._in_flight.append(step)
+            self._in_flight.append(_Flight(step, started, time.perf_counter()))
         if not self._in_flight or (submitted and len(self._in_flight) < 2):
             return []
         return self.collect(timeout)
@@ -82,11 +112,38 @@ class Router:
         """The token events of the oldest step in flight. With ``timeout``, the shards may raise
         ``ShardStalled`` (engine.router.process) when no result came: the step stays in flight."""
         result = self.shards.collect(timeout)
+        arrived = time.perf_counter()
         done = self._in_flight.popleft()
-        return [self._event(request, res, reason) for request, res, reason in self.scheduler.process(done, result)]
+        processed = self.scheduler.process(done.step, result)
+        events = [self._event(request, res, reason) for request, res, reason in processed]
+        if done.step.rows:
+            self._record(done, arrived)
+        self._last_result = arrived
+        return events
+
+    def take_stats(self) -> list[StepStats]:
+        """The numbers of the steps collected (or failed) since the last call."""
+        stats, self._stats = self._stats, []
+        return stats
+
+    def _record(self, done: _Flight, arrived: float) -> None:
+        finished = time.perf_counter()
+        filter_s = self.scheduler.last_filter_s
+        self._stats.append(StepStats(
+            method=done.method, size=len(done.step.rows), joined=done.joined,
+            concat_s=done.submitted - done.started,
+            forward_s=arrived - max(done.submitted, self._last_result),
+            decode_s=finished - arrived - filter_s, filter_s=filter_s, inference_s=finished - done.started))
 
     def fail_all(self, message: str) -> list[TokenEvent]:
         """End every queued and running request with an error (a shard died: nothing more comes back)."""
+        now = time.perf_counter()
+        for flight in self._in_flight:
+            if flight.step.rows:
+                self._stats.append(StepStats(
+                    method=flight.method, size=len(flight.step.rows), joined=flight.joined,
+                    concat_s=flight.submitted - flight.started, forward_s=0.0, decode_s=0.0, filter_s=0.0,
+                    inference_s=now - flight.started, ok=False))
         self._in_flight.clear()
         return self.abort_all(message)
 
@@ -99,6 +156,8 @@ class Router:
 
     @staticmethod
     def _event(request: Request, res, reason: str | None) -> TokenEvent:
+        if res.error is not None:
+            return TokenEvent(request_id=request.request_id, error=res.error)
         first = len(request.generated) == 1
         return TokenEvent(
             request_id=request.request_id, token_id=res.token_id, logprob=res.logprob,

@@ -33,12 +33,14 @@ Prefix cache (``engine.router.prefix_cache``, on unless ``prefix_caching=False``
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, StepResult, StepRow
 from engine.router.allocator import SlotAllocator
 from engine.router.prefix_cache import Match, PrefixCache, TreeNode, common_prefix_length
+from engine.router.shared_prefix import SharedPrefixes
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class Request:
     waited_steps: int = 0
     prompt_logprobs: list[float | None] | None = None
     pending: int = 0                   # tokens sampled by steps in flight, not yet seen
+    decoding: bool = False             # a decode row was planned (it joined its shared-prefix group by then)
     cached_prefix: int = 0             # prompt tokens taken from the prefix cache at admission
     cached_len: int = 0                # leading tokens whose slots lie on the lock path (in the tree)
     lock_node: TreeNode | None = None  # the prefix cache node this request locks (with its ancestors)
@@ -98,9 +101,11 @@ class Scheduler:
         self.allocator = allocator
         self.config = config
         self.cache = PrefixCache(allocator) if config.prefix_caching else None
+        self.shared = SharedPrefixes() if self.cache is not None else None   # cascade attention's groups
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._released: list[int] = []
+        self.last_filter_s = 0.0        # the last ``process`` call's time freeing finished requests
         log.info("prefix caching %s", "on" if self.cache is not None else "off (--prefix-caching false / PREFIX_CACHING=0)")
 
     def prefix_cache_status(self) -> dict[str, int]:
@@ -155,6 +160,8 @@ class Scheduler:
                     rows.append(row)
             elif request.remaining > 0:
                 rows.append(self._decode_row(request))
+        if self.shared is not None and rows:
+            self.shared.mark(rows)
         released, self._released = self._released, []
         return Step(rows=rows, released=released)
 
@@ -189,7 +196,8 @@ class Scheduler:
                 break
             match = self._match(request)
             fits = not self._should_wait_for_a_prefill(request, match) and self.allocator.free_rows > 0
-            if fits and usage(pinned.trial(request, match)) <= self.allocator.num_slots:
+            capacity = self.allocator.num_slots
+            if fits and (pinned.bound(request, match) <= capacity or usage(pinned.trial(request, match)) <= capacity):
                 pinned.commit(request, match, self._start(request, match))
                 budget -= len(request.prompt_ids) - match.length
                 continue
@@ -229,6 +237,8 @@ class Scheduler:
             slots = match.slots
             request.lock_node = self.cache.lock(match)
             self.allocator.share(request.request_id, slots)
+            if match.length:
+                self.shared.join(request.request_id, slots)     # its prompt chunks can take the prefix once
             self.cache.stats.lookup_tokens += len(request.prompt_ids)
             self.cache.stats.hit_tokens += match.length
         request.prefilled = request.cached_len = request.cached_prefix = match.length
@@ -277,6 +287,11 @@ class Scheduler:
 
     def _decode_row(self, request: Request) -> StepRow:
         """Feeds the request's newest token (sampled by the worker, maybe still in flight)."""
+        if self.shared is not None and not request.decoding:
+            request.decoding = True                   # the first decode row: the prompt's slots are all known
+            if not self.shared.is_member(request.request_id):
+                prompt = len(request.prompt_ids) - 1
+                self.shared.join(request.request_id, self.allocator.slots(request.request_id)[:prompt])
         row = StepRow(
             request_id=request.request_id, row=self.allocator.row(request.request_id),
             start_pos=request.held_tokens - 1, input_ids=[FED_BACK],
@@ -293,7 +308,7 @@ class Scheduler:
         Returns (request, row result, finish reason or None) for each generated token.
         """
         by_id = {r.request_id: r for r in self.running}
-        events = []
+        events, finished = [], []
         for row, res in zip(step.rows, result.rows):
             request = by_id.get(row.request_id)
             if request is None:
@@ -302,14 +317,22 @@ class Scheduler:
                 if request.prompt_logprobs is None:
                     request.prompt_logprobs = [None]
                 request.prompt_logprobs.extend(res.prompt_logprobs)
+            if res.error is not None:
+                finished.append(request)              # no token: the request ends with the error
+                events.append((request, res, None))
+                continue
             if res.token_id is None:
                 continue
             request.pending -= 1
             request.generated.append(res.token_id)
             reason = self._stop_reason(request, res.token_id)
             if reason:
-                self._finish(request)
+                finished.append(request)
             events.append((request, res, reason))
+        started = time.perf_counter()
+        for request in finished:
+            self._finish(request)
+        self.last_filter_s = time.perf_counter() - started
         return events
 
     @staticmethod
@@ -322,6 +345,8 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
+        if self.shared is not None:
+            self.shared.leave(request.request_id)
         if self.cache is not None:
             self._cache_finished(request)
         self.allocator.release(request.request_id)
@@ -347,6 +372,7 @@ class Scheduler:
         self.allocator.check_integrity()
         if self.cache is None:
             return
+        self.shared.check({r.request_id for r in self.running})
         expected: dict[int, int] = {}
         for request in self.running:
             path = list(request.lock_node.path_to_root())
@@ -386,6 +412,7 @@ class PinnedTokens:
                 life = self.entries[r.request_id][0]
                 path = [(node, len(node.slots)) for node in r.lock_node.path_to_root()]
                 self._apply(r.request_id, life, r.lock_node, self._claims(life, path))
+        self.reserved = sum(e[1] + e[3] for e in self.entries.values())   # reserved_usage of the entries
 
     def _entry(self, request: Request, tokens: int, prefilled: int) -> list[int]:
         """[L, R, delay, growth] of a request (in running order: prompt chunks are planned first
@@ -419,6 +446,16 @@ class PinnedTokens:
             if current is None or remaining > current[0]:
                 self.owner[node] = (remaining, request_id)
 
+    def bound(self, request: Request, match: Match) -> int:
+        """``reserved_usage`` with the candidate, in O(its match path): an upper bound of the peak
+        (a request never holds more than R + growth), so a candidate within it fits without
+        ``peak_usage`` over every entry (which admitting hundreds of requests at once made
+        quadratic)."""
+        entry = self._entry(request, request.held_tokens - match.length, match.length)
+        self.queued_prompt -= len(request.prompt_ids) - match.length    # only a trial
+        added, taken = self._claims(entry[0], match.path)
+        return self.reserved + entry[1] + added + entry[3] - sum(taken.values())
+
     def trial(self, request: Request, match: Match) -> list[tuple]:
         entry = self._entry(request, request.held_tokens - match.length, match.length)
         self.queued_prompt -= len(request.prompt_ids) - match.length    # only a trial
@@ -436,6 +473,7 @@ class PinnedTokens:
         if match.path and match.path[-1][0] is not lock_node and match.path[-1][0] in self.owner:
             self.owner[lock_node] = self.owner[match.path[-1][0]]     # the split-off upper part
         self._apply(request.request_id, entry[0], lock_node, claims)
+        self.reserved += entry[1] + entry[3] - sum(claims[1].values())
 
 
 def _longest_first(request: tuple) -> int:

@@ -114,7 +114,7 @@ class GrammarMatcher:
         self.eos_ids = eos_ids
         self._failure = failure
         if self.error is not None:
-            log.error("grammar failed in the worker; the request ends with EOS")
+            log.error("grammar failed in the worker; the request ends with an error")
             log.debug("grammar failure: %s", self.error)       # may quote the request's grammar
 
     @property

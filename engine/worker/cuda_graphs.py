@@ -6,6 +6,11 @@ buffer and one copy:
     inputs[0]  input ids      inputs[3]  request rows (padding: the dummy row)
     inputs[1]  positions      inputs[4]  sequence lengths (padding: 1)
     inputs[2]  KV slots (padding: the dummy slot)
+    inputs[5]  shared prefix length of each row (0: none; padding 0)
+    inputs[6]  [0] a shared-prefix member's row, [1] the shared prefix length (0 0: no group)
+
+Buckets of at least ``SHARED_PREFIX_MIN_ROWS`` capture the shared-prefix (cascade) kernel;
+it does nothing in a step without a group.
 
 An input id of ``FED_BACK`` is replaced, inside the graph, by ``last_tokens[row]`` (the
 token the previous step sampled for the row, still on the device). Two host buffers take
@@ -23,10 +28,11 @@ import logging
 import torch
 
 from engine.protocol.messages import FED_BACK, Step
-from engine.worker.forward_batch import ForwardBatch
+from engine.worker.forward_batch import SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs
 
 log = logging.getLogger(__name__)
 
+INPUT_ROWS = 7
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -40,10 +46,10 @@ class PaddedDecoder:
         self.buckets = chosen
         device = kv_cache.req_to_token.device
         size = self.buckets[-1]
-        self.hosts = [torch.empty((5, size), dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.hosts = [torch.empty((INPUT_ROWS, size), dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self.copied = [torch.cuda.Event(), torch.cuda.Event()]     # each host buffer's copy has run
         self.turn = 0
-        self.inputs = torch.empty((5, size), dtype=torch.int64, device=device)
+        self.inputs = torch.empty((INPUT_ROWS, size), dtype=torch.int64, device=device)
         self.q_start = torch.arange(size, dtype=torch.int32, device=device)
         self.q_len = torch.ones(size, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -82,13 +88,18 @@ class PaddedDecoder:
         host[2, :count] = torch.tensor([r.slots[0] for r in rows])
         host[3, :count] = torch.tensor([r.row for r in rows])
         host[4, :count] = host[1, :count] + 1
+        lengths, source = shared_prefix_inputs(rows)
+        host[5, :count] = torch.tensor(lengths)
+        host[6, :2] = torch.tensor(source)
         self._pad(count, size)
 
     def _pad(self, start: int, size: int) -> None:
         pad = self.host[:, start:size]
-        pad[0], pad[1], pad[4] = 0, 0, 1
+        pad[0], pad[1], pad[4], pad[5] = 0, 0, 1, 0
         pad[2] = self.kv_cache.num_slots      # the dummy slot
         pad[3] = self.kv_cache.max_requests   # the dummy row
+        if start == 0:
+            self.host[6, :2] = 0
 
     def _forward(self, size: int) -> torch.Tensor:
         x = self.inputs
@@ -98,6 +109,8 @@ class PaddedDecoder:
             input_ids=input_ids, positions=x[1, :size], out_slots=x[2, :size],
             req_rows=rows.to(torch.int32), q_start=self.q_start[:size], q_len=self.q_len[:size],
             seq_len=x[4, :size].to(torch.int32), max_q_len=1, is_decode=True,
+            shared_prefix=(x[5, :size].to(torch.int32), x[6, :2].to(torch.int32))
+            if size >= SHARED_PREFIX_MIN_ROWS else None,
         )
         return self.model.compute_logits(self.model.forward(batch, self.kv_cache))
 

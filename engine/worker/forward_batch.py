@@ -24,3 +24,16 @@ class ForwardBatch:
     seq_len: torch.Tensor     # [B] int32, cached + new tokens
     max_q_len: int            # host copy of max(q_len)
     is_decode: bool           # every row has exactly one new token
+    # (prefix length of each row [B] int32: P or 0, (a member's row, P) [2] int32) of the rows whose
+    # first P positions share their slots (kernels.shared_prefix, cascade attention)
+    shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+SHARED_PREFIX_MIN_ROWS = 8    # smaller batches (and CUDA graph buckets) attend to every prefix per row
+
+
+def shared_prefix_inputs(rows) -> tuple[list[int], list[int]]:
+    """The host values of ``shared_prefix`` for a step's rows: ([P or 0 per row], [source row, P])."""
+    lengths = [r.shared_prefix_len for r in rows]
+    source = next((r for r in rows if r.shared_prefix_len), None)
+    return lengths, ([source.row, source.shared_prefix_len] if source is not None else [0, 0])

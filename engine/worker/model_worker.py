@@ -20,7 +20,7 @@ from engine.sampling.sampler import RowSampling, Sampler
 from engine.sampling.watermark import WatermarkConfig
 from engine.transfer import to_device
 from engine.worker.cuda_graphs import PaddedDecoder
-from engine.worker.forward_batch import ForwardBatch
+from engine.worker.forward_batch import SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs
 from engine.worker.kv_cache import KVCache
 from weights.checkpoint import open_checkpoint
 
@@ -262,11 +262,16 @@ class ModelWorker:
         ids_t = to_device(ids, torch.int64, dev)
         if FED_BACK in ids:
             ids_t = torch.where(ids_t == FED_BACK, self.last_tokens[token_rows_t], ids_t)
+        is_decode = max(q_len) == 1
+        shared = None
+        if len(step.rows) >= SHARED_PREFIX_MIN_ROWS and any(r.shared_prefix_len for r in step.rows):
+            lengths, source = shared_prefix_inputs(step.rows)
+            shared = (to_device(lengths, torch.int32, dev), to_device(source, torch.int32, dev))
         return ForwardBatch(
             input_ids=ids_t, positions=positions_t, out_slots=slots_t,
             req_rows=to_device([r.row for r in step.rows], torch.int32, dev), q_start=to_device(q_start, torch.int32, dev),
             q_len=to_device(q_len, torch.int32, dev), seq_len=to_device(seq_len, torch.int32, dev),
-            max_q_len=max(q_len), is_decode=max(q_len) == 1,
+            max_q_len=max(q_len), is_decode=is_decode, shared_prefix=shared,
         )
 
     def _decode_with_graphs(self, step: Step) -> tuple[list[int], torch.Tensor]:
@@ -331,6 +336,8 @@ class ModelWorker:
             state.num_tokens += 1
             if state.grammar is not None:
                 state.grammar.advance(token)
+                if state.grammar.error is not None:
+                    res.error = f"Request failed during generation: the grammar failed: {state.grammar.error}"
 
     def _prompt_logprobs(self, step: Step, hidden, offsets: list[int], results: list[RowResult]) -> None:
         for i, r in enumerate(step.rows):

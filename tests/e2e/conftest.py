@@ -143,6 +143,9 @@ class CountingBackend:
     def stats(self):
         return self.backend.stats()
 
+    def observe_steps(self, observer):
+        self.backend.observe_steps(observer)
+
     async def generate(self, request):
         finished = False
         try:
@@ -189,6 +192,9 @@ class GatedBackend:
 
     def stats(self):
         return self.backend.stats()
+
+    def observe_steps(self, observer):
+        self.backend.observe_steps(observer)
 
     async def generate(self, request):
         self.waiting += 1

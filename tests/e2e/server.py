@@ -30,15 +30,16 @@ class LaunchedServer:
     def __init__(self, model_dir: str | Path, *args: str, env: dict | None = None, port: int | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, str(REPO / "launcher.py"), "--model-id", str(model_dir), "--hostname", "127.0.0.1",
+        repo = Path(os.environ.get("LAUNCHER_REPO", REPO)).resolve()    # benchmarks: another tree's launcher
+        cmd = [sys.executable, str(repo / "launcher.py"), "--model-id", str(model_dir), "--hostname", "127.0.0.1",
                "--port", str(self.port), *args, *shlex.split(os.environ.get("E2E_SERVER_ARGS", ""))]
         child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         # The repo first, then the caller's path (the GPU script puts its wheels there).
-        python_path = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
+        python_path = os.pathsep.join(p for p in [str(repo), os.environ.get("PYTHONPATH", "")] if p)
         child_env.update({"PYTHONPATH": python_path, "HF_HUB_OFFLINE": "1", **(env or {})})
         self.log_path = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"server-{self.port}.log"
         self.log = open(self.log_path, "w+")
-        self.process = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=self.log, stderr=subprocess.STDOUT,
+        self.process = subprocess.Popen(cmd, cwd=repo, env=child_env, stdout=self.log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
 
     def wait_healthy(self, timeout: float | None = None) -> "LaunchedServer":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 import requests
 
@@ -43,6 +44,9 @@ class UnhealthyBackend:
     def stats(self):
         return self.backend.stats()
 
+    def observe_steps(self, observer):
+        self.backend.observe_steps(observer)
+
     def generate(self, request):
         return self.backend.generate(request)
 
@@ -61,12 +65,23 @@ def metric(text: str, name: str) -> float:
     return float(match.group(1))
 
 
+def settled_metrics(url: str) -> str:
+    """/metrics once the last step's numbers are in (they are recorded just after its events)."""
+    deadline = time.monotonic() + 5
+    while True:
+        text = requests.get(url + "/metrics", timeout=10).text
+        steps = sum(metric(text, f'tgi_batch_inference_success{{method="{m}"}}') for m in ("prefill", "decode"))
+        if metric(text, "tgi_batch_next_size_count") == steps or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
 def test_metrics_count_requests(hf_tokenizer, engine_backend):
     with serve(create_app(make_settings(num_shards=1), hf_tokenizer, engine_backend)) as url:
         for _ in range(2):
             requests.post(url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 3}}, timeout=30)
         requests.post(url + "/generate", json={"inputs": "hello", "parameters": {"top_k": 0}}, timeout=30)
-        text = requests.get(url + "/metrics", timeout=10).text
+        text = settled_metrics(url)
     assert metric(text, "tgi_request_count") == 3 and metric(text, "tgi_request_success") == 2
     assert metric(text, 'tgi_request_failure{err="validation"}') == 1
     assert metric(text, "tgi_request_duration_count") == 2
@@ -74,6 +89,14 @@ def test_metrics_count_requests(hf_tokenizer, engine_backend):
     assert metric(text, "tgi_request_input_length_count") == 2
     assert metric(text, "tgi_batch_max_total_tokens") == 4096
     assert 0.0 <= metric(text, "tgi_kv_cache_usage") <= 1.0 and metric(text, "tgi_num_shards") == 1
+    # the router's steps: both requests prefilled in a step of their own, then decoded
+    assert metric(text, 'tgi_batch_inference_count{method="prefill"}') >= 2
+    assert metric(text, 'tgi_batch_inference_success{method="decode"}') >= 2
+    steps = sum(metric(text, f'tgi_batch_inference_success{{method="{m}"}}') for m in ("prefill", "decode"))
+    assert metric(text, "tgi_batch_next_size_count") == steps and metric(text, 'tgi_batch_next_size_bucket{le="1.0"}') == steps
+    assert metric(text, 'tgi_batch_forward_duration_count{method="prefill"}') >= 2
+    # the second request found the first one's prompt in the prefix cache
+    assert 0 < metric(text, "tgi_prefix_cache_hit_tokens") < metric(text, "tgi_prefix_cache_lookup_tokens")
 
 
 def test_tokenize(server_url, hf_tokenizer):

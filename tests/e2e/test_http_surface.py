@@ -215,5 +215,17 @@ def test_grafana_dashboard_queries_only_exported_metrics(url):
     families = exported(url)
     used = dashboard_series(json.loads(DASHBOARD.read_text()))
     assert not {series for series in used if not is_exported(series, families)}
-    assert {"tgi_request_duration_bucket", "tgi_queue_size", "tgi_kv_cache_usage"} <= used
-    assert not is_exported("tgi_batch_forward_duration_bucket", families)     # the check can fail
+    assert {"tgi_request_duration_bucket", "tgi_queue_size", "tgi_kv_cache_usage", "tgi_batch_forward_duration_bucket",
+            "tgi_prefix_cache_hit_tokens"} <= used
+    assert not is_exported("tgi_batch_forward_latency_bucket", families)     # the check can fail
+
+
+def test_grafana_queries_are_balanced():
+    """Every PromQL query closes what it opens (a stray parenthesis makes Grafana show nothing)."""
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel.get("targets", []):
+            depth = 0
+            for char in target["expr"]:
+                depth += {"(": 1, ")": -1}.get(char, 0)
+                assert depth >= 0, (panel["title"], target["expr"])
+            assert depth == 0, (panel["title"], target["expr"])

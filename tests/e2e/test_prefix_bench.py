@@ -13,5 +13,8 @@ def test_prefix_bench_measures_both_servers_on_the_same_prompts(capsys):
         assert [turn["count"] for turn in run["multiturn_ttft_s"]] == [2, 2]
     on, off = results["cache_on"]["shared"], results["cache_off"]["shared"]
     assert on["input_tokens"] == off["input_tokens"]            # the same prompts on both servers
+    assert on["server"]["prefill_steps"] >= 1 and on["server"]["decode_steps"] >= 3 and on["server"]["queue_ms"] > 0
+    assert on["server"]["validation_ms"] > 0
     table = capsys.readouterr().out
     assert "shared prefix: TTFT p50 / p99 (ms)" in table and "multi-turn, turn 2" in table
+    assert "cache on" in table and "cache off" in table and "decode steps, mean forward ms" in table

@@ -1,6 +1,7 @@
 """--rope-scaling / --rope-factor through the launched server: a prompt longer than the
 checkpoint's context gets the greedy tokens transformers computes with that rope_scaling."""
 import json
+from pathlib import Path
 
 import pytest
 import requests
@@ -26,10 +27,23 @@ def short_context_model(tmp_path_factory):
     return model_dir
 
 
+def with_rope_scaling(model_dir: Path, kind: str, factor: float) -> Path:
+    """The checkpoint beside itself with `rope_scaling` in its config.json (transformers 4 and 5 both
+    read it there; 5 keeps rope parameters elsewhere on the config object)."""
+    scaled = model_dir.parent / f"{model_dir.name}-{kind}-{factor}"
+    scaled.mkdir(exist_ok=True)
+    for item in model_dir.iterdir():
+        if item.name != "config.json" and not (scaled / item.name).exists():
+            (scaled / item.name).symlink_to(item)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": kind, "type": kind, "factor": factor}
+    (scaled / "config.json").write_text(json.dumps(config))
+    return scaled
+
+
 def transformers_greedy(model_dir, kind: str, factor: float, prompt_ids: list[int]) -> list[int]:
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    config.rope_scaling = {"rope_type": kind, "factor": factor}
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, config=config, torch_dtype=torch.float32,
+    model = transformers.AutoModelForCausalLM.from_pretrained(with_rope_scaling(Path(model_dir), kind, factor),
+                                                              torch_dtype=torch.float32,
                                                               attn_implementation="eager").eval()
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,

@@ -66,3 +66,50 @@ def test_decode_attention_rejects_bad_arguments(device):
         decode_attention(q, kv_layer, table, rows, torch.cat([seq_len, seq_len[:1]]), scale)
     with pytest.raises(ValueError, match="num_splits must be None or an int in 1..64"):
         decode_attention(q, kv_layer, table, rows, seq_len, scale, num_splits=0)
+
+
+def share_a_prefix(table, rows, members: list[int], prefix: int):
+    """Point the first ``prefix`` positions of the member requests at the first member's slots
+    (what the prefix cache does); returns (b_prefix_len, source) for ``decode_attention``."""
+    source_row = rows[members[0]]
+    for m in members[1:]:
+        table[rows[m], :prefix] = table[source_row, :prefix]
+    first = torch.zeros(len(rows), dtype=torch.int32, device=table.device)
+    first[members] = prefix
+    return first, torch.tensor([int(source_row), prefix], dtype=torch.int32, device=table.device)
+
+
+SHARED_CASES = {
+    # lengths, members, prefix length
+    "some rows share": ([40, 33, 1, 50, 41, 7, 45, 36], [0, 1, 3, 4, 6, 7], 30),
+    "every row, prefix but one token": ([31] * 5, [0, 1, 2, 3, 4], 30),
+    "more rows than one program's tile": ([70 + i % 5 for i in range(70)], list(range(1, 70, 2)), 64),
+    "no group": ([5, 9, 12], [0], 0),
+}
+if ON_GPU:
+    SHARED_CASES["3k prefix, 256 rows"] = ([3000 + i % 60 for i in range(256)], list(range(256)), 2990)
+
+
+@pytest.mark.parametrize("case", list(SHARED_CASES))
+@pytest.mark.parametrize("q_heads,kv_heads", GQA)
+def test_a_shared_prefix_gives_the_same_attention(device, case, q_heads, kv_heads):
+    """Cascade attention: the shared prefix walked once for all its requests, the rest per request."""
+    lengths, members, prefix = SHARED_CASES[case]
+    tile = 64 // (q_heads // kv_heads)          # requests per shared-prefix program (kernels.decode_attention)
+    if len(lengths) > tile + 8:                 # a few more than one tile: fast under the interpreter
+        lengths, members = lengths[: tile + 8], [m for m in members if m < tile + 8]
+    head_dim = HEAD_DIMS[-1]
+    q, kv_layer, table, rows, seq_len, scale = decode_inputs(lengths, q_heads, kv_heads, head_dim,
+                                                             torch.bfloat16, device)
+    shared = share_a_prefix(table, rows.tolist(), members, prefix)
+    out = decode_attention(q, kv_layer, table, rows, seq_len, scale, shared=shared)
+    expected = decode_attention_ref(q, kv_layer, table, rows, seq_len, scale)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, atol=ATTENTION_TOL[torch.bfloat16][0], rtol=ATTENTION_TOL[torch.bfloat16][1])
+
+
+def test_a_shared_prefix_is_checked(device):
+    q, kv_layer, table, rows, seq_len, scale = decode_inputs([3, 4], 4, 2, 16, torch.float16, device)
+    with pytest.raises(ValueError, match="shared prefix lengths"):
+        decode_attention(q, kv_layer, table, rows, seq_len, scale,
+                         shared=(seq_len[:1], torch.zeros(2, dtype=torch.int32, device=device)))

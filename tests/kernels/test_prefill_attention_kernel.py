@@ -79,3 +79,35 @@ def test_prefill_attention_rejects_bad_arguments(device):
         prefill_attention(q, kv_layer, table, rows, starts, lens[:1], seq_lens, scale, max_len)
     with pytest.raises(ValueError, match="max_q_len must be a host int"):
         prefill_attention(q, kv_layer, table, rows, starts, lens, seq_lens, scale, lens.max())
+
+
+SHARED_PREFILL = {
+    # new tokens, cached prefix per request, members, shared prefix length
+    "chunks and decode rows behind one prefix": ([7, 1, 20, 3, 1], [40, 45, 31, 50, 12], [0, 1, 2, 3], 30),
+    "more tokens than one program's tile": ([40, 33, 1], [35, 35, 60], [0, 1, 2], 35),
+    "no group": ([4, 2], [10, 3], [0], 0),
+}
+if ON_GPU:
+    SHARED_PREFILL["3k prefix, 100 chunks"] = ([16 + i % 48 for i in range(100)], [3000] * 100, list(range(100)), 3000)
+
+
+@pytest.mark.parametrize("case", list(SHARED_PREFILL))
+@pytest.mark.parametrize("q_heads,kv_heads", GQA)
+def test_a_shared_prefix_gives_the_same_prefill_attention(device, case, q_heads, kv_heads):
+    """Cascade attention in prefill: members' new tokens take the shared prefix from the shared-prefix
+    kernel, the rest (their own positions, causal) from the prefill kernel."""
+    q_lens, prefixes, members, prefix = SHARED_PREFILL[case]
+    q, kv_layer, table, rows, q_start, q_len, seq_len, scale, max_q_len = prefill_inputs(
+        q_lens, prefixes, q_heads, kv_heads, HEAD_DIMS[-1], torch.bfloat16, device)
+    source_row = int(rows[members[0]])
+    for m in members[1:]:
+        table[rows[m], :prefix] = table[source_row, :prefix]
+    first = torch.zeros(len(q_lens), dtype=torch.int32, device=device)
+    first[members] = prefix
+    shared = (first, torch.tensor([source_row, prefix], dtype=torch.int32, device=device))
+    args = (q, kv_layer, table, rows, q_start, q_len, seq_len, scale, max_q_len)
+    out = prefill_attention(*args, shared=shared)
+    expected = prefill_attention_ref(*args)
+    assert out.isfinite().all()
+    atol, rtol = ATTENTION_TOL[torch.bfloat16]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)

@@ -209,11 +209,12 @@ def test_mixed_batch_leaves_unconstrained_greedy_tokens_unchanged(demo_engine, d
         assert [e.token_id for e in mixed[r.request_id]] == [e.token_id for e in alone[r.request_id]]
 
 
-def test_a_grammar_that_fails_in_the_worker_ends_its_request_and_leaks_nothing(demo_engine, demo_tokenizer):
+def test_a_grammar_that_fails_in_the_worker_ends_its_request_with_an_error_and_leaks_nothing(demo_engine, demo_tokenizer):
     bad = GenerationRequest(1, demo_tokenizer("x = ")["input_ids"], 16, grammar_params("regex", "a(b"))
     good = GenerationRequest(2, demo_tokenizer("def ")["input_ids"], 8, stop_token_ids=[])
     out = demo_engine.generate([bad, good])
-    assert [(e.token_id, e.finish_reason) for e in out[1]] == [(DEMO_EOS, "eos_token")]
+    (failed,) = out[1]
+    assert failed.error.startswith("Request failed during generation: the grammar failed") and failed.token_id == -1
     assert len(out[2]) == 8
     assert demo_engine.kv_usage()[0] == 0
     demo_engine.allocator.check_integrity()

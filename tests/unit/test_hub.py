@@ -96,15 +96,23 @@ def _raise(exception):
     return fake
 
 
+def hub_error(cls: type, message: str) -> Exception:
+    """A huggingface_hub error as the hub raises it, without a response (huggingface_hub 1.x and
+    later require one in the constructor; 0.x does not)."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    return error
+
+
 @pytest.mark.parametrize("exception,message", [
-    (errors.GatedRepoError("403 gated"), "org/m is gated: accept its license on huggingface.co and set HF_TOKEN"),
-    (errors.RepositoryNotFoundError("404"), "org/m was not found on the hub: check the id"),
-    (errors.RevisionNotFoundError("404 rev"), "org/m has no revision 'v9': check --revision"),
-    (errors.LocalEntryNotFoundError("cannot reach"), "org/m (revision v9) could not be downloaded: the hub is "
+    (hub_error(errors.GatedRepoError, "403 gated"), "org/m is gated: accept its license on huggingface.co and set HF_TOKEN"),
+    (hub_error(errors.RepositoryNotFoundError, "404"), "org/m was not found on the hub: check the id"),
+    (hub_error(errors.RevisionNotFoundError, "404 rev"), "org/m has no revision 'v9': check --revision"),
+    (hub_error(errors.LocalEntryNotFoundError, "cannot reach"), "org/m (revision v9) could not be downloaded: the hub is "
                                                      "unreachable and the model is not in the cache"),
     (ConnectionError("connection reset\nby peer"), "org/m (revision v9) could not be downloaded (ConnectionError: "
                                                    "connection reset by peer)"),
-    (errors.HfHubHTTPError("500 Server Error"), "could not be downloaded (HfHubHTTPError: 500 Server Error)"),
+    (hub_error(errors.HfHubHTTPError, "500 Server Error"), "could not be downloaded (HfHubHTTPError: 500 Server Error)"),
 ])
 def test_hub_failures_are_one_clear_line(monkeypatch, exception, message):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", _raise(exception))
@@ -147,7 +155,7 @@ def test_model_info_is_best_effort(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub, "model_info", lambda repo, **kw: seen.append((repo, kw)) or Info())
     assert model_info("org/m", "v1", token="t", offline=False) == (SHA, "text-generation")
     assert seen == [("org/m", dict(revision="v1", token="t", timeout=5))]
-    monkeypatch.setattr(huggingface_hub, "model_info", _raise(errors.RepositoryNotFoundError("404")))
+    monkeypatch.setattr(huggingface_hub, "model_info", _raise(hub_error(errors.RepositoryNotFoundError, "404")))
     assert model_info("org/m", offline=False) == (None, None)
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.protocol.messages import SamplingParams
+from engine.protocol.messages import FED_BACK, SamplingParams
 from tests.tiny_models import FAMILIES, load_hf, save_tiny_model
 
 NEW_TOKENS = 32
@@ -95,3 +95,37 @@ def test_prompt_logprobs_match_transformers(tmp_path):
     assert got[0] is None and len(got) == len(prompt)
     assert got[1:] == pytest.approx(expected[1:], abs=1e-4)
     assert out[1].prompt_logprobs is None
+
+
+def test_requests_behind_a_shared_prefix_match_transformers_through_the_cascade_kernel(tmp_path):
+    """Nine requests behind one 70-token prefix (the prefix cache shares its slots): their prompt
+    chunks and decode rows attend to it once for all (the shared-prefix kernel), and every token
+    is transformers'."""
+    path = save_tiny_model("llama3", tmp_path / "llama3")
+    hf = load_hf(path).to(DEVICE)
+    engine = Engine(EngineConfig(model_dir=str(path), device=DEVICE, kernel_backend="triton", num_slots=1024,
+                                 dtype="float32", max_requests=10, max_prefill_tokens=256))
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 384, (70,), generator=g).tolist()
+    all_prompts = [prefix + torch.randint(3, 384, (1 + i % 4,), generator=g).tolist() for i in range(9)]
+    new_tokens = 6
+    request = lambda i: GenerationRequest(i, all_prompts[i], new_tokens, stop_token_ids=[])  # noqa: E731
+    marked = []     # (prompt chunks, decode rows) of each step that take the 70-token prefix once
+    schedule = engine.router.scheduler.schedule
+
+    def recording_schedule():
+        step = schedule()
+        shared = [r for r in step.rows if r.shared_prefix_len == 70]       # the prefix; no suffix is shared
+        marked.append((sum(r.input_ids[0] != FED_BACK for r in shared), sum(r.input_ids[0] == FED_BACK for r in shared)))
+        return step
+
+    engine.router.scheduler.schedule = recording_schedule
+    outputs = engine.generate([request(0)])               # caches the prefix
+    outputs.update(engine.generate([request(i) for i in range(1, 9)]))
+    # the eight later requests prefill their own tokens, then decode, as one group (the first has left)
+    assert (8, 0) in marked and max(decode for _, decode in marked) == 8
+    for i, prompt in enumerate(all_prompts):
+        out = hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=new_tokens, do_sample=False)
+        assert [o.token_id for o in outputs[i]] == out[0, len(prompt):].tolist(), f"request {i}"
+    assert engine.kv_usage()[0] == 0
+    engine.router.scheduler.check_integrity()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.protocol.messages import StepStats
 from tgi_compat.metrics import ServerMetrics, duration_buckets, linear_buckets
 
 TGI_KINDS = {
@@ -13,9 +14,15 @@ TGI_KINDS = {
     "tgi_request_generated_tokens": "histogram", "tgi_request_max_new_tokens": "histogram",
     "tgi_queue_size": "gauge", "tgi_batch_current_size": "gauge", "tgi_batch_current_max_tokens": "gauge",
     "tgi_batch_max_total_tokens": "gauge",
+    "tgi_batch_inference_count": "counter", "tgi_batch_inference_success": "counter",
+    "tgi_batch_inference_failure": "counter", "tgi_batch_inference_duration": "histogram",
+    "tgi_batch_forward_duration": "histogram", "tgi_batch_decode_duration": "histogram",
+    "tgi_batch_filter_duration": "histogram", "tgi_batch_concat_duration": "histogram",
+    "tgi_batch_next_size": "histogram", "tgi_batch_concat": "counter",
     # ours
     "tgi_kv_cache_usage": "gauge", "tgi_kv_cache_used_slots": "gauge", "tgi_kv_cache_total_slots": "gauge",
-    "tgi_num_shards": "gauge",
+    "tgi_num_shards": "gauge", "tgi_prefix_cache_tokens": "gauge", "tgi_prefix_cache_lookup_tokens": "counter",
+    "tgi_prefix_cache_hit_tokens": "counter", "tgi_prefix_cache_evicted_tokens": "counter",
 }
 
 
@@ -86,3 +93,34 @@ def test_each_app_has_its_own_registry():
 def test_names_lists_the_exported_families():
     metrics = ServerMetrics(10, 20, 1)
     assert metrics.names() == set(families(metrics.render())) == set(TGI_KINDS)
+
+
+def step(method: str, size: int, joined: bool = False, ok: bool = True) -> StepStats:
+    return StepStats(method=method, size=size, joined=joined, concat_s=0.001, forward_s=0.02, decode_s=0.0005,
+                     filter_s=0.0001, inference_s=0.0216, ok=ok)
+
+
+def test_steps_feed_the_batch_metrics_by_method():
+    metrics = ServerMetrics(100, 200, 1)
+    metrics.observe_steps([step("prefill", 3), step("decode", 3), step("decode", 4, joined=True),
+                           step("decode", 4, ok=False)])
+    parsed = families(metrics.render())
+    lines = sample_lines(metrics.render())
+    assert {'tgi_batch_inference_count{method="prefill"} 1.0', 'tgi_batch_inference_count{method="decode"} 3.0',
+            'tgi_batch_inference_success{method="decode"} 2.0', 'tgi_batch_inference_failure{method="decode"} 1.0',
+            'tgi_batch_concat{reason="chunking"} 1.0'} <= lines
+    forward = {(s.name, s.labels.get("method"), s.labels.get("le")): s.value for s in parsed["tgi_batch_forward_duration"].samples}
+    assert forward[("tgi_batch_forward_duration_count", "decode", None)] == 2
+    assert forward[("tgi_batch_forward_duration_sum", "prefill", None)] == 0.02
+    sizes = {s.labels.get("le"): s.value for s in parsed["tgi_batch_next_size"].samples if s.name.endswith("_bucket")}
+    assert len(sizes) == 1025 and sizes["2.0"] == 0 and sizes["3.0"] == 2 and sizes["1024.0"] == 3
+
+
+def test_prefix_cache_counters_follow_the_routers_totals():
+    metrics = ServerMetrics(100, 200, 1)
+    for hits in (10, 30, 30):
+        metrics.update_from_stats({"prefix_cache_tokens": 50, "prefix_cache_lookup_tokens": 100,
+                                   "prefix_cache_hit_tokens": hits, "prefix_cache_evicted_tokens": 0}, 1024)
+    lines = sample_lines(metrics.render())
+    assert {"tgi_prefix_cache_tokens 50.0", "tgi_prefix_cache_hit_tokens 30.0",
+            "tgi_prefix_cache_lookup_tokens 100.0", "tgi_prefix_cache_evicted_tokens 0.0"} <= lines

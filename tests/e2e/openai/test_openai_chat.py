@@ -17,7 +17,7 @@ CHAT = [{"role": "system", "content": "You write Python."},
 
 def transformers_greedy(messages, max_new_tokens: int) -> str:
     tokenizer = demo_tokenizer()
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(DEMO, torch_dtype=torch.float32).eval()
     out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True), len(ids)
@@ -133,7 +133,7 @@ def test_chat_tokenize_returns_the_templated_prompt_and_its_tokens(url):
     tokenizer = demo_tokenizer()
     assert body["templated_text"] == tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     assert [t["id"] for t in body["tokenize_response"]] == tokenizer.apply_chat_template(
-        CHAT, add_generation_prompt=True, tokenize=True)
+        CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
     first = body["tokenize_response"][0]
     assert first == {"id": 1, "text": "<s>", "start": 0, "stop": 3}
 

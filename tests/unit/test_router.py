@@ -1,0 +1,76 @@
+"""The router's per-step numbers (``StepStats``, TGI's tgi_batch_* metrics), with shards that answer a fixed token."""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.protocol.messages import (
+    GenerationRequest,
+    RowResult,
+    SamplingParams,
+    StepResult,
+)
+from engine.router.allocator import SlotAllocator
+from engine.router.router import Router
+from engine.router.scheduler import Scheduler, SchedulerConfig
+
+
+class FixedTokenShards:
+    """Every sampling row answers token 7 (never an EOS here)."""
+
+    def __init__(self):
+        self.pending: deque = deque()
+
+    def submit(self, step) -> None:
+        self.pending.append(step)
+
+    def collect(self, timeout=None) -> StepResult:
+        step = self.pending.popleft()
+        return StepResult([RowResult(r.request_id, token_id=7 if r.sample else None, logprob=-1.0) for r in step.rows])
+
+
+def make_router() -> Router:
+    allocator = SlotAllocator(num_slots=256, max_requests=8)
+    scheduler = Scheduler(allocator, SchedulerConfig(max_prefill_tokens=8, max_seq_len=256, prefix_caching=False))
+    return Router(scheduler, FixedTokenShards(), eos_token_ids=(0,))
+
+
+def request(rid: int, prompt: int, new: int) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, prompt_ids=list(range(1, prompt + 1)), max_new_tokens=new,
+                             params=SamplingParams())
+
+
+def run(router: Router, late: GenerationRequest | None = None, join_after: int = 0) -> None:
+    steps = 0
+    while router.has_work():
+        router.step()
+        steps += 1
+        if late is not None and steps == join_after:
+            router.submit(late)
+
+
+def test_each_collected_step_is_reported_once_with_its_method_and_size():
+    router = make_router()
+    router.submit(request(1, prompt=20, new=4))
+    run(router, late=request(2, prompt=3, new=2), join_after=4)
+    stats = router.take_stats()
+    assert router.take_stats() == []
+    # request 1: 20 prompt tokens in chunks of 8 (3 prefill steps), then decode rows; request 2 joins later
+    assert [s.method for s in stats[:3]] == ["prefill"] * 3 and {s.size for s in stats[:3]} == {1}
+    joined = [s for s in stats if s.joined]
+    assert len(joined) == 1 and joined[0].method == "prefill" and joined[0].size == 2
+    assert stats[-1].method == "decode" and all(s.ok for s in stats)
+    tokens = sum(s.size for s in stats)
+    # request 1: 3 prompt chunks (the last samples its first token) + 3 decode rows; request 2: 1 chunk + 1 decode row
+    assert tokens == 3 + 3 + 1 + 1
+    for s in stats:
+        assert 0 <= s.forward_s <= s.inference_s and 0 <= s.concat_s <= s.inference_s
+        assert s.decode_s >= 0 and s.filter_s >= 0
+
+
+def test_steps_in_flight_when_the_shards_fail_are_reported_failed():
+    router = make_router()
+    router.submit(request(1, prompt=4, new=8))
+    router.step()                      # submitted, not collected (one step in flight)
+    router.fail_all("the shard died")
+    (failed,) = router.take_stats()
+    assert not failed.ok and failed.method == "prefill" and failed.size == 1
