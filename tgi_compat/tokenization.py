@@ -8,13 +8,24 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
 class Encoding:
-    ids: list[int]
-    offsets: list[tuple[int, int]]    # byte offsets into the UTF-8 input, one per token
+    """A text's token ids, and each token's byte offsets into its UTF-8 form (computed on first
+    use: only /tokenize needs them, and for a long prompt they cost more than the encoding)."""
+
+    def __init__(self, ids: list[int], offsets: list[tuple[int, int]] | None = None, text: str = "",
+                 raw=None):
+        self.ids = ids
+        self._offsets = offsets
+        self._text, self._raw = text, raw      # the input and the tokenizers.Encoding, until offsets are asked
+
+    @property
+    def offsets(self) -> list[tuple[int, int]]:
+        if self._offsets is None:
+            self._offsets = _byte_offsets(self._text, self._raw.offsets)
+            self._text, self._raw = "", None
+        return self._offsets
 
     def keep_last(self, count: int | None) -> "Encoding":
         """TGI's `truncate`: keep the last ``count`` tokens."""
@@ -46,7 +57,7 @@ class TokenizerAdapter:
 
     def encode_sync(self, text: str, add_special_tokens: bool = True) -> Encoding:
         encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
-        return Encoding(list(encoding.ids), _byte_offsets(text, encoding.offsets))
+        return Encoding(list(encoding.ids), text=text, raw=encoding)
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
