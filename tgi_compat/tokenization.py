@@ -3,11 +3,23 @@
 Wraps a Hugging Face fast tokenizer (``transformers.AutoTokenizer.from_pretrained``)
 and calls its Rust backend directly: ``encode`` never changes the tokenizer's
 truncation/padding state, so it is safe from several worker threads at once.
+
+Encoding runs on ``--validation-workers`` threads. Each takes every text waiting (up to
+``MAX_BATCH``) into one ``encode_batch`` call, which runs in Rust in parallel and without
+the GIL; one ``encode`` per text holds the GIL, so a burst of long prompts (256 requests of
+3,000 tokens) would take turns with the event loop.
 """
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 64     # texts per encode_batch call
 
 
 class Encoding:
@@ -44,16 +56,17 @@ class TokenizerAdapter:
         # The most characters one token stands for (its vocabulary string; a byte-level token's
         # string has one character per byte): a text needs at least len(text) / this many tokens.
         self.longest_token_chars = max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tgi-tokenizer")
+        # encode_batch pads and truncates if the tokenizer.json asks for it; encode alone does not
+        batchable = self._backend.padding is None and self._backend.truncation is None
+        self._encoder = _BatchingEncoder(self, workers, batchable)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._encoder.close()
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> Encoding:
         """Tokenize on the validation worker threads; ``add_special_tokens=False`` for text
         that already holds them (a rendered chat template)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.encode_sync, text, add_special_tokens)
+        return await asyncio.wrap_future(self._encoder.submit(text, add_special_tokens))
 
     def encode_sync(self, text: str, add_special_tokens: bool = True) -> Encoding:
         encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
@@ -95,3 +108,68 @@ def _byte_offsets(text: str, char_offsets: list[tuple[int, int]]) -> list[tuple[
     for i, ch in enumerate(text):
         byte_at[i + 1] = byte_at[i] + len(ch.encode("utf-8"))
     return [(byte_at[a], byte_at[b]) for a, b in char_offsets]
+
+
+class _BatchingEncoder:
+    """``workers`` threads; each takes the texts waiting (up to MAX_BATCH) into one ``encode_batch``."""
+
+    def __init__(self, adapter: TokenizerAdapter, workers: int, batchable: bool):
+        self._adapter, self._batchable = adapter, batchable
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"tgi-tokenizer-{i}", daemon=True)
+                         for i in range(max(1, workers))]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, text: str, add_special_tokens: bool) -> Future:
+        future: Future = Future()
+        self._pending.put((text, add_special_tokens, future))
+        return future
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._pending.put(None)
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            for special in (True, False):
+                group = [(text, future) for text, add, future in batch if add is special]
+                if group:
+                    self._encode(group, special)
+
+    def _take(self) -> list | None:
+        """The next item and every one waiting behind it (None: closed)."""
+        item = self._pending.get()
+        if item is None:
+            return None
+        batch = [item]
+        while len(batch) < MAX_BATCH:
+            try:
+                item = self._pending.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._pending.put(None)        # this thread's stop comes after the batch
+                break
+            batch.append(item)
+        return [b for b in batch if b[2].set_running_or_notify_cancel()]      # drop cancelled requests
+
+    def _encode(self, group: list[tuple[str, Future]], special: bool) -> None:
+        if self._batchable and len(group) > 1:
+            try:
+                backend = self._adapter._backend
+                encodings = backend.encode_batch([text for text, _ in group], add_special_tokens=special)
+            except Exception:  # noqa: BLE001  (one text's failure must not fail the others: one by one below)
+                log.debug("encode_batch failed; encoding one by one", exc_info=True)
+            else:
+                for (text, future), encoding in zip(group, encodings):
+                    future.set_result(Encoding(list(encoding.ids), text=text, raw=encoding))
+                return
+        for text, future in group:
+            try:
+                future.set_result(self._adapter.encode_sync(text, special))
+            except Exception as e:  # noqa: BLE001  (delivered to the request that sent the text)
+                future.set_exception(e)

@@ -1,5 +1,6 @@
-"""The front end's encoder on its worker threads: concurrent texts come back exactly as one encode
-each gives them (ids, and byte offsets computed when asked); a text that fails fails alone."""
+"""The front end's encoder: concurrent texts go through encode_batch on the worker threads and come
+back exactly as one encode each gives them (ids, and byte offsets computed when asked); a text
+that fails fails alone."""
 import asyncio
 
 import pytest

@@ -1,0 +1,11 @@
+"""bench.frontend_bench on the demo tokenizer: a burst against the front end alone."""
+from bench import frontend_bench
+from tests.e2e.demo_server import DEMO
+
+
+def test_frontend_bench_reports_the_burst(tmp_path):
+    result = frontend_bench.main(["--tokenizer", str(DEMO), "--requests", "12", "--prompt-tokens", "200",
+                                  "--json", str(tmp_path / "out.json")])
+    assert result["ttft_s"]["count"] == 12 and 0 < result["ttft_s"]["p50"] <= result["wall_s"]
+    assert 0 < result["validation_mean_s"] < result["wall_s"]
+    assert (tmp_path / "out.json").exists()
