@@ -20,6 +20,7 @@ from .completions import CompletionRoutes
 from .errors import TGIError, handle_tgi_error, handle_unexpected_error
 from .invocations import Invocations
 from .metrics import ServerMetrics
+from .tracing import RequestTracer
 from .routes import Handlers
 from .service import GenerateService
 from .settings import ServerSettings
@@ -70,7 +71,8 @@ def create_app(settings: ServerSettings, tokenizer, backend: Backend) -> Starlet
         tokenizer = TokenizerAdapter(tokenizer, settings.validation_workers)
     metrics = ServerMetrics(settings.max_input_tokens, settings.max_total_tokens, settings.num_shards)
     backend.observe_steps(metrics.observe_steps)
-    service = GenerateService(settings, tokenizer, backend, metrics)
+    tracer = RequestTracer(settings.otlp_endpoint, settings.otlp_service_name) if settings.otlp_endpoint else None
+    service = GenerateService(settings, tokenizer, backend, metrics, tracer)
     handlers = Handlers(settings, service, backend, metrics)
 
     @contextlib.asynccontextmanager
@@ -78,6 +80,8 @@ def create_app(settings: ServerSettings, tokenizer, backend: Backend) -> Starlet
         yield
         if owns_tokenizer:
             tokenizer.close()
+        if tracer is not None:
+            tracer.shutdown()          # exports the spans still waiting
 
     handlers_by_error = {TGIError: handle_tgi_error, Exception: handle_unexpected_error}
     app = Starlette(routes=_routes(handlers), middleware=[cors_middleware(settings)],

@@ -9,8 +9,8 @@ and ``resolve_num_shard`` the shard count that depends on the visible GPUs.
 
 Flags of TGI that this engine does not implement are of two kinds: those that would
 change what is served or that a user relies on (``--quantize``, ``--trust-remote-code``,
-``--speculate``, ``--kv-cache-dtype``, ``--lora-adapters``, ``--weights-cache-override``,
-``--otlp-endpoint``) are errors when set; those that only concern TGI's plumbing
+``--speculate``, ``--kv-cache-dtype``, ``--lora-adapters``, ``--weights-cache-override``) are
+errors when set; those that only concern TGI's plumbing
 (``--shard-uds-path``, ``--ngrok``, ``--prometheus-port``, ...) are accepted, and
 ``LaunchConfig.notices`` lists the ones set to something that is not applied, for the
 launcher to log.
@@ -165,9 +165,10 @@ class LaunchConfig:
                            choices=LOG_LEVELS)
     env: bool = _flag("log the runtime environment at start (versions of Python, torch, triton, transformers "
                       "and huggingface_hub, the devices), then serve", False, env=NO_ENV, short="-e")
-    otlp_endpoint: str | None = _flag("OpenTelemetry endpoint; not supported yet: no traces are exported, so "
-                                      "setting it is an error; default: unset")
-    otlp_service_name: str = _flag("OpenTelemetry service name; not supported yet (an error when changed)",
+    otlp_endpoint: str | None = _flag("OpenTelemetry collector to send each request's trace to (OTLP over gRPC, "
+                                      "e.g. http://localhost:4317): a span per request with its validation, queue "
+                                      "and inference phases; needs pip install 'lightserve[otlp]'; default: unset")
+    otlp_service_name: str = _flag("the service.name of the traces sent to --otlp-endpoint",
                                    "text-generation-inference.router")
     shard_uds_path: str = _flag("TGI's router-to-shard gRPC socket; not applied: the shards talk over pipes",
                                 "/tmp/text-generation-server")
@@ -201,10 +202,6 @@ _UNSUPPORTED = {
     "kv_cache_dtype": "--kv-cache-dtype is not supported yet: the KV cache uses the model's dtype",
     "lora_adapters": "--lora-adapters is not supported yet: merge the adapter into the weights",
     "weights_cache_override": "--weights-cache-override is not supported: point --model-id at a local directory",
-    "otlp_endpoint": "--otlp-endpoint is not supported yet: this server exports no OpenTelemetry traces; leave "
-                     "it unset",
-    "otlp_service_name": "--otlp-service-name is not supported yet: this server exports no OpenTelemetry "
-                         "traces; leave it unset",
 }
 NOT_APPLIED = {
     "prometheus_port": "/metrics is served on --port",
@@ -246,6 +243,8 @@ def _check(c: LaunchConfig) -> None:
     if c.sharded is False and c.num_shard is not None and c.num_shard > 1:
         raise LaunchError(f"`sharded` is false but `num_shard` is {c.num_shard} (--sharded false contradicts "
                           f"--num-shard {c.num_shard}): drop one of the two flags")
+    if c.otlp_endpoint is not None:
+        _check_otlp(c.otlp_endpoint)
     if c.watermark_gamma is not None and c.watermark_gamma >= 1:
         raise LaunchError(f"--watermark-gamma must be in (0, 1), got {c.watermark_gamma}")
     if c.cuda_memory_fraction > 1:
@@ -268,6 +267,16 @@ def _out_of_range(f, value) -> str | None:
 
 def _input_tokens(c: LaunchConfig) -> int | None:
     return c.max_input_tokens if c.max_input_tokens is not None else c.max_input_length
+
+
+def _check_otlp(endpoint: str) -> None:
+    from .tracing import check_available
+
+    if not endpoint.startswith(("http://", "https://")) or "://" == endpoint[-3:]:
+        raise LaunchError(f"--otlp-endpoint must be a collector URL such as http://localhost:4317, got {endpoint!r}")
+    missing = check_available()
+    if missing:
+        raise LaunchError(missing)
 
 
 def _check_limits(max_input: int | None, total: int | None, prefill: int | None, batch_total: int | None) -> None:

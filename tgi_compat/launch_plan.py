@@ -139,5 +139,6 @@ def _settings(config: LaunchConfig, limits: Limits, sha, pipeline_tag, engine: E
         num_shards=engine.num_shards,
         max_batch_total_tokens=limits.max_batch_total_tokens, waiting_served_ratio=config.waiting_served_ratio,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
-        cors_allow_origin=config.cors_allow_origin,
+        cors_allow_origin=config.cors_allow_origin, otlp_endpoint=config.otlp_endpoint,
+        otlp_service_name=config.otlp_service_name,
     )

@@ -19,6 +19,7 @@ from .errors import (GenerationError, IncompleteGenerationError, IncompleteGener
                      InputValidationError, TGIError)
 from .generation import generate_best_of, generate_result, generate_steps
 from .metrics import ServerMetrics
+from .tracing import RequestTracer
 from .outputs import GeneratedStep, GenerationResult, Timing
 from .request_ids import next_request_id
 from .schema import GenerateRequest
@@ -44,8 +45,9 @@ class GenerateOutcome:
 
 class GenerateService:
     def __init__(self, settings: ServerSettings, tokenizer: TokenizerAdapter, backend: Backend,
-                 metrics: ServerMetrics):
+                 metrics: ServerMetrics, tracer: RequestTracer | None = None):
         self.settings, self.tokenizer, self.backend, self.metrics = settings, tokenizer, backend, metrics
+        self.tracer = tracer            # --otlp-endpoint: each request's spans
         self.limiter = ConcurrencyLimiter(settings.max_concurrent_requests)
         self.validator = Validator(settings, tokenizer)
         # prompts rendered by a chat template already hold their special tokens
@@ -68,14 +70,14 @@ class GenerateService:
                     ids = [request_id] + [next_request_id() for _ in range(best_of - 1)]
                     best, others = await generate_best_of(self.backend, self.tokenizer, valid, ids, timing)
         except TGIError as error:
-            self._record_failure(request_id, error)
+            self._record_failure(request_id, error, timing, "generate")
             raise
         except asyncio.CancelledError:
-            self._record_dropped(request_id)
+            self._record_dropped(request_id, timing=timing, route="generate")
             raise
         except Exception as error:
-            raise self._unexpected(request_id, error) from error
-        self._record_success(best, valid)
+            raise self._unexpected(request_id, error, timing, "generate") from error
+        self._record_success(best, valid, "generate")
         return GenerateOutcome(valid, best, others)
 
     async def stream(self, request: GenerateRequest, full_text_default: bool) -> AsyncIterator[bytes]:
@@ -105,18 +107,18 @@ class GenerateService:
                 async for step in steps:
                     generated = step.index
                     if step.result is not None:
-                        self._record_success(step.result, valid)
+                        self._record_success(step.result, valid, "generate_stream")
                     yield valid, step
         except TGIError as error:
             if isinstance(error, IncompleteGenerationError):
                 error = IncompleteGenerationStreamError()
-            self._record_failure(request_id, error)
+            self._record_failure(request_id, error, timing, "generate_stream")
             raise error from None
         except (GeneratorExit, asyncio.CancelledError):
-            self._record_dropped(request_id, generated)
+            self._record_dropped(request_id, generated, timing, "generate_stream")
             raise
         except Exception as error:
-            raise self._unexpected(request_id, error) from error
+            raise self._unexpected(request_id, error, timing, "generate_stream") from error
 
     async def _validate(self, request_id: int, request: GenerateRequest, full_text_default: bool,
                         timing: Timing, templated: bool = False) -> ValidRequest:
@@ -134,28 +136,40 @@ class GenerateService:
         log.info("request %d received: %s, %d characters", request_id,
                  "stream" if stream else "generate", len(request.inputs))
 
-    def _record_failure(self, request_id: int, error: TGIError) -> None:
+    def _trace(self, route: str, timing: Timing | None, attributes: dict, error: str | None = None) -> None:
+        if self.tracer is not None and timing is not None:
+            self.tracer.record(route, timing, attributes, error)
+
+    def _record_failure(self, request_id: int, error: TGIError, timing: Timing | None = None,
+                        route: str = "") -> None:
         if error.metric_label:
             self.metrics.request_failure.labels(err=error.metric_label).inc()
+        self._trace(route, timing, {"request_id": request_id, "error_type": error.error_type}, error.error_type)
         # The message may quote the request (a grammar, a stop sequence): only at DEBUG.
         log.info("request %d failed (%d %s, %d-character message)", request_id, error.status, error.error_type,
                  len(error.message))
         log.debug("request %d failure: %s", request_id, error.message)
 
-    def _unexpected(self, request_id: int, error: Exception) -> GenerationError:
+    def _unexpected(self, request_id: int, error: Exception, timing: Timing | None = None,
+                    route: str = "") -> GenerationError:
         """A failure nobody classified (a backend bug): logged with its traceback, reported as 424."""
         log.exception("request %d failed unexpectedly", request_id)
         failure = GenerationError(f"{type(error).__name__}: {error}")
-        self._record_failure(request_id, failure)
+        self._record_failure(request_id, failure, timing, route)
         return failure
 
-    def _record_dropped(self, request_id: int, generated: int | None = None) -> None:
+    def _record_dropped(self, request_id: int, generated: int | None = None, timing: Timing | None = None,
+                        route: str = "") -> None:
         self.metrics.request_failure.labels(err="dropped").inc()
+        self._trace(route, timing, {"request_id": request_id}, "dropped")
         after = "" if generated is None else f" after {generated} tokens"
         log.info("request %d cancelled: the client disconnected%s", request_id, after)
 
-    def _record_success(self, result: GenerationResult, request: ValidRequest) -> None:
+    def _record_success(self, result: GenerationResult, request: ValidRequest, route: str) -> None:
         m, t = self.metrics, result.timing
+        self._trace(route, t, {"request_id": result.request_id, "input_length": request.input_length,
+                               "max_new_tokens": request.max_new_tokens, "generated_tokens": result.generated_tokens,
+                               "finish_reason": result.finish_reason, "seed": str(result.seed)})
         m.request_success.inc()
         m.request_duration.observe(t.total_s)
         m.validation_duration.observe(t.validation_s)

@@ -45,6 +45,9 @@ class ServerSettings:
     keep_alive_s: float = 15.0            # SSE keep-alive comment interval
     # --cors-allow-origin: the origins a browser may call from; None: any origin (TGI's default)
     cors_allow_origin: tuple[str, ...] | None = None
+    # --otlp-endpoint / --otlp-service-name: OpenTelemetry traces of the requests (tgi_compat.tracing)
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = "text-generation-inference.router"
 
     def __post_init__(self):
         checks = [

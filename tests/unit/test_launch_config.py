@@ -29,6 +29,7 @@ SAMPLES = {
     "graceful_termination_timeout": ("10", 10), "json_output": ("true", True), "log_level": ("debug", "DEBUG"),
     "shard_uds_path": ("/tmp/s", "/tmp/s"), "ngrok": ("true", True), "ngrok_authtoken": ("tok", "tok"),
     "ngrok_edge": ("edge", "edge"), "usage_stats": ("off", "off"),
+    "otlp_endpoint": ("http://otel:4317", "http://otel:4317"), "otlp_service_name": ("svc", "svc"),
 }
 # Fields that are errors whenever set, with what the error says.
 UNSUPPORTED = {"trust_remote_code": ("true", "--trust-remote-code is not supported"),
@@ -36,10 +37,7 @@ UNSUPPORTED = {"trust_remote_code": ("true", "--trust-remote-code is not support
                "speculate": ("2", "--speculate is not supported yet"),
                "kv_cache_dtype": ("fp8_e5m2", "--kv-cache-dtype is not supported yet"),
                "lora_adapters": ("org/adapter", "--lora-adapters is not supported yet"),
-               "weights_cache_override": ("/w", "--weights-cache-override is not supported"),
-               "otlp_endpoint": ("http://otel:4317", "--otlp-endpoint is not supported yet: this server exports no "
-                                 "OpenTelemetry traces"),
-               "otlp_service_name": ("svc", "--otlp-service-name is not supported yet")}
+               "weights_cache_override": ("/w", "--weights-cache-override is not supported")}
 NO_ENV_FIELDS = {"env"}
 
 
@@ -241,8 +239,10 @@ def test_applied_flags_do_not_say_not_applied():
         assert "not applied" not in help_of[name] and name not in NOT_APPLIED, name
 
 
-def test_otlp_service_name_left_at_its_default_is_accepted():
-    assert parse_args(["--otlp-service-name", "text-generation-inference.router"], {}).otlp_endpoint is None
+def test_otlp_flags_reach_the_front_end_settings():
+    config = parse_args(["--otlp-endpoint", "http://otel:4317", "--otlp-service-name", "svc"], {})
+    assert (config.otlp_endpoint, config.otlp_service_name) == ("http://otel:4317", "svc")
+    assert parse_args([], {"OTLP_ENDPOINT": "http://otel:4317"}).otlp_endpoint == "http://otel:4317"
 
 
 def test_rope_flags_follow_tgi():
