@@ -93,7 +93,8 @@ class ChatRoutes:
         if chat.stream:
             headers = {"x-compute-type": self.settings.compute_type,
                        "x-compute-characters": str(chat.n * len(plan.request.inputs)), "X-Accel-Buffering": "no"}
-            return sse_response(self._stream(chat, plan, form), headers, self.settings.keep_alive_s)
+            return sse_response(self._stream(chat, plan, form), headers, self.settings.keep_alive_s,
+                                self.settings.stream_shutdown_grace_s)
         choices = [self._complete(chat, plan, i) for i in range(chat.n)]
         try:
             answers = await cancel_on_disconnect(request, gather_all(choices))

@@ -65,7 +65,8 @@ class CompletionRoutes:
         if req.stream:
             headers = {"x-compute-type": self.settings.compute_type,
                        "x-compute-characters": str(sum(len(r.inputs) for r in requests)), "X-Accel-Buffering": "no"}
-            return sse_response(self._stream(requests, form), headers, self.settings.keep_alive_s)
+            return sse_response(self._stream(requests, form), headers, self.settings.keep_alive_s,
+                                self.settings.stream_shutdown_grace_s)
         try:
             outcomes = await cancel_on_disconnect(
                 request, gather_all([self.service.generate(r, False) for r in requests]))

@@ -14,12 +14,12 @@ class FrontendSpec:
     port: int
     settings: object               # tgi_compat.settings.ServerSettings
     tokenizer_config_path: str | None = None   # --tokenizer-config-path: its chat template and special tokens
-    graceful_shutdown_s: float = 2.0           # --graceful-termination-timeout: running requests may finish
 
 
 def frontend_main(spec: FrontendSpec, conn, log_level="INFO") -> None:
     """Load the tokenizer, wait for the router's Ready, then bind the port and serve until
-    SIGTERM (then: stop accepting, let running requests finish within ``graceful_shutdown_s``).
+    SIGTERM (then: stop accepting, let running requests finish within the settings'
+    ``stream_shutdown_grace_s``, --graceful-termination-timeout).
     ``log_level``: an ``engine.processes.LogSetup`` (or a level name)."""
     from engine.processes import child_setup
 
@@ -42,7 +42,7 @@ def frontend_main(spec: FrontendSpec, conn, log_level="INFO") -> None:
     log.info("%s", serving_line(spec, status.kv_capacity))
     # log_config=None: uvicorn's loggers go through the process's own handler (--json-output too).
     uvicorn.run(app, host=spec.hostname, port=spec.port, log_level="warning", log_config=None,
-                timeout_graceful_shutdown=spec.graceful_shutdown_s, http=HeaderTimeoutProtocol)
+                timeout_graceful_shutdown=spec.settings.stream_shutdown_grace_s, http=HeaderTimeoutProtocol)
 
 
 def serving_line(spec: FrontendSpec, kv_slots: int) -> str:

@@ -55,7 +55,7 @@ def plan_server(config: LaunchConfig) -> ServerPlan:
     _check_master_address(config.master_addr, config.master_port, engine.num_shards)
     sha, pipeline_tag = model_info(config.model_id, config.revision, config.hf_token, offline=offline)
     frontend = FrontendSpec(model_dir, config.hostname, config.port, _settings(config, limits, sha, pipeline_tag, engine),
-                            config.tokenizer_config_path, graceful_shutdown_s=config.graceful_termination_timeout)
+                            config.tokenizer_config_path)
     return ServerPlan(engine, frontend, LogSetup(config.log_level or "INFO", config.json_output))
 
 
@@ -139,6 +139,7 @@ def _settings(config: LaunchConfig, limits: Limits, sha, pipeline_tag, engine: E
         num_shards=engine.num_shards,
         max_batch_total_tokens=limits.max_batch_total_tokens, waiting_served_ratio=config.waiting_served_ratio,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
-        cors_allow_origin=config.cors_allow_origin, otlp_endpoint=config.otlp_endpoint,
+        cors_allow_origin=config.cors_allow_origin, stream_shutdown_grace_s=config.graceful_termination_timeout,
+        otlp_endpoint=config.otlp_endpoint,
         otlp_service_name=config.otlp_service_name,
     )

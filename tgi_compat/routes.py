@@ -83,7 +83,8 @@ class Handlers:
         headers = {"x-compute-type": self.settings.compute_type,
                    "x-compute-characters": str(len(parsed.inputs)), "X-Accel-Buffering": "no"}
         events = self.service.stream(parsed, full_text_default)
-        return sse_response(events, headers, self.settings.keep_alive_s)
+        return sse_response(events, headers, self.settings.keep_alive_s,
+                            self.settings.stream_shutdown_grace_s)
 
     async def tokenize(self, request: Request) -> Response:
         """A bare list of {id, text, start, stop}; offsets in bytes of the UTF-8 input."""

@@ -45,6 +45,9 @@ class ServerSettings:
     keep_alive_s: float = 15.0            # SSE keep-alive comment interval
     # --cors-allow-origin: the origins a browser may call from; None: any origin (TGI's default)
     cors_allow_origin: tuple[str, ...] | None = None
+    # --graceful-termination-timeout: on shutdown, running requests (streams too: sse-starlette
+    # otherwise cancels every stream the moment the server is told to exit) may go on this long
+    stream_shutdown_grace_s: float = 0.0
     # --otlp-endpoint / --otlp-service-name: OpenTelemetry traces of the requests (tgi_compat.tracing)
     otlp_endpoint: str | None = None
     otlp_service_name: str = "text-generation-inference.router"

@@ -37,9 +37,12 @@ class _KeepAlive(ServerSentEvent):
         return b":\n\n"
 
 
-def sse_response(events: AsyncIterator[bytes], headers: dict[str, str], keep_alive_s: float) -> EventSourceResponse:
+def sse_response(events: AsyncIterator[bytes], headers: dict[str, str], keep_alive_s: float,
+                 shutdown_grace_s: float = 0.0) -> EventSourceResponse:
     """Stream pre-encoded events. sse-starlette watches for the client's disconnect and
-    then cancels ``events``, which closes the backend iterator (the request is aborted)."""
+    then cancels ``events``, which closes the backend iterator (the request is aborted).
+    When the server is told to exit it lets the stream go on for ``shutdown_grace_s``
+    (--graceful-termination-timeout) before it cancels it."""
     return EventSourceResponse(
         events, headers={"Cache-Control": "no-cache", **headers}, ping=keep_alive_s, sep="\n",
-        ping_message_factory=_KeepAlive)
+        ping_message_factory=_KeepAlive, shutdown_grace_period=shutdown_grace_s)
