@@ -16,13 +16,13 @@ import asyncio
 import json
 import multiprocessing
 import random
-import socket
 import time
 
 import aiohttp
 import requests
 
 from bench import load
+from tests.e2e.server import free_port, wait_for_health
 
 
 class InstantBackend:
@@ -53,12 +53,6 @@ def serve(tokenizer_dir: str, port: int, workers: int) -> None:
                               max_concurrent_requests=100_000, validation_workers=workers)
     app = create_app(settings, AutoTokenizer.from_pretrained(tokenizer_dir), InstantBackend())
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompts(tokenizer_dir: str, count: int, prompt_tokens: int, seed: int) -> list[str]:
@@ -101,16 +95,8 @@ def main(argv=None) -> dict:
     server.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the front end did not start")
-            time.sleep(0.1)
+        if not wait_for_health(url, 120, alive=server.is_alive):
+            raise TimeoutError("the front end did not start")
         texts = prompts(args.tokenizer, args.requests, args.prompt_tokens, args.seed)
         start = time.perf_counter()
         ttfts = asyncio.run(burst(url, texts))

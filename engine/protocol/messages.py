@@ -94,8 +94,8 @@ class StepRow:
     # The request's first row when its prompt starts with a cached prefix (start_pos tokens):
     prefix_slots: list[int] | None = None  # their slots: req_to_token[row, 0:start_pos] (prefix cache)
     prefix_ids: list[int] | None = None    # their token ids, sent only with penalties (they count as prompt)
-    # A decode row of the step's shared-prefix group: positions 0..shared_prefix_len-1 hold the same
-    # slots in every member's req_to_token row (engine.router.shared_prefix, cascade attention)
+    # A row (prompt chunk or decode) of the step's shared-prefix group: positions 0..shared_prefix_len-1
+    # hold the same slots in every member's req_to_token row (engine.router.shared_prefix, cascade attention)
     shared_prefix_len: int = 0
 
 

@@ -61,7 +61,7 @@ class _Flight:
 
     @property
     def method(self) -> str:
-        return "prefill" if any(row.input_ids[:1] != [FED_BACK] for row in self.step.rows) else "decode"
+        return "prefill" if any(row.input_ids[0] != FED_BACK for row in self.step.rows) else "decode"
 
     @property
     def joined(self) -> bool:

@@ -26,6 +26,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_health(url: str, timeout: float, alive=lambda: True) -> bool:
+    """Whether ``url`` answers /health with 200 within ``timeout`` seconds (False at once when
+    ``alive()`` says the server's process is gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        try:
+            if requests.get(url + "/health", timeout=1).status_code == 200:
+                return True
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
 class LaunchedServer:
     def __init__(self, model_dir: str | Path, *args: str, env: dict | None = None, port: int | None = None):
         self.port = port or free_port()
@@ -44,17 +58,11 @@ class LaunchedServer:
 
     def wait_healthy(self, timeout: float | None = None) -> "LaunchedServer":
         timeout = timeout or float(os.environ.get("E2E_STARTUP_S", 120))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        if not wait_for_health(self.url, timeout, alive=lambda: self.process.poll() is None):
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.output()}")
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.output()}")
+            raise TimeoutError(f"server not healthy after {timeout} s:\n{self.output()}")
+        return self
 
     def output(self) -> str:
         if not self.log.closed:

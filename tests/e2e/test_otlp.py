@@ -9,7 +9,10 @@ from concurrent import futures
 import grpc
 import pytest
 import requests
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import (
+    trace_service_pb2,
+    trace_service_pb2_grpc,
+)
 
 from tgi_compat.launch_config import LaunchError, parse_args
 
@@ -118,3 +121,19 @@ def test_the_launched_server_sends_its_traces(collector, launcher_model_dir):
         assert server.stop() == 0, server.output()
     assert {service for service, _ in spans} == {"launched"}
     assert sorted(span.name for _, span in spans) == ["generate", "inference", "queue", "validation"]
+
+
+def test_an_unreachable_collector_costs_the_requests_nothing(hf_tokenizer, engine_backend, monkeypatch):
+    """Export failures stay on the exporter's thread: requests are answered as without tracing."""
+    from tests.e2e.server import free_port
+    from tgi_compat import create_app
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")          # seconds: shutdown's last flush gives up soon
+    settings = make_settings(otlp_endpoint=f"http://127.0.0.1:{free_port()}")   # nobody listens there
+    with serve(create_app(settings, hf_tokenizer, engine_backend)) as url:
+        for _ in range(3):
+            response = requests.post(url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 2}},
+                                     timeout=30)
+            assert response.status_code == 200
+        assert requests.get(url + "/health", timeout=5).status_code == 200
