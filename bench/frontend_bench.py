@@ -1,13 +1,17 @@
-"""The HTTP front end alone: a burst of long prompts against a backend that answers at once.
+"""The HTTP front end alone: a burst of long prompts against a stand-in for the engine.
 
-    python -m bench.frontend_bench --tokenizer /tmp/llama2-7b [--requests 256] [--prompt-tokens 3000]
+    python -m bench.frontend_bench --tokenizer /tmp/llama2-7b [--requests 256] [--prompt-tokens 3000] \\
+        [--new-tokens 64 --step-ms 20] [--profile out.prof]
 
-A child process serves ``tgi_compat.create_app`` over the model's tokenizer with a backend that
-answers every request with one token as soon as it arrives; this process sends ``--requests``
-streamed requests of about ``--prompt-tokens`` tokens all at once and reports the time until
-the last first token, the client's TTFT percentiles and the server's mean validation time
-(tokenizing included). It bounds the time to the first token of such a burst from the front
-end's side: the engine can only be slower. CPU only; any machine.
+A child process serves ``tgi_compat.create_app`` over the model's tokenizer and a real
+``RouterClient`` whose pipe leads to a paced stand-in router (another process): every
+``--step-ms`` it sends one token event to each running request (one ``Events`` message per
+step, as the router does), ``--new-tokens`` per request. This process sends ``--requests``
+streamed requests of about ``--prompt-tokens`` tokens all at once and reports the time
+until the last first token, the client's TTFT and ITL percentiles, the server's mean
+validation time (tokenizing included) and the front end's CPU seconds per token event.
+It bounds what the engine can achieve through the front end: the engine can only be
+slower. CPU only; any machine. ``--profile`` writes the front end's cProfile stats.
 """
 from __future__ import annotations
 
@@ -25,34 +29,56 @@ from bench import load
 from tests.e2e.server import free_port, wait_for_health
 
 
-class InstantBackend:
-    """Answers one token at once; no engine."""
+def paced_router(conn, step_s: float) -> None:
+    """Stand-in router: one token per running request per step. Like the router, it reads its
+    pipe only between steps (a step takes ``step_s``) and admits everything it read."""
+    from engine.protocol.codec import decode, encode
+    from engine.protocol.messages import Abort, Events, GenerationRequest, RouterStatus, TokenEvent
 
-    def healthy(self) -> bool:
-        return True
+    conn.send_bytes(encode(RouterStatus(healthy=True, kv_capacity=1 << 20)))
+    remaining: dict[int, int] = {}
+    while True:
+        time.sleep(step_s)
+        while conn.poll(0 if remaining else None):
+            message = decode(conn.recv_bytes())
+            if isinstance(message, GenerationRequest):
+                remaining[message.request_id] = message.max_new_tokens
+            elif isinstance(message, Abort):
+                remaining.pop(message.request_id, None)
+        events = []
+        for request_id in list(remaining):
+            remaining[request_id] -= 1
+            last = remaining[request_id] == 0
+            events.append(TokenEvent(request_id=request_id, token_id=450 + remaining[request_id] % 100,
+                                     logprob=-1.0, finish_reason="length" if last else None))
+            if last:
+                del remaining[request_id]
+        if events:
+            conn.send_bytes(encode(Events(events)))
 
-    def stats(self) -> dict:
-        return {}
 
-    def observe_steps(self, observer) -> None:
-        pass
+def serve(tokenizer_dir: str, port: int, workers: int, conn, profile: str | None) -> None:
+    import signal
+    import sys
 
-    async def generate(self, request):
-        from engine.protocol.messages import TokenEvent
-
-        yield TokenEvent(request_id=request.request_id, token_id=5, logprob=-1.0, finish_reason="length")
-
-
-def serve(tokenizer_dir: str, port: int, workers: int) -> None:
     import uvicorn
     from transformers import AutoTokenizer
 
+    from engine.client import RouterClient
     from tgi_compat import ServerSettings, create_app
 
     settings = ServerSettings(model_id="frontend-bench", max_input_tokens=100_000, max_total_tokens=100_001,
                               max_concurrent_requests=100_000, validation_workers=workers)
-    app = create_app(settings, AutoTokenizer.from_pretrained(tokenizer_dir), InstantBackend())
+    app = create_app(settings, AutoTokenizer.from_pretrained(tokenizer_dir), RouterClient(conn))
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        signal.signal(signal.SIGUSR1, lambda *_: (profiler.disable(), profiler.dump_stats(profile)))
+        profiler.enable()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    sys.exit(0)
 
 
 def prompts(tokenizer_dir: str, count: int, prompt_tokens: int, seed: int) -> list[str]:
@@ -64,19 +90,28 @@ def prompts(tokenizer_dir: str, count: int, prompt_tokens: int, seed: int) -> li
     return [prefix + " " + " ".join(str(rng.randrange(10**6)) for _ in range(16)) for _ in range(count)]
 
 
-async def burst(url: str, texts: list[str]) -> list[float]:
-    """TTFT of each request, all sent at once."""
+async def burst(url: str, texts: list[str], new_tokens: int) -> list[list[float]]:
+    """Each request's event times (seconds after its send), all sent at once."""
     async def one(session, text):
-        start = time.perf_counter()
-        body = {"inputs": text, "parameters": {"max_new_tokens": 1}}
+        start, times = time.perf_counter(), []
+        body = {"inputs": text, "parameters": {"max_new_tokens": new_tokens}}
         async with session.post(url + "/generate_stream", json=body) as response:
             async for line in response.content:
                 if line.startswith(b"data:"):
-                    return time.perf_counter() - start
-        raise RuntimeError(f"no event (HTTP {response.status})")
+                    times.append(time.perf_counter() - start)
+        if len(times) != new_tokens:
+            raise RuntimeError(f"{len(times)} events of {new_tokens} (HTTP {response.status})")
+        return times
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     read_bufsize=2**20) as session:
         return await asyncio.gather(*(one(session, t) for t in texts))
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / __import__("os").sysconf("SC_CLK_TCK")
 
 
 def main(argv=None) -> dict:
@@ -85,34 +120,53 @@ def main(argv=None) -> dict:
     parser.add_argument("--tokenizer", required=True, help="a model directory with its tokenizer")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=3000)
+    parser.add_argument("--new-tokens", type=int, default=1, help="tokens streamed to each request")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="the stand-in router's step time")
     parser.add_argument("--validation-workers", type=int, default=2, help="the launcher's flag (TGI's default 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", help="write the front end's cProfile stats here")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    port = free_port()
-    server = multiprocessing.get_context("spawn").Process(
-        target=serve, args=(args.tokenizer, port, args.validation_workers), daemon=True)
+    port, context = free_port(), multiprocessing.get_context("spawn")
+    router_end, frontend_end = context.Pipe()
+    router = context.Process(target=paced_router, args=(router_end, args.step_ms / 1000), daemon=True)
+    server = context.Process(target=serve, daemon=True,
+                             args=(args.tokenizer, port, args.validation_workers, frontend_end, args.profile))
+    router.start()
     server.start()
     url = f"http://127.0.0.1:{port}"
     try:
         if not wait_for_health(url, 120, alive=server.is_alive):
             raise TimeoutError("the front end did not start")
         texts = prompts(args.tokenizer, args.requests, args.prompt_tokens, args.seed)
-        start = time.perf_counter()
-        ttfts = asyncio.run(burst(url, texts))
-        wall = time.perf_counter() - start
+        cpu_before, start = process_cpu_s(server.pid), time.perf_counter()
+        times = asyncio.run(burst(url, texts, args.new_tokens))
+        wall, cpu = time.perf_counter() - start, process_cpu_s(server.pid) - cpu_before
         metrics = requests.get(url + "/metrics", timeout=10).text
+        if args.profile:
+            import os
+            import signal
+
+            os.kill(server.pid, signal.SIGUSR1)
+            time.sleep(2)
     finally:
         server.terminate()
+        router.terminate()
         server.join(5)
     count = load.parse_gauge(metrics, "tgi_request_validation_duration_count") or 1
-    result = {"requests": args.requests, "prompt_tokens": args.prompt_tokens, "wall_s": round(wall, 3),
-              "ttft_s": load.describe(ttfts),
+    events = args.requests * args.new_tokens
+    result = {"requests": args.requests, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "step_ms": args.step_ms, "wall_s": round(wall, 3),
+              "ttft_s": load.describe([t[0] for t in times]),
+              "itl_s": load.describe([b - a for t in times for a, b in zip(t, t[1:])]),
+              "frontend_cpu_s": round(cpu, 3), "cpu_us_per_event": round(1e6 * cpu / events, 1),
               "validation_mean_s": round(load.parse_gauge(metrics, "tgi_request_validation_duration_sum") / count, 4)}
-    print(f"{args.requests} requests of ~{args.prompt_tokens} tokens at once: last first token after "
-          f"{result['wall_s']:.3f} s; TTFT p50 {result['ttft_s']['p50'] * 1000:.0f} ms, "
-          f"p99 {result['ttft_s']['p99'] * 1000:.0f} ms; mean validation {result['validation_mean_s'] * 1000:.0f} ms",
-          flush=True)
+    print(f"{args.requests} requests of ~{args.prompt_tokens} tokens at once, {args.new_tokens} new each, "
+          f"{args.step_ms:g} ms steps: done after {result['wall_s']:.3f} s; "
+          f"TTFT p50 {result['ttft_s']['p50'] * 1000:.0f} ms, p99 {result['ttft_s']['p99'] * 1000:.0f} ms; "
+          f"ITL p50 {result['itl_s']['p50'] * 1000:.1f} ms, p99 {result['itl_s']['p99'] * 1000:.1f} ms; "
+          f"mean validation {result['validation_mean_s'] * 1000:.0f} ms; front end {result['frontend_cpu_s']:.2f} "
+          f"CPU s ({result['cpu_us_per_event']:.0f} us per token event)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -22,6 +22,7 @@ from engine.protocol.messages import Abort, Events, GenerationRequest, RouterSta
 log = logging.getLogger(__name__)
 
 StepObserver = Callable[[list[StepStats]], None]
+ROUTER_GONE = "the router process is gone"
 
 
 class Backend(Protocol):
@@ -70,15 +71,22 @@ class _EventRouting:
                 self._abort(request.request_id)
 
     def _deliver(self, events: list[TokenEvent]) -> None:
-        """Called on the reader thread: hand each event to its request's queue."""
+        """Called on the reader thread: one wake-up of the event loop hands out a whole step's events."""
         loop = self._loop
-        if loop is None:
+        if loop is None or not events:
             return
-        with self._lock:
-            targets = [(self._queues.get(e.request_id), e) for e in events]
-        for target, event in targets:
+        try:
+            loop.call_soon_threadsafe(self._hand_out, events)
+        except RuntimeError:
+            pass   # the event loop is closed: nobody waits any more
+
+    def _hand_out(self, events: list[TokenEvent]) -> None:
+        """On the event loop (the only thread that adds or removes queues): each event to its request."""
+        queues = self._queues
+        for event in events:
+            target = queues.get(event.request_id)
             if target is not None:
-                loop.call_soon_threadsafe(target.put_nowait, event)
+                target.put_nowait(event)
 
     def _fail_pending(self, message: str) -> None:
         with self._lock:
@@ -98,10 +106,14 @@ class RouterClient(_EventRouting):
     def __init__(self, conn):
         super().__init__()
         self._conn = conn
-        self._send_lock = threading.Lock()
         self._status = RouterStatus(healthy=False)
         self._ready = threading.Event()
+        # The router reads its pipe between steps: a burst of long prompts fills the pipe, and the
+        # event loop must not wait for the router's step (every stream would stall with it).
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="router-writer", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name="router-reader", daemon=True)
+        self._writer.start()
         self._reader.start()
 
     def wait_ready(self, timeout: float | None = None) -> RouterStatus:
@@ -121,28 +133,33 @@ class RouterClient(_EventRouting):
                 "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
                 "prefix_cache_evicted_tokens": s.prefix_cache_evicted_tokens}
 
-    def _send(self, message) -> None:
-        data = encode(message)
-        with self._send_lock:
-            self._conn.send_bytes(data)
-
     def _submit(self, request: GenerationRequest) -> None:
-        self._send(request)
+        if not self._status.healthy and self._status.error == ROUTER_GONE:
+            self._hand_out([TokenEvent(request_id=request.request_id, error=f"Request failed during generation: "
+                                                                             f"{ROUTER_GONE}")])
+            return
+        self._outbox.put(encode(request))
 
     def _abort(self, request_id: int) -> None:
-        try:
-            self._send(Abort(request_id))
-        except (OSError, EOFError):
-            pass   # the router is gone; nothing holds the request any more
+        self._outbox.put(encode(Abort(request_id)))
+
+    def _write_loop(self) -> None:
+        """Send the queued messages in order (blocking while the router is busy with a step)."""
+        while True:
+            data = self._outbox.get()
+            try:
+                self._conn.send_bytes(data)
+            except (OSError, EOFError):
+                return   # the router is gone: the reader fails every pending request
 
     def _read_loop(self) -> None:
         while True:
             try:
                 message = decode(self._conn.recv_bytes())
             except (EOFError, OSError):
-                self._status = RouterStatus(healthy=False, error="the router process is gone")
+                self._status = RouterStatus(healthy=False, error=ROUTER_GONE)     # before the pending are failed
                 self._ready.set()
-                self._fail_pending("Request failed during generation: the router process is gone")
+                self._fail_pending(f"Request failed during generation: {ROUTER_GONE}")
                 return
             if isinstance(message, Events):
                 self._deliver(message.events)

@@ -15,7 +15,6 @@ import msgpack
 from . import messages
 
 _INT32_LIST = 1
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 MESSAGE_TYPES = {name: cls for name, cls in vars(messages).items()
@@ -37,13 +36,24 @@ def _pack(value):
         return body
     if isinstance(value, (list, tuple, frozenset, set)):
         items = list(value)
-        if items and all(type(v) is int and _INT32_MIN <= v <= _INT32_MAX for v in items):
-            packed = array("i", items)
-            if sys.byteorder != "little":
-                packed.byteswap()
+        packed = _int32_array(items)
+        if packed is not None:
             return msgpack.ExtType(_INT32_LIST, packed.tobytes())
         return [_pack(v) for v in items]
     return value
+
+
+def _int32_array(items: list) -> array | None:
+    """``items`` as little-endian int32 when every one is an int (bools are not) in range, else None."""
+    if not items or set(map(type, items)) != {int}:
+        return None
+    try:
+        packed = array("i", items)
+    except OverflowError:
+        return None
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed
 
 
 def _ext_hook(code: int, data: bytes):

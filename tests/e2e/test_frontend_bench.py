@@ -5,7 +5,9 @@ from tests.e2e.demo_server import DEMO
 
 def test_frontend_bench_reports_the_burst(tmp_path):
     result = frontend_bench.main(["--tokenizer", str(DEMO), "--requests", "12", "--prompt-tokens", "200",
-                                  "--json", str(tmp_path / "out.json")])
+                                  "--new-tokens", "4", "--step-ms", "10", "--json", str(tmp_path / "out.json")])
     assert result["ttft_s"]["count"] == 12 and 0 < result["ttft_s"]["p50"] <= result["wall_s"]
+    assert result["itl_s"]["count"] == 12 * 3 and result["itl_s"]["p50"] > 0
     assert 0 < result["validation_mean_s"] < result["wall_s"]
+    assert result["frontend_cpu_s"] > 0 and result["cpu_us_per_event"] > 0
     assert (tmp_path / "out.json").exists()

@@ -35,6 +35,15 @@ def test_int_lists_travel_as_raw_int32_bytes():
     assert len(encode(step)) < 8500
 
 
+def test_lists_that_are_not_int32_keep_their_values():
+    for values in ([True, False], [2**31, 1], [-(2**31) - 1], [1, 2.5], [1, None]):
+        raw = msgpack.unpackb(encode(RouterStatus(True, error=values)), raw=False, strict_map_key=False)
+        assert raw["error"] == values and [type(v) for v in raw["error"]] == [type(v) for v in values]
+    edges = [-(2**31), 2**31 - 1, 0]
+    assert isinstance(msgpack.unpackb(encode(Abort(edges)), raw=False)["request_id"], msgpack.ExtType)
+    assert decode(encode(Abort(edges))).request_id == edges
+
+
 def test_nan_logprob_survives():
     event = decode(encode(TokenEvent(1, 2)))
     assert math.isnan(event.logprob)

@@ -1,0 +1,82 @@
+"""The front end's end of the router pipe (``engine.client.RouterClient``), against a pipe end the test drives."""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+
+from engine.client import RouterClient
+from engine.protocol.codec import decode, encode
+from engine.protocol.messages import Events, GenerationRequest, RouterStatus, TokenEvent
+
+
+def request(rid: int, prompt_tokens: int = 4) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, prompt_ids=[7] * prompt_tokens, max_new_tokens=2)
+
+
+async def first_event(client: RouterClient, req: GenerationRequest) -> TokenEvent:
+    events = client.generate(req)
+    try:
+        return await events.__anext__()
+    finally:
+        await events.aclose()
+
+
+def test_a_router_busy_with_a_step_does_not_block_the_event_loop():
+    """The router reads its pipe only between steps: long prompts that fill the pipe must not
+    stop the event loop (every stream would stall for the step's length)."""
+    router_end, frontend_end = multiprocessing.Pipe()
+    client = RouterClient(frontend_end)
+
+    async def submit_many() -> float:
+        streams = [client.generate(request(rid, prompt_tokens=50_000)) for rid in range(40)]
+        tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        start = time.perf_counter()
+        for _ in range(20):                       # the loop keeps turning while 8 MB wait for the reader
+            await asyncio.sleep(0.001)
+        turned = time.perf_counter() - start
+        received = [decode(router_end.recv_bytes()).request_id for _ in streams]   # the router reads at last
+        router_end.send_bytes(encode(Events([TokenEvent(rid, 5, -1.0, finish_reason="length") for rid in received])))
+        events = await asyncio.gather(*tasks)
+        assert received == list(range(40)) and [e.request_id for e in events] == received
+        return turned
+
+    assert asyncio.run(submit_many()) < 2.0
+
+
+def test_a_steps_events_reach_their_requests_in_order():
+    router_end, frontend_end = multiprocessing.Pipe()
+    client = RouterClient(frontend_end)
+
+    async def run() -> dict[int, list[int]]:
+        async def collect(rid):
+            return [e.token_id async for e in client.generate(request(rid))]
+        tasks = [asyncio.ensure_future(collect(rid)) for rid in (1, 2, 3)]
+        for _ in range(3):                        # read off the loop: the requests are sent once it turns
+            decode(await asyncio.to_thread(router_end.recv_bytes))
+        router_end.send_bytes(encode(Events([TokenEvent(1, 10), TokenEvent(2, 20), TokenEvent(1, 11),
+                                             TokenEvent(3, 30, finish_reason="length"), TokenEvent(99, 0)])))
+        router_end.send_bytes(encode(Events([TokenEvent(2, 21, finish_reason="eos_token"),
+                                             TokenEvent(1, 12, finish_reason="length")])))
+        return dict(zip((1, 2, 3), await asyncio.gather(*tasks)))
+
+    assert asyncio.run(run()) == {1: [10, 11, 12], 2: [20, 21], 3: [30]}
+
+
+def test_when_the_router_is_gone_pending_and_new_requests_fail_at_once():
+    router_end, frontend_end = multiprocessing.Pipe()
+    client = RouterClient(frontend_end)
+    router_end.send_bytes(encode(RouterStatus(healthy=True)))
+    client.wait_ready(5)
+
+    async def run() -> tuple[TokenEvent, TokenEvent]:
+        pending = asyncio.ensure_future(first_event(client, request(1)))
+        decode(await asyncio.to_thread(router_end.recv_bytes))
+        router_end.close()
+        failed = await asyncio.wait_for(pending, 5)
+        late = await asyncio.wait_for(first_event(client, request(2)), 5)
+        return failed, late
+
+    failed, late = asyncio.run(run())
+    assert "router process is gone" in failed.error and "router process is gone" in late.error
+    assert not client.healthy()
