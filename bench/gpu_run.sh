@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, profile, bench (default), serving, ablation,
-#                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared
+#                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -120,6 +120,23 @@ for stage in $stages; do
       done
       python3 -m bench.prefix_bench --model-dir "$MODEL_7B" --cache ${PREFIX_CACHE:-both} ${PREFIX_ARGS:-} \
         --json "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log" | grep -v -E "it/s|s/it" | tail -11
+      rc=${PIPESTATUS[0]} ;;
+    stall)
+      # Long prompts beside decoding streams (bench.long_prompt_bench) on a random Llama-3.1-8B with
+      # --max-input-tokens 120000, served by the launcher of each tree of COMPARE_TREES (before, after)
+      MODEL_8B=${MODEL_8B:-/tmp/llama31-8b}
+      [ -f "$MODEL_8B/config.json" ] || python3 -m weights.random_checkpoint --config llama-3.1-8b --out "$MODEL_8B" \
+        --dtype bfloat16 --device cuda 2>&1 | tail -2
+      for tree in ${COMPARE_TREES:-.baseline .}; do
+        tag=$(basename "$(realpath "$tree")")
+        LAUNCHER_REPO=$tree python3 -m bench.long_prompt_bench --model-dir "$MODEL_8B" ${STALL_ARGS:-} \
+          --json "$OUT/stall_$tag.json" 2>&1 | tee "$OUT/stall_$tag.log" | grep -v -E "it/s|s/it" | tail -7
+        rc=${PIPESTATUS[0]}
+      done ;;
+    prefill)
+      # the prefill attention's launch sweep at long context (Llama-3.1-8B heads by default)
+      python3 -m bench.prefill_attention_bench ${PREFILL_ARGS:-} --json "$OUT/prefill_attention.json" 2>&1 \
+        | tee "$OUT/prefill_attention.log" | tail -30
       rc=${PIPESTATUS[0]} ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

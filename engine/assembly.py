@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.models import load_model_config
+from engine.models import family_for, load_model_config
 from engine.models.config import ModelConfig
 from engine.models.parallel import TensorParallel
 from engine.ops import BACKENDS, default_backend
@@ -41,7 +42,8 @@ class EngineConfig:
     max_seq_len: int | None = None        # prompt + new tokens of one request; None: the model's context
     num_slots: int | None = None          # KV capacity in tokens; None: sized from free memory
     memory_fraction: float = 0.9          # of the memory free after the weights and the warm-up (CUDA)
-    max_prefill_tokens: int = 4096        # prompt tokens per step (longer prompts are chunked)
+    max_prefill_tokens: int = 4096        # tokens per step: decode rows, then prompt chunks (longer ones chunked)
+    stall_free_tokens: int | None = None  # while requests decode, cap the prompt chunks' cost (scheduler); None: off
     waiting_served_ratio: float = 0.0
     max_waiting_steps: int = 20
     admission: str = "peak"               # peak (LightLLM's rule) | reserve (TGI-style)
@@ -85,14 +87,31 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         model_dir=config.model_dir, dtype=resolve_dtype(config.dtype, model_config, device), device=device,
         kernel_backend=backend, max_requests=config.max_requests, max_seq_len=max_seq_len,
         num_slots=config.num_slots, memory_fraction=config.memory_fraction,
-        warmup_tokens=config.max_prefill_tokens, cuda_graphs=config.cuda_graphs,
+        warmup_tokens=max(config.max_prefill_tokens, config.max_requests), cuda_graphs=config.cuda_graphs,
         watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta)
+    attention_span, kv_weight_tokens = step_cost_model(model_config)
     scheduler = SchedulerConfig(
-        max_prefill_tokens=config.max_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
-        max_waiting_steps=config.max_waiting_steps, max_seq_len=max_seq_len, admission=config.admission,
-        prefix_caching=config.prefix_caching)
+        max_prefill_tokens=config.max_prefill_tokens, stall_free_tokens=config.stall_free_tokens,
+        attention_span=attention_span, kv_weight_tokens=kv_weight_tokens,
+        waiting_served_ratio=config.waiting_served_ratio, max_waiting_steps=config.max_waiting_steps,
+        max_seq_len=max_seq_len, admission=config.admission, prefix_caching=config.prefix_caching)
     return EnginePlan(config, model_config, worker, scheduler, eos_token_ids(config.model_dir, model_config),
                       num_shards)
+
+
+def step_cost_model(model_config: ModelConfig) -> tuple[int, int]:
+    """(attention_span, kv_weight_tokens) for the scheduler's step budget, from the weight shapes:
+    the context length at which a prompt token's attention (4 * heads * head_dim FLOPs per layer
+    and position) costs as much as its matmuls (2 FLOPs per layer weight), and the context tokens
+    whose KV (2 * kv_heads * head_dim per layer) is as large as the weights a decode step reads."""
+    c = model_config
+    shapes = family_for(c.architecture).checkpoint_shapes(c)
+    layer_weights = sum(math.prod(shape) for name, shape in shapes.items()
+                        if name.startswith("model.layers.") and len(shape) == 2)
+    head = c.vocab_size * c.hidden_size
+    attention_span = layer_weights // (2 * c.num_layers * c.num_heads * c.head_dim)
+    kv_weight_tokens = (layer_weights + head) // (2 * c.num_layers * c.num_kv_heads * c.head_dim)
+    return max(attention_span, 1), max(kv_weight_tokens, 1)
 
 
 def resolve_shards(requested: int | None, device: torch.device) -> int:

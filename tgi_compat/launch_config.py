@@ -114,9 +114,12 @@ class LaunchConfig:
                                         "is 0 because our steps carry prompt chunks beside the decode rows, so "
                                         "holding requests back saves no forward pass, only delays first tokens",
                                         0.0, minimum=0.0)
-    max_batch_prefill_tokens: int | None = _flag("prompt tokens prefilled per step; default: "
-                                                 "max(max_input_tokens + 50, 4096), capped by the KV capacity",
-                                                 minimum=1)
+    max_batch_prefill_tokens: int | None = _flag(
+        "tokens of one step: a row per decoding request first, prompt chunks in the rest (longer prompts are "
+        "chunked, so it may be below --max-input-tokens). Default: 2048, capped by the KV capacity; with the "
+        "default, while requests decode, the prompt chunks are also kept to about a decode step's time "
+        "(their attention over a long context counted), so long prompts never stall the streams; a value "
+        "given here is a plain token budget", minimum=1)
     max_batch_total_tokens: int | None = _flag("KV cache capacity in tokens; default: what the memory left after "
                                                "the weights and a warm-up holds", minimum=1)
     max_waiting_tokens: int = _flag("decode steps after which waiting requests are admitted regardless of "
@@ -284,8 +287,6 @@ def _check_limits(max_input: int | None, total: int | None, prefill: int | None,
     problems = [
         (max_input, total, lambda: max_input >= total,
          f"`max_input_tokens` must be < `max_total_tokens`. Given: {max_input} and {total}"),
-        (prefill, max_input, lambda: prefill < max_input,
-         f"`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: {prefill} and {max_input}"),
         (total, batch_total, lambda: total > batch_total,
          f"`max_total_tokens` must be <= `max_batch_total_tokens`. Given: {total} and {batch_total}"),
         (prefill, batch_total, lambda: prefill > batch_total,
@@ -310,7 +311,8 @@ class Limits:
     max_batch_total_tokens: int | None
 
 
-PREFILL_FLOOR = 4096    # TGI's default prefill budget when it cannot compute one
+STEP_TOKENS = 2048        # the default step budget (chunked prefill: prompts of any length fit)
+STALL_FREE_TOKENS = 512   # with the default budget: a decoding step's prompt chunk cost (engine.router.scheduler)
 
 
 def resolve_limits(config: LaunchConfig, context_length: int, max_allocatable: int | None = None) -> Limits:
@@ -319,7 +321,8 @@ def resolve_limits(config: LaunchConfig, context_length: int, max_allocatable: i
     | limit                    | default                                                   |
     | max_total_tokens         | min(max_allocatable, context length)                      |
     | max_input_tokens         | max_total_tokens - 1                                      |
-    | max_batch_prefill_tokens | max(max_input_tokens + 50, 4096), capped by the KV capacity |
+    | max_batch_prefill_tokens | 2048, capped by the KV capacity (TGI: max_input_tokens + 50 or 4096; we chunk |
+    |                          | every prompt, so a step's size bounds its time and activations, not a prompt) |
     | max_batch_total_tokens   | --max-batch-total-tokens, else max_allocatable            |
 
     ``context_length`` is the model's, with --rope-scaling/--rope-factor already applied
@@ -339,9 +342,7 @@ def resolve_limits(config: LaunchConfig, context_length: int, max_allocatable: i
                           f"lower --max-total-tokens or raise --cuda-memory-fraction")
     prefill = config.max_batch_prefill_tokens
     if prefill is None:
-        prefill = max(max_input + 50, PREFILL_FLOOR)
-        if capacity is not None:
-            prefill = max(min(prefill, capacity), max_input)
+        prefill = STEP_TOKENS if capacity is None else min(STEP_TOKENS, capacity)
     _check_limits(max_input, total, prefill, capacity)
     if max_input < 1:
         raise LaunchError(f"`max_input_tokens` must be >= 1, got {max_input}")

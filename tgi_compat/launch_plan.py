@@ -15,7 +15,7 @@ from engine.assembly import EngineConfig, EnginePlan, plan_engine
 from engine.processes import LogSetup, spawn_context, spawn_router, spawn_shards
 
 from .frontend_process import FrontendSpec, frontend_main
-from .launch_config import LaunchConfig, Limits, resolve_limits, resolve_num_shard
+from .launch_config import STALL_FREE_TOKENS, LaunchConfig, Limits, resolve_limits, resolve_num_shard
 
 log = logging.getLogger("launcher")
 
@@ -72,6 +72,7 @@ def engine_config(config: LaunchConfig, limits: Limits, model_dir: str) -> Engin
         max_requests=config.max_batch_size or min(config.max_concurrent_requests * config.max_best_of, 1024),
         max_seq_len=limits.max_total_tokens, num_slots=limits.max_batch_total_tokens,
         memory_fraction=0.9 * config.cuda_memory_fraction, max_prefill_tokens=limits.max_batch_prefill_tokens,
+        stall_free_tokens=STALL_FREE_TOKENS if config.max_batch_prefill_tokens is None else None,
         waiting_served_ratio=config.waiting_served_ratio, max_waiting_steps=config.max_waiting_tokens,
         admission=config.admission, cuda_graphs=config.cuda_graphs, prefix_caching=config.prefix_caching,
         num_shards=resolve_num_shard(config, _visible_gpus()), master_addr=config.master_addr,

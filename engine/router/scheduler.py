@@ -14,6 +14,20 @@ no row is planned past ``max_new_tokens``. A request that finishes or is aborted
 its slots at once: a row of it still in flight writes only slots that a later step (run
 after it on the device) may hand to another request, and its result is ignored.
 
+Step budget (stall-free batching): a step carries at most ``max_prefill_tokens`` tokens,
+decode rows first (every decoding request has a row in every step), prompt chunks in the
+rest. While requests decode, ``stall_free_tokens`` also caps the prompt chunks' cost, so a
+step stays close to a decode step's time: a chunk of n tokens from position p costs
+``n * (1 + (p + n/2) / attention_span)`` (its matmuls, plus its attention over the context),
+against ``stall_free_tokens * (1 + decode context / kv_weight_tokens)`` (a decode step costs
+reading the weights plus the running requests' KV). Prompt chunks go shortest-remaining
+first, aged by ``max_prefill_tokens`` per step in prefill, so short prompts pass a long one
+and no prompt waits forever; the first prompt in that order always gets at least
+``MIN_PROMPT_CHUNK`` tokens (within the budget), so a step exceeds the budget only when its
+decode rows leave less than that. Admission counts a prompt not yet planned as if its request
+grew from now on and lived ``prefill_delay_bound`` steps longer (an upper bound of its
+wait whatever the order), so the peak stays an upper bound.
+
 Prefix cache (``engine.router.prefix_cache``, on unless ``prefix_caching=False``):
   * at admission a request takes the longest cached prefix of its prompt but the last
     token (whose logits choose the first new token): its first row maps those slots into
@@ -33,6 +47,7 @@ Prefix cache (``engine.router.prefix_cache``, on unless ``prefix_caching=False``
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,11 +62,15 @@ log = logging.getLogger(__name__)
 ADMISSION_RULES = ("peak", "reserve")
 MAX_SKIPPED = 16     # waiting requests tried per step after one did not fit
 DEFER_MIN_TOKENS = 128   # wait for a running prefill that will cache at least this many more prompt tokens
+MIN_PROMPT_CHUNK = 16    # prompt tokens a step always carries while prompts wait (progress beside any decode batch)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_prefill_tokens: int = 4096       # prompt tokens per step (chunks beyond it)
+    max_prefill_tokens: int = 4096       # tokens of one step: decode rows first, prompt chunks fill the rest
+    stall_free_tokens: int | None = None # while requests decode, the prompt chunks' cost cap (module docstring)
+    attention_span: int = 32768          # context at which a prompt token's attention costs its matmuls
+    kv_weight_tokens: int = 32768        # context tokens whose KV weighs as much as the weights
     waiting_served_ratio: float = 0.0    # TGI: admit only when waiting >= ratio * running
     max_waiting_steps: int = 20          # TGI's --max-waiting-tokens: then admit anyway
     max_seq_len: int = 4096              # prompt + new tokens of one request
@@ -61,6 +80,11 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.admission not in ADMISSION_RULES:
             raise ValueError(f"admission {self.admission!r} is not one of {', '.join(ADMISSION_RULES)}")
+        for name in ("max_prefill_tokens", "attention_span", "kv_weight_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.stall_free_tokens is not None and self.stall_free_tokens < 1:
+            raise ValueError(f"stall_free_tokens must be >= 1 (or None: off), got {self.stall_free_tokens}")
 
 
 @dataclass
@@ -74,6 +98,7 @@ class Request:
     generated: list[int] = field(default_factory=list)
     prefilled: int = 0
     waited_steps: int = 0
+    prefill_steps: int = 0             # steps planned since admission while its prompt was not all planned
     prompt_logprobs: list[float | None] | None = None
     pending: int = 0                   # tokens sampled by steps in flight, not yet seen
     decoding: bool = False             # a decode row was planned (it joined its shared-prefix group by then)
@@ -105,6 +130,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._released: list[int] = []
+        self.min_chunk = min(MIN_PROMPT_CHUNK, config.max_prefill_tokens)
+        self.prefill_delay = prefill_delay_bound(config, allocator.num_slots)
         self.last_filter_s = 0.0        # the last ``process`` call's time freeing finished requests
         log.info("prefix caching %s", "on" if self.cache is not None else "off (--prefix-caching false / PREFIX_CACHING=0)")
 
@@ -147,37 +174,59 @@ class Scheduler:
     # ---- planning ------------------------------------------------------------------
 
     def schedule(self) -> Step:
-        """The next Step: prompt chunks within the prefill budget, then one decode row each."""
+        """The next Step: one decode row per decoding request, prompt chunks in the rest of the budget."""
         self._admit()
-        self._make_room()
-        budget = self.config.max_prefill_tokens
+        decoding = [r for r in self.running if not r.in_prefill and r.remaining > 0]
+        chunks = self._plan_chunks(decoding)
+        self._make_room(len(decoding) + sum(chunks.values()))
         rows = []
         for request in self.running:
-            if request.in_prefill:
-                if budget > 0:
-                    row = self._prefill_row(request, budget)
-                    budget -= len(row.input_ids)
-                    rows.append(row)
-            elif request.remaining > 0:
+            if request.request_id in chunks:
+                rows.append(self._prefill_row(request, chunks[request.request_id]))
+            elif not request.in_prefill and request.remaining > 0:
                 rows.append(self._decode_row(request))
         if self.shared is not None and rows:
             self.shared.mark(rows)
         released, self._released = self._released, []
         return Step(rows=rows, released=released)
 
-    def _make_room(self) -> None:
+    def _plan_chunks(self, decoding: list[Request]) -> dict[int, int]:
+        """{request id: prompt tokens this step} (module docstring: the step budget)."""
+        prefilling = [r for r in self.running if r.in_prefill]
+        if not prefilling:
+            return {}
+        budget = StepBudget.for_step(self.config, decoding)
+        span, chunks = self.config.attention_span, {}
+        for request in sorted(prefilling, key=self._prefill_priority):
+            want = len(request.prompt_ids) - request.prefilled
+            tokens = budget.fit(request.prefilled, want, span)
+            if not chunks:
+                tokens = max(tokens, min(want, self.min_chunk))    # the first in order always moves
+            if tokens > 0:
+                budget.take(request.prefilled, tokens, span)
+                chunks[request.request_id] = tokens
+            if budget.tokens <= 0:
+                break
+        for request in prefilling:
+            request.prefill_steps += 1
+        return chunks
+
+    def _prefill_priority(self, request: Request) -> int:
+        """Shortest remaining prompt first, aged: a prompt that waited ``remaining / budget`` steps
+        in prefill goes before any newcomer."""
+        return len(request.prompt_ids) - request.prefilled - self.config.max_prefill_tokens * request.prefill_steps
+
+    def _make_room(self, need: int) -> None:
         """Evict once for the whole step (not once per row) when the free slots run short."""
         if self.cache is None:
             return
-        prompt = sum(len(r.prompt_ids) - r.prefilled for r in self.running if r.in_prefill)
-        decode = sum(1 for r in self.running if not r.in_prefill and r.remaining > 0)
-        need = min(prompt, self.config.max_prefill_tokens) + decode
         if need > self.allocator.free_slots:
             self.cache.evict(need - self.allocator.free_slots)
 
     def _admit(self) -> None:
-        """Admit waiting requests while the peak KV usage fits and this step's prefill budget lasts
-        (a request admitted later may find its prefix cached by one prefilled now)."""
+        """Admit waiting requests while the peak KV usage fits and a step's budget of new prompt
+        tokens lasts (a request admitted later may find its prefix cached by one prefilled now; a
+        prompt still being planned does not hold newcomers back: shorter ones pass it)."""
         if not self.waiting:
             return
         ratio_ok = len(self.waiting) >= self.config.waiting_served_ratio * len(self.running)
@@ -187,9 +236,8 @@ class Scheduler:
                 request.waited_steps += 1
             return
         usage = peak_usage if self.config.admission == "peak" else reserved_usage
-        budget = self.config.max_prefill_tokens - sum(
-            len(r.prompt_ids) - r.prefilled for r in self.running if r.in_prefill)
-        pinned = PinnedTokens(self.running, self.config.max_prefill_tokens)
+        budget = self.config.max_prefill_tokens     # new prompt tokens a step admits (about what it can plan)
+        pinned = PinnedTokens(self.running, self.prefill_delay)
         misses = 0
         for request in list(self.waiting):
             if budget <= 0:
@@ -246,9 +294,9 @@ class Scheduler:
                  len(request.prompt_ids), match.length)
         return request.lock_node
 
-    def _prefill_row(self, request: Request, budget: int) -> StepRow:
+    def _prefill_row(self, request: Request, tokens: int) -> StepRow:
         start = request.prefilled
-        end = min(len(request.prompt_ids), start + budget)
+        end = min(len(request.prompt_ids), start + tokens)
         chunk = request.prompt_ids[start:end]
         last_chunk = end == len(request.prompt_ids)
         first = start == request.cached_prefix
@@ -387,6 +435,53 @@ class Scheduler:
                                      f"running requests")
 
 
+@dataclass
+class StepBudget:
+    """What one step's prompt chunks may take: ``tokens`` (the step's size, which bounds the
+    activation memory the warm-up measured) and, while requests decode, ``cost`` (time)."""
+    tokens: int
+    cost: float | None = None
+
+    @classmethod
+    def for_step(cls, config: SchedulerConfig, decoding: list[Request]) -> "StepBudget":
+        cost = None
+        if config.stall_free_tokens is not None and decoding:
+            context = sum(r.held_tokens for r in decoding)
+            cost = config.stall_free_tokens * (1 + context / config.kv_weight_tokens)
+        return cls(config.max_prefill_tokens - len(decoding), cost)
+
+    def fit(self, start: int, want: int, span: int) -> int:
+        """The most tokens (at most ``want``) of a chunk from position ``start`` within the budget."""
+        tokens = min(want, self.tokens)
+        if self.cost is not None and tokens > 0:
+            # chunk_cost(n) = a n^2 + b n: the largest n with cost <= self.cost
+            a, b = 1 / (2 * span), 1 + (start - 0.5) / span
+            n = int((-b + math.sqrt(b * b + 4 * a * max(self.cost, 0))) / (2 * a))
+            while n > 0 and chunk_cost(start, n, span) > self.cost:
+                n -= 1
+            tokens = min(tokens, n)
+        return max(tokens, 0)
+
+    def take(self, start: int, tokens: int, span: int) -> None:
+        self.tokens -= tokens
+        if self.cost is not None:
+            self.cost -= chunk_cost(start, tokens, span)
+
+
+def chunk_cost(start: int, tokens: int, span: int) -> float:
+    """A prompt chunk's cost in tokens: its matmuls plus its attention over positions 0..start+tokens."""
+    return tokens * (1 + (start + (tokens - 1) / 2) / span)
+
+
+def prefill_delay_bound(config: SchedulerConfig, num_slots: int) -> int:
+    """Steps within which an admitted prompt is all planned, whatever else arrives: aging puts it
+    before every newcomer within ``max_seq_len / max_prefill_tokens`` steps; then only the prompts
+    ahead of it (at most ``num_slots`` tokens) and its own remain, and the first in order gets at
+    least ``MIN_PROMPT_CHUNK`` tokens a step."""
+    min_chunk = min(MIN_PROMPT_CHUNK, config.max_prefill_tokens)
+    return math.ceil(config.max_seq_len / config.max_prefill_tokens) + math.ceil(num_slots / min_chunk) + 1
+
+
 class PinnedTokens:
     """The (L, R) pairs of the admission formula with the prefix cache.
 
@@ -400,9 +495,8 @@ class PinnedTokens:
     ends inside a node).
     """
 
-    def __init__(self, running: list[Request], prefill_budget: int):
-        self.budget = prefill_budget
-        self.queued_prompt = 0          # prompt tokens not yet planned, of the running requests
+    def __init__(self, running: list[Request], prefill_delay: int):
+        self.prefill_delay = prefill_delay
         self.entries: dict[int, list[int]] = {}   # request id -> [L, R, delay, growth] (see peak_usage)
         for r in running:
             self.entries[r.request_id] = self._entry(r, r.held_tokens - r.cached_len, r.prefilled)
@@ -415,14 +509,12 @@ class PinnedTokens:
         self.reserved = sum(e[1] + e[3] for e in self.entries.values())   # reserved_usage of the entries
 
     def _entry(self, request: Request, tokens: int, prefilled: int) -> list[int]:
-        """[L, R, delay, growth] of a request (in running order: prompt chunks are planned first
-        come, first served, ``budget`` tokens a step). ``delay``: steps until its prompt is
-        planned; ``growth``: its remaining rows; L adds one step because steps are pipelined
-        (the result that frees a request is seen after the next step is planned)."""
-        unplanned = len(request.prompt_ids) - prefilled
-        self.queued_prompt += unplanned
-        delay = -(-self.queued_prompt // self.budget) if unplanned else 0
-        return [delay + request.remaining + 1, tokens, delay, request.remaining]
+        """[L, R, delay, growth] of a request. ``growth``: its remaining rows, counted from now
+        (delay 0); a request whose prompt is not all planned lives up to ``prefill_delay`` steps
+        longer (whatever the order prompts are planned in). L adds one step because steps are
+        pipelined (the result that frees a request is seen after the next step is planned)."""
+        wait = self.prefill_delay if prefilled < len(request.prompt_ids) else 0
+        return [wait + request.remaining + 1, tokens, 0, request.remaining]
 
     def _claims(self, remaining: int, path) -> tuple[int, dict[int, int]]:
         """(tokens the request newly pins, {request id: tokens it stops pinning}). Where a
@@ -452,13 +544,11 @@ class PinnedTokens:
         ``peak_usage`` over every entry (which admitting hundreds of requests at once made
         quadratic)."""
         entry = self._entry(request, request.held_tokens - match.length, match.length)
-        self.queued_prompt -= len(request.prompt_ids) - match.length    # only a trial
         added, taken = self._claims(entry[0], match.path)
         return self.reserved + entry[1] + added + entry[3] - sum(taken.values())
 
     def trial(self, request: Request, match: Match) -> list[tuple]:
         entry = self._entry(request, request.held_tokens - match.length, match.length)
-        self.queued_prompt -= len(request.prompt_ids) - match.length    # only a trial
         added, taken = self._claims(entry[0], match.path)
         entry[1] += added
         rows = [(e[0], e[1] - taken.get(rid, 0), e[2], e[3]) for rid, e in self.entries.items()]
@@ -489,7 +579,8 @@ def peak_usage(requests: list[tuple], presorted: bool = False) -> int:
     """The peak over future steps t of the tokens held, each request given as (L, R): it holds
     R + t tokens while t <= L (so the peak is max_k (k * L_k + sum_{j<=k} R_j) over L
     descending), or as (L, R, delay, growth) with growth >= L - 1: it holds
-    R + clamp(t - delay, 0, growth) while t <= L.
+    R + clamp(t - delay, 0, growth) while t <= L (any growth: the entries with delay or with
+    growth < L - 1 are the few of prompts still being planned).
 
     The peak is reached at some t = L_k: the k requests of longest L are alive then. A
     request without delay adds t there, less L - growth if its own L is that t (the tie
@@ -504,7 +595,7 @@ def peak_usage(requests: list[tuple], presorted: bool = False) -> int:
         held += tokens
         if life != tie_at:
             tie_at, tie_short = life, 0
-        if delay:
+        if delay or growth < life - 1:
             delayed.append((delay, growth))
         else:
             growing += 1

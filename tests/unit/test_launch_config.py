@@ -163,8 +163,6 @@ def test_speculate_zero_is_accepted():
     (["--cuda-graphs", "0,4"], "expected batch sizes >= 1, or 0 alone to disable"),
     (["--max-input-tokens", "100", "--max-total-tokens", "100"],
      "`max_input_tokens` must be < `max_total_tokens`. Given: 100 and 100"),
-    (["--max-input-tokens", "500", "--max-batch-prefill-tokens", "400"],
-     "`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: 400 and 500"),
     (["--max-total-tokens", "1000", "--max-batch-total-tokens", "500"],
      "`max_total_tokens` must be <= `max_batch_total_tokens`. Given: 1000 and 500"),
     (["--max-batch-prefill-tokens", "1000", "--max-batch-total-tokens", "500"],
@@ -251,29 +249,26 @@ def test_rope_flags_follow_tgi():
     assert parse_args(["--rope-scaling", "linear", "--rope-factor", "4"], {}).rope == ("linear", 4.0)
 
 
-def test_derived_limits_follow_tgi():
+def test_derived_limits_follow_tgi_but_the_step_budget_is_ours():
     limits = resolve_limits(parse_args([], {}), 4096, None)
     assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_batch_prefill_tokens,
-            limits.max_batch_total_tokens) == (4096, 4095, 4145, None)
-    limits = resolve_limits(parse_args([], {}), 2048, None)       # short context: TGI's 4096 floor
-    assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_batch_prefill_tokens) == (2048, 2047, 4096)
+            limits.max_batch_total_tokens) == (4096, 4095, 2048, None)
     limits = resolve_limits(parse_args([], {}), 32768, 20000)     # the memory holds less than the context
     assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_batch_prefill_tokens,
-            limits.max_batch_total_tokens) == (20000, 19999, 20000, 20000)
+            limits.max_batch_total_tokens) == (20000, 19999, 2048, 20000)
     limits = resolve_limits(parse_args(["--max-total-tokens", "256", "--max-input-length", "100"], {}), 4096, None)
-    assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_batch_prefill_tokens) == (256, 100, 4096)
-    limits = resolve_limits(parse_args(["--max-batch-total-tokens", "5000"], {}), 4096, 99999)
-    assert (limits.max_batch_prefill_tokens, limits.max_batch_total_tokens) == (4145, 5000)
-    limits = resolve_limits(parse_args(["--max-batch-total-tokens", "4096"], {}), 4096, None)
-    assert limits.max_batch_prefill_tokens == 4096                # capped by the KV capacity
+    assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_batch_prefill_tokens) == (256, 100, 2048)
+    limits = resolve_limits(parse_args(["--max-batch-total-tokens", "1500"], {}), 1024, 99999)
+    assert (limits.max_batch_prefill_tokens, limits.max_batch_total_tokens) == (1500, 1500)   # capped by the KV
+    limits = resolve_limits(parse_args(["--max-input-tokens", "3000", "--max-batch-prefill-tokens", "512"], {}),
+                            4096, None)                           # prompts longer than a step are chunked
+    assert (limits.max_input_tokens, limits.max_batch_prefill_tokens) == (3000, 512)
 
 
 @pytest.mark.parametrize("argv,max_allocatable,message", [
     (["--max-input-tokens", "5000"], None, "`max_input_tokens` must be < `max_total_tokens`. Given: 5000 and 4096"),
     (["--max-total-tokens", "9000"], None, "`max_total_tokens` (9000) must be <= the model's context length (4096)"),
     (["--max-total-tokens", "4000"], 3000, "`max_total_tokens` (4000) is more than the KV memory holds (3000 tokens)"),
-    (["--max-batch-prefill-tokens", "1000"], None,
-     "`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: 1000 and 4095"),
     (["--max-batch-total-tokens", "4000"], None,
      "`max_total_tokens` must be <= `max_batch_total_tokens`. Given: 4096 and 4000"),
 ])

@@ -129,3 +129,41 @@ def test_requests_behind_a_shared_prefix_match_transformers_through_the_cascade_
         assert [o.token_id for o in outputs[i]] == out[0, len(prompt):].tolist(), f"request {i}"
     assert engine.kv_usage()[0] == 0
     engine.router.scheduler.check_integrity()
+
+
+def test_a_long_prompt_joining_decoding_requests_in_stall_free_chunks_matches_transformers(tmp_path):
+    """A 150-token prompt arrives while two requests decode: under a 24-token step budget with the
+    stall-free cost cap its chunks shrink as its context grows (steps keep the decode rows), and
+    every request's tokens are still transformers'."""
+    path = save_tiny_model("llama3", tmp_path / "llama3")
+    hf = load_hf(path).to(DEVICE)
+    backend = "torch" if DEVICE == "cpu" else "triton"
+    engine = Engine(EngineConfig(model_dir=str(path), device=DEVICE, kernel_backend=backend, num_slots=1024,
+                                 dtype="float32", max_requests=4, max_prefill_tokens=24, stall_free_tokens=40))
+    g = torch.Generator().manual_seed(9)
+    all_prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (5, 17, 150)]
+    chunks = []
+    schedule = engine.router.scheduler.schedule
+
+    def recording_schedule():
+        step = schedule()
+        chunks.extend(len(r.input_ids) for r in step.rows if r.request_id == 2)
+        assert sum(len(r.input_ids) for r in step.rows) <= 24
+        return step
+
+    engine.router.scheduler.schedule = recording_schedule
+    outputs = {i: [] for i in range(3)}
+    for i in (0, 1):
+        engine.add_request(GenerationRequest(i, all_prompts[i], NEW_TOKENS, stop_token_ids=[]))
+    steps = 0
+    while engine.has_work():
+        if steps == 3:
+            engine.add_request(GenerationRequest(2, all_prompts[2], 8, stop_token_ids=[]))
+        for out in engine.step():
+            outputs[out.request_id].append(out.token_id)
+        steps += 1
+    for i, prompt in enumerate(all_prompts):
+        tokens, _ = hf_reference(hf, prompt)
+        assert outputs[i] == tokens[: len(outputs[i])] and len(outputs[i]) == (8 if i == 2 else NEW_TOKENS), i
+    prompt_chunks = chunks[: len(chunks) - 7]            # then its 7 decode rows
+    assert sum(prompt_chunks) == 150 and prompt_chunks[0] > min(prompt_chunks), prompt_chunks

@@ -1,0 +1,136 @@
+"""The step budget (stall-free batching): decode rows first, prompt chunks in the rest, their
+attention-weighted cost capped while requests decode; short prompts pass long ones; admission
+stays within the KV slots."""
+import random
+
+import pytest
+
+from engine.protocol.messages import FED_BACK, RowResult, StepResult
+from engine.router.allocator import SlotAllocator
+from engine.router.scheduler import Scheduler, SchedulerConfig, StepBudget, chunk_cost
+from tests.unit.test_scheduler import fake_result, make_request
+
+
+def drive(sched, steps, on_step=None):
+    """Run ``steps`` steps (fewer if the work ends); ``on_step(i, step, decoding)`` sees each step
+    with the ids of the requests that were decoding when it was planned."""
+    for i in range(steps):
+        if not sched.has_work():
+            return i
+        decoding = {r.request_id for r in sched.running if not r.in_prefill and r.remaining > 0}
+        step = sched.schedule()
+        if on_step is not None:
+            on_step(i, step, decoding)
+        sched.process(step, fake_result(step))
+        sched.check_integrity()
+    return steps
+
+
+def prompt_rows(step):
+    return [r for r in step.rows if r.input_ids[0] != FED_BACK]
+
+
+@pytest.mark.parametrize("stall_free", [None, 24])
+def test_a_long_prompt_beside_decoding_requests_never_exceeds_the_budget(stall_free):
+    alloc = SlotAllocator(num_slots=4000, max_requests=8)
+    config = SchedulerConfig(max_prefill_tokens=64, max_seq_len=4000, stall_free_tokens=stall_free,
+                             attention_span=300, kv_weight_tokens=500, prefix_caching=False)
+    sched = Scheduler(alloc, config)
+    for rid in range(4):
+        sched.add(make_request(rid, 10, 200))
+    drive(sched, 3)
+    sched.add(make_request(9, 1500, 4))                   # arrives while 0..3 decode
+    sizes, chunk_starts = [], []
+
+    def check(i, step, decoding):
+        sizes.append(sum(len(r.input_ids) for r in step.rows))
+        rows = {r.request_id for r in step.rows if r.input_ids[0] == FED_BACK}
+        assert decoding <= rows, f"step {i}: decoding requests {decoding - rows} have no row"
+        chunk_starts.extend((r.start_pos, len(r.input_ids)) for r in prompt_rows(step))
+
+    drive(sched, 400, check)
+    assert max(sizes) <= 64
+    assert sum(n for _, n in chunk_starts) == 1500 and not sched.has_work()
+    if stall_free:       # the cost cap: 24 * (1 + context / 500) beside 4 decoding requests
+        late = [n for start, n in chunk_starts if start > 1000]
+        assert max(late) < min(n for start, n in chunk_starts if start < 100)
+
+
+def test_a_chunks_cost_stays_within_the_stall_free_budget():
+    config = SchedulerConfig(max_prefill_tokens=10_000, stall_free_tokens=100, attention_span=1000,
+                             kv_weight_tokens=2000)
+    decoding = [make_request(i, 500, 10) for i in range(3)]
+    budget = StepBudget.for_step(config, decoding)
+    assert budget.tokens == 10_000 - 3 and budget.cost == pytest.approx(100 * (1 + 1500 / 2000))
+    for start in (0, 5000, 50_000):
+        tokens = budget.fit(start, 100_000, config.attention_span)
+        assert 0 < tokens and chunk_cost(start, tokens, 1000) <= budget.cost < chunk_cost(start, tokens + 1, 1000)
+    assert StepBudget.for_step(config, []).cost is None          # nothing decodes: the token budget only
+
+
+def test_a_short_prompt_passes_a_long_one():
+    alloc = SlotAllocator(num_slots=20_000, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=64, max_seq_len=20_000))
+    sched.add(make_request(1, 10_000, 2))
+    drive(sched, 3)
+    sched.add(make_request(2, 20, 2))
+    first_token = {}
+
+    def check(i, step, decoding):
+        for row in prompt_rows(step):
+            if row.sample:
+                first_token.setdefault(row.request_id, i)
+
+    drive(sched, 5, check)
+    assert first_token == {2: 0}            # planned in full in the step after it arrived
+    assert sched.running[0].in_prefill      # while the long prompt is still being planned
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
+    alloc = SlotAllocator(num_slots=5000, max_requests=16)
+    sched = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=64, max_seq_len=5000))
+    sched.add(make_request(0, 640, 1))
+    planned = {}
+    next_id = iter(range(1, 10_000))
+
+    def check(i, step, decoding):
+        for row in prompt_rows(step):
+            planned[row.request_id] = planned.get(row.request_id, 0) + len(row.input_ids)
+        for _ in range(3):                  # 90 new prompt tokens a step: more than the budget
+            sched.add(make_request(next(next_id), 30, 1))
+
+    steps = 0
+    while planned.get(0, 0) < 640:
+        drive(sched, 1, check)
+        steps += 1
+        assert steps <= 2 * 640 // 64 + 2, f"the long prompt got {planned.get(0, 0)} of 640 tokens"
+
+
+def test_random_arrivals_never_run_out_of_slots():
+    """Thousands of steps of random arrivals (long and short prompts, short and long outputs,
+    aborts) at a tight KV capacity: no step lacks a slot, every step is within the budget unless
+    its decode rows alone fill it, and every request ends."""
+    rng = random.Random(7)
+    alloc = SlotAllocator(num_slots=1200, max_requests=12)
+    config = SchedulerConfig(max_prefill_tokens=48, max_seq_len=1200, stall_free_tokens=16, attention_span=200,
+                             kv_weight_tokens=400)
+    sched = Scheduler(alloc, config)
+    added, finished = 0, 0
+    for i in range(3000):
+        if rng.random() < 0.3 and added < 600:
+            prompt = rng.choice([rng.randint(1, 40), rng.randint(200, 900)])
+            sched.add(make_request(added, prompt, rng.randint(1, min(60, 1200 - prompt))))
+            added += 1
+        if sched.running and rng.random() < 0.01:
+            finished += sched.abort(rng.choice(sched.running).request_id)
+        if not sched.has_work():
+            continue
+        decode_rows = sum(1 for r in sched.running if not r.in_prefill and r.remaining > 0)
+        step = sched.schedule()
+        assert sum(len(r.input_ids) for r in step.rows) <= max(48, decode_rows + 16)
+        for _, _, reason in sched.process(step, fake_result(step)):
+            finished += reason is not None
+        sched.check_integrity()
+    assert drive(sched, 20_000) < 20_000
+    assert added > 500 and finished == added and alloc.used_slots == 0
+
