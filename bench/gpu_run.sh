@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
-#   bash bench/gpu_run.sh [stage ...]     stages: tests, parity7b, profile, bench (default), serving, ablation,
+#   bash bench/gpu_run.sh [stage ...]     stages: tests, kernels, parity7b, profile, bench (default), serving, ablation,
 #                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
@@ -33,6 +33,10 @@ for stage in $stages; do
   case $stage in
     tests)
       python3 -m pytest -q -p no:cacheprovider tests/kernels tests/unit/test_parity.py 2>&1 | tee "$OUT/tests.log" | tail -25
+      rc=${PIPESTATUS[0]} ;;
+    kernels)
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_attention_kernel.py \
+        tests/kernels/test_decode_attention_kernel.py tests/unit/test_parity.py 2>&1 | tee "$OUT/kernels.log" | tail -8
       rc=${PIPESTATUS[0]} ;;
     parity7b)
       ensure_7b

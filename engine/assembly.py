@@ -99,17 +99,23 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
                       num_shards)
 
 
+# The prefill attention's FLOP rate over the matmuls' at long context (one H100, Llama-3.1-8B heads:
+# bench.prefill_attention_bench against about 700 TFLOP/s of bf16 GEMM): its FLOPs cost this much more.
+ATTENTION_EFFICIENCY = 0.6
+
+
 def step_cost_model(model_config: ModelConfig) -> tuple[int, int]:
     """(attention_span, kv_weight_tokens) for the scheduler's step budget, from the weight shapes:
     the context length at which a prompt token's attention (4 * heads * head_dim FLOPs per layer
-    and position) costs as much as its matmuls (2 FLOPs per layer weight), and the context tokens
-    whose KV (2 * kv_heads * head_dim per layer) is as large as the weights a decode step reads."""
+    and position, at ``ATTENTION_EFFICIENCY``) costs as much as its matmuls (2 FLOPs per layer
+    weight), and the context tokens whose KV (2 * kv_heads * head_dim per layer) is as large as
+    the weights a decode step reads."""
     c = model_config
     shapes = family_for(c.architecture).checkpoint_shapes(c)
     layer_weights = sum(math.prod(shape) for name, shape in shapes.items()
                         if name.startswith("model.layers.") and len(shape) == 2)
     head = c.vocab_size * c.hidden_size
-    attention_span = layer_weights // (2 * c.num_layers * c.num_heads * c.head_dim)
+    attention_span = int(ATTENTION_EFFICIENCY * layer_weights / (2 * c.num_layers * c.num_heads * c.head_dim))
     kv_weight_tokens = (layer_weights + head) // (2 * c.num_layers * c.num_kv_heads * c.head_dim)
     return max(attention_span, 1), max(kv_weight_tokens, 1)
 

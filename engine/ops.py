@@ -52,9 +52,9 @@ class TritonOps(KernelOps):
         rotary.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv.data, slots)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
-                          max_q_len: int, shared=None):
+                          max_q_len: int, shared=None, max_seq_len: int | None = None):
         return prefill_attention.prefill_attention(q, kv.data, req_to_token, req_rows, q_start, q_len, seq_len,
-                                                   sm_scale, max_q_len, shared=shared)
+                                                   sm_scale, max_q_len, shared=shared, max_seq_len=max_seq_len)
 
     def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None):
         """``shared``: a prefix several rows share (``ForwardBatch.shared_prefix``), attended to once for them."""
@@ -85,7 +85,7 @@ class TorchOps(KernelOps):
         rotary.rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, kv.data, slots)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
-                          max_q_len: int, shared=None):
+                          max_q_len: int, shared=None, max_seq_len: int | None = None):
         return prefill_attention.prefill_attention_ref(q, kv.data, req_to_token, req_rows, q_start, q_len,
                                                        seq_len, sm_scale, max_q_len)
 

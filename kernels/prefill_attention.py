@@ -4,26 +4,51 @@ Request ``b`` brings ``b_q_len[b]`` new tokens at ``q[b_q_start[b]:]``; its tota
 ``b_seq_len[b]``, so new token ``i`` sits at position ``p = b_seq_len[b] - b_q_len[b] + i``
 and attends to positions ``0..p``, whose keys and values live in
 ``kv_layer[req_to_token[b_req_row[b], pos]]`` (K heads first, then V heads). GQA: q head
-``h`` reads kv head ``h // (Hq // Hk)``. Flash-attention style online softmax in float32.
+``h`` reads kv head ``h // G`` (``G = Hq // Hk``). Flash-attention style online softmax in float32.
 
-Grid: (request, q head, block of BLOCK_M new tokens); each program walks key blocks of
-BLOCK_N positions up to the last position its query block can see.
+Grid: (request, block of HEADS q heads, block of TOKENS new tokens x split). HEADS is the
+largest power of two dividing G (G itself for Llama-3's G = 4, 1 for G = 1 or an odd G: no
+padded rows), so a program's heads share one kv head and every K/V block it gathers (with
+its slots from ``req_to_token``) serves all of them. Its query tile is TOKENS * HEADS rows,
+token-major (``tile_shape``; ``block_m`` rows of the launch):
+
+| tile row r | new token                     | q head                          |
+| ---------- | ----------------------------- | ------------------------------- |
+| r          | block * TOKENS + r // HEADS   | program_id(1) * HEADS + r % HEADS |
+
+A query block at positions ``[s, s + TOKENS)`` walks two key ranges, BLOCK_N positions a step:
+1. ``[first, s)``: visible to every row, walked without the causal mask, and without the
+   bounds mask except in its last, partial block (``_online_softmax.attend_range``);
+2. the diagonal ``[s, min(seq_len, s + TOKENS))`` with the causal mask (``_attend_diagonal``).
+Later keys are never visited. ``first`` is 0, or the shared prefix's length (below).
+
+A chunk late in a long prompt has few query blocks but a long first range: ``splits`` > 1
+cuts that range into parts walked by separate programs (the last also walks the diagonal),
+each writing its normalised partial output and log2-sum-exp, which
+``kernels.decode_attention``'s merge kernel combines (the split-KV of flash decoding).
+``default_splits`` asks for them when the blocks alone would leave the GPU idle.
 
 Shared prefix (``shared = (b_prefix_len [B], source [2])``, see ``kernels.shared_prefix``):
 the new tokens of the requests whose first P positions hold the same slots attend to those
 positions in the shared-prefix kernel first (each prefix K/V block loaded once for a tile
 of tokens of many requests); this kernel then starts each such token's online softmax from
 that partial result (max = its log2-sum-exp, sum = 1, accumulator = its normalised output)
-and walks only positions ``P..``.
+and walks only positions ``P..`` (``first = P``; in split 0 only).
+
+Launch parameters (rows, BLOCK_N, warps, stages) come from ``prefill_launch``: a table by
+head dim on CUDA (``bench.prefill_attention_bench`` sweeps them), small blocks on the CPU
+interpreter.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from . import shared_prefix
 from ._checks import (
     check_last_dim_contiguous,
     check_same_dtype,
@@ -31,10 +56,10 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
-from . import shared_prefix
-from ._online_softmax import attend_block
+from ._online_softmax import attend_block, attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
+from .decode_attention import _decode_merge_kernel
 
 
 @triton.jit
@@ -46,67 +71,118 @@ def _prefill_attention_kernel(
     stride_out_token, stride_out_head,
     kv_heads, group_size, head_dim,
     b_first_ptr, mid_out_ptr, mid_lse_ptr, stride_mid_token, stride_mid_head, stride_lse_token, stride_lse_head,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-    WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
+    split_out_ptr, split_lse_ptr, stride_split_token, stride_split_head, stride_split_split, stride_slse_token,
+    stride_slse_head, num_splits,
+    TOKENS: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """One program: TOKENS new tokens x HEADS q heads of one kv head (the module's tile table)."""
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
     b = tl.program_id(0)
-    head = tl.program_id(1)
-    block_m = tl.program_id(2)
+    block_m = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     q_len = tl.load(b_q_len_ptr + b)
-    if block_m * BLOCK_M >= q_len:
+    if block_m * TOKENS >= q_len:
         return
     q_start = tl.load(b_q_start_ptr + b).to(tl.int64)
     seq_len = tl.load(b_seq_len_ptr + b)
     table_row = req_to_token_ptr + tl.load(b_req_row_ptr + b).to(tl.int64) * stride_table_row
     prefix = seq_len - q_len
-    kv_head = head // group_size
 
-    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, TOKENS * HEADS)
+    offs_m = block_m * TOKENS + offs_r // HEADS             # each row's new token
+    heads = tl.program_id(1) * HEADS + offs_r % HEADS       # and q head
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     m_mask = offs_m < q_len
-    q_rows = (q_start + offs_m)[:, None] * stride_q_token + head * stride_q_head
+    tokens = q_start + offs_m
+    q_rows = tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head
     q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos = prefix + offs_m
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([TOKENS * HEADS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([TOKENS * HEADS], dtype=tl.float32)
+    acc = tl.zeros([TOKENS * HEADS, BLOCK_D], dtype=tl.float32)
     first = 0
-    if SHARED:      # start from the shared prefix's partial result (kernels.shared_prefix)
+    if SHARED:
         first = tl.load(b_first_ptr + b)
-        member = (offs_m * 0 + first) > 0
-        tokens = (q_start + offs_m)
-        lse = tl.load(mid_lse_ptr + tokens * stride_lse_token + head * stride_lse_head, mask=m_mask & member,
-                      other=float("-inf"))
-        partial = tl.load(mid_out_ptr + tokens[:, None] * stride_mid_token + head * stride_mid_head + offs_d[None, :],
-                          mask=(m_mask & member)[:, None] & d_mask[None, :], other=0.0)
-        m_i = tl.where(member, lse, m_i)
-        l_i = tl.where(member, 1.0, l_i)
-        acc = tl.where(member[:, None], partial, acc)
+        m_i, l_i, acc = _start_from_shared_prefix(m_i, l_i, acc, tl.where(split == 0, first, 0), tokens, heads,
+                                                  m_mask, offs_d, d_mask, mid_out_ptr, mid_lse_ptr, stride_mid_token,
+                                                  stride_mid_head, stride_lse_token, stride_lse_head)
+    kv_head = tl.program_id(1) * HEADS // group_size
     k_base = kv_ptr + kv_head * stride_kv_head + offs_d[None, :]
     v_base = k_base + kv_heads * stride_kv_head
-    # the last position any query of this block sees
-    key_end = tl.minimum(seq_len, prefix + (block_m + 1) * BLOCK_M)
+    # range 1, [first, diag_start): visible to every row (this split's part of it); range 2, the diagonal
+    diag_start = tl.maximum(first, prefix + block_m * TOKENS)
+    key_end = tl.minimum(seq_len, prefix + (block_m + 1) * TOKENS)
+    lo, hi = _split_part(first, diag_start, split, num_splits, BLOCK_N)
+    m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, hi, table_row, k_base, v_base, stride_kv_slot, d_mask,
+                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP)
+    if split == num_splits - 1:
+        m_i, l_i, acc = _attend_diagonal(q, m_i, l_i, acc, diag_start, key_end, prefix + offs_m, table_row, k_base,
+                                         v_base, stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP)
+    if SPLIT:       # a partial result for the merge kernel
+        _store_split(m_i, l_i, acc, split, tokens, heads, m_mask, offs_d, d_mask, split_out_ptr, split_lse_ptr,
+                     stride_split_token, stride_split_head, stride_split_split, stride_slse_token, stride_slse_head)
+    else:
+        acc = acc / tl.where(m_mask, l_i, 1.0)[:, None]
+        out_rows = tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head
+        tl.store(out_ptr + out_rows + offs_d[None, :], round_to(acc, out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _start_from_shared_prefix(m_i, l_i, acc, shared_len, tokens, heads, m_mask, offs_d, d_mask, mid_out_ptr,
+                              mid_lse_ptr, stride_mid_token, stride_mid_head, stride_lse_token, stride_lse_head):
+    """The online-softmax state of each row after the shared prefix (``kernels.shared_prefix``'s partial
+    output and log2-sum-exp) where ``shared_len`` (a scalar) > 0, else the empty state unchanged."""
+    rows = m_mask & (tokens * 0 + shared_len > 0)   # a row-wise test: the interpreter mis-types a scalar bool
+    lse = tl.load(mid_lse_ptr + tokens * stride_lse_token + heads * stride_lse_head, mask=rows,
+                  other=float("-inf"))
+    partial = tl.load(mid_out_ptr + tokens[:, None] * stride_mid_token + heads[:, None] * stride_mid_head
+                      + offs_d[None, :], mask=rows[:, None] & d_mask[None, :], other=0.0)
+    return tl.where(rows, lse, m_i), tl.where(rows, 1.0, l_i), tl.where(rows[:, None], partial, acc)
+
+
+@triton.jit
+def _split_part(start, end, split, num_splits, BLOCK_N: tl.constexpr):
+    """Split ``split``'s part of the key positions [start, end): whole blocks, the last part shorter (or empty)."""
+    per = tl.cdiv(tl.cdiv(end - start, num_splits), BLOCK_N) * BLOCK_N
+    lo = tl.minimum(start + split * per, end)
+    return lo, tl.minimum(lo + per, end)
+
+
+@triton.jit
+def _attend_diagonal(q, m_i, l_i, acc, start, end, q_pos, table_row, k_base, v_base, stride_kv_slot, d_mask,
+                     scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr):
+    """``attend_block`` with the causal and bounds masks over the key positions [start, end)."""
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
-        start_n = first
-        while start_n < key_end:
-            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base,
-                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True)
+        start_n = start
+        while start_n < end:
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
+                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True,
+                                         BOUNDED=True)
             start_n += BLOCK_N
     else:
-        for start_n in range(first, key_end, BLOCK_N):
-            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base,
-                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True)
+        for start_n in range(start, end, BLOCK_N):
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
+                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True,
+                                         BOUNDED=True)
+    return m_i, l_i, acc
 
-    acc = acc / l_i[:, None]
-    out_rows = (q_start + offs_m)[:, None] * stride_out_token + head * stride_out_head
-    tl.store(out_ptr + out_rows + offs_d[None, :], round_to(acc, out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & d_mask[None, :])
+
+@triton.jit
+def _store_split(m_i, l_i, acc, split, tokens, heads, m_mask, offs_d, d_mask, split_out_ptr, split_lse_ptr,
+                 stride_split_token, stride_split_head, stride_split_split, stride_slse_token, stride_slse_head):
+    """A split's normalised partial output and log2-sum-exp (-inf for a split without keys)."""
+    has_keys = l_i > 0
+    partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    rows = tokens[:, None] * stride_split_token + heads[:, None] * stride_split_head + split * stride_split_split
+    tl.store(split_out_ptr + rows + offs_d[None, :], partial, mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(split_lse_ptr + tokens * stride_slse_token + heads * stride_slse_head + split, lse, mask=m_mask)
 
 
 def _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, max_q_len) -> None:
@@ -132,20 +208,92 @@ def _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
         raise ValueError(f"max_q_len must be a host int >= 0 (max of b_q_len), got {max_q_len!r}")
 
 
+class PrefillLaunch(NamedTuple):
+    block_m: int        # query rows per program: new tokens x q heads (tile_shape)
+    block_n: int        # key positions per step of its walk
+    num_warps: int
+    num_stages: int
+
+
+# CUDA launches by head dim (rounded up to a power of two, at least 64; above 256 takes 256's). The
+# group does not enter: a tile's rows split into tokens x heads (tile_shape) and each K/V block serves
+# every row whatever the split, so one row count fits every group.
+# - 128 (Llama, Mistral, Qwen2): timed by bench.prefill_attention_bench on one H100 (bf16, Llama-3.1-8B
+#   heads): 128 rows, 64 keys, 4 warps, 2 stages was the best of 20 configs for the 32k-token prompt
+#   (343 TFLOP/s against 256 for the old 64-row tile) and for 2048-token chunks at 32k and 100k keys,
+#   although ptxas reports it spilling (8 warps do not spill but were slower in the same sweep).
+#   float32 (IEEE dots: the parity tests) runs 64 rows: 128 made the GPU parity tests too slow to finish.
+# - 64 and 256: not timed yet; from ptxas's report for sm_90a (no spill: 8 warps, 64 / 32 keys a step;
+#   float32 smaller tiles).
+CUDA_LAUNCHES = {64: PrefillLaunch(128, 64, 8, 2), 128: PrefillLaunch(128, 64, 4, 2),
+                 256: PrefillLaunch(128, 32, 8, 2)}
+CUDA_LAUNCHES_FP32 = {64: PrefillLaunch(32, 32, 8, 1), 128: PrefillLaunch(64, 64, 4, 2),
+                      256: PrefillLaunch(16, 16, 8, 1)}
+CPU_LAUNCH = PrefillLaunch(32, 32, 4, 1)     # the interpreter: small tiles keep the tests fast
+MAX_SPLITS = 32
+MIN_SPLIT_KEYS = 1024   # a split walks at least this many keys (its partial result costs a merge)
+
+
+def prefill_launch(head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                   group: int = 4) -> PrefillLaunch:
+    """The launch parameters ``prefill_attention`` uses for this head dim on ``device`` (the tables above).
+    Without GQA (``group`` 1) a tile's rows are all tokens, and the one-token decode rows of a mixed
+    step would waste most of 128 of them: at most 64, the launch this kernel had before GQA tiles."""
+    if device.type != "cuda":
+        return CPU_LAUNCH
+    table = CUDA_LAUNCHES_FP32 if dtype == torch.float32 else CUDA_LAUNCHES
+    params = table[min(256, max(64, triton.next_power_of_2(head_dim)))]
+    return params._replace(block_m=min(params.block_m, 64)) if group == 1 else params
+
+
+def tile_shape(params: PrefillLaunch, group: int) -> tuple[int, int]:
+    """(q heads, new tokens) of one program's tile for a GQA group of ``group`` q heads per kv head: the
+    largest power of two dividing the group (no padded rows; 1 for an odd group), then tokens filling
+    ``params.block_m`` rows (at least one)."""
+    heads = min(group & -group, params.block_m)
+    return heads, max(1, params.block_m // heads)
+
+
+def default_splits(batch: int, q_heads: int, kv_heads: int, max_q_len: int, max_seq_len: int | None,
+                   params: PrefillLaunch, device: torch.device) -> int:
+    """Splits of each query block's keys: enough programs to fill the GPU about twice over (rounded up to
+    a power of two) when the query blocks alone do not and the context is long (1 on the CPU or when
+    ``max_seq_len`` is unknown)."""
+    if device.type != "cuda" or not max_seq_len:
+        return 1
+    heads, tokens = tile_shape(params, q_heads // kv_heads)
+    programs = batch * (q_heads // heads) * triton.cdiv(max_q_len, tokens)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = min(MAX_SPLITS, triton.cdiv(2 * sms, programs), max_seq_len // MIN_SPLIT_KEYS)
+    return triton.next_power_of_2(wanted) if wanted > 1 else 1     # powers of two: few compiled variants
+
+
 def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
                       b_req_row: torch.Tensor, b_q_start: torch.Tensor, b_q_len: torch.Tensor,
                       b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int,
-                      shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      max_seq_len: int | None = None) -> torch.Tensor:
     """q [T, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [T, Hq, D] contiguous, q's dtype.
 
     ``shared``: ``(b_prefix_len [B] int32, source [2] int32)``, a prefix that several requests
-    share (see the module's docstring); the result is the same as without it."""
+    share (see the module's docstring); ``max_seq_len``: the host's max of ``b_seq_len``, which
+    lets a long context be split (``default_splits``). The result is the same with or without them."""
     _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, max_q_len)
+    if shared is not None:
+        shared_prefix.check(shared, b_req_row.shape[0], q.device)
+    params = prefill_launch(q.shape[2], q.device, q.dtype, q.shape[1] // (kv_layer.shape[1] // 2))
+    splits = default_splits(b_req_row.shape[0], q.shape[1], kv_layer.shape[1] // 2, max_q_len, max_seq_len, params,
+                            q.device)
+    return launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale, max_q_len,
+                  params, splits, shared)
+
+
+def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale: float, max_q_len: int,
+           params: PrefillLaunch, splits: int = 1, shared=None) -> torch.Tensor:
+    """The kernels with explicit launch parameters (``prefill_attention`` picks them; benchmarks sweep them)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     batch = b_req_row.shape[0]
-    if shared is not None:
-        shared_prefix.check(shared, batch, q.device)
     out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0 or batch == 0 or max_q_len == 0:
         return out
@@ -154,16 +302,17 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: tor
     mid_strides = (0, 0, 0, 0)
     if shared is not None:
         b_first = shared[0]
-        token_first = torch.repeat_interleave(b_first, b_q_len, output_size=tokens)
-        mid_out = torch.empty((tokens, q_heads, 1, head_dim), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((tokens, q_heads, 1), dtype=torch.float32, device=q.device)
-        shared_prefix.launch(q, kv_layer, req_to_token, (token_first, shared[1]), mid_out, mid_lse, scale_log2,
-                             first_split=0, splits=1, params=shared_prefix.default_launch(q.device))
+        mid_out, mid_lse = _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2)
         mid_strides = (mid_out.stride(0), mid_out.stride(1), mid_lse.stride(0), mid_lse.stride(1))
+    split_out = split_lse = out                         # unwritten with one split
+    split_strides = (0, 0, 0, 0, 0)
+    if splits > 1:
+        split_out = torch.empty((tokens, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        split_lse = torch.empty((tokens, q_heads, splits), dtype=torch.float32, device=q.device)
+        split_strides = (*split_out.stride()[:3], *split_lse.stride()[:2])
     block_d = max(16, triton.next_power_of_2(head_dim))
-    on_gpu = q.device.type == "cuda"
-    block_m, block_n = (64, 64) if on_gpu else (32, 32)
-    grid = (batch, q_heads, triton.cdiv(max_q_len, block_m))
+    heads, block_tokens = tile_shape(params, q_heads // kv_heads)
+    grid = (batch, q_heads // heads, triton.cdiv(max_q_len, block_tokens) * splits)
     _prefill_attention_kernel[grid](
         q, kv_layer, req_to_token, out,
         b_req_row, b_q_start, b_q_len, b_seq_len,
@@ -172,10 +321,30 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: tor
         out.stride(0), out.stride(1),
         kv_heads, q_heads // kv_heads, head_dim,
         b_first, mid_out, mid_lse, *mid_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=upcast_dots(q), WHILE_LOOP=not on_gpu,
-        SHARED=shared is not None, num_warps=4, num_stages=2, **launch_options(q),
+        split_out, split_lse, *split_strides, splits,
+        TOKENS=block_tokens, HEADS=heads, BLOCK_N=params.block_n, BLOCK_D=block_d, UPCAST=upcast_dots(q),
+        WHILE_LOOP=not q.is_cuda, SHARED=shared is not None, SPLIT=splits > 1,
+        num_warps=params.num_warps, num_stages=params.num_stages, **launch_options(q),
     )
+    if splits > 1:
+        _decode_merge_kernel[(tokens, q_heads)](
+            split_out, split_lse, out, b_seq_len, *split_strides, out.stride(0), out.stride(1), head_dim, splits,
+            splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, SHARED=False, num_warps=4,
+            **launch_options(q),
+        )
     return out
+
+
+def _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2: float):
+    """Each member token's attention to the shared prefix (``kernels.shared_prefix``, one split): its
+    normalised partial output [T, Hq, 1, D] and log2-sum-exp [T, Hq, 1], both float32."""
+    tokens, q_heads, head_dim = q.shape
+    token_first = torch.repeat_interleave(shared[0], b_q_len, output_size=tokens)
+    mid_out = torch.empty((tokens, q_heads, 1, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((tokens, q_heads, 1), dtype=torch.float32, device=q.device)
+    shared_prefix.launch(q, kv_layer, req_to_token, (token_first, shared[1]), mid_out, mid_lse, scale_log2,
+                         first_split=0, splits=1, params=shared_prefix.default_launch(q.device))
+    return mid_out, mid_lse
 
 
 def prefill_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,

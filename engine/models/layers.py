@@ -143,5 +143,6 @@ class Attention:
                                        shared=batch.shared_prefix)
         else:
             out = ops.prefill_attention(q, kv, req_to_token, batch.req_rows, batch.q_start, batch.q_len,
-                                        batch.seq_len, self.sm_scale, batch.max_q_len, shared=batch.shared_prefix)
+                                        batch.seq_len, self.sm_scale, batch.max_q_len, shared=batch.shared_prefix,
+                                        max_seq_len=batch.max_seq_len)
         return self.o(ops, out.reshape(tokens, q_size))

@@ -16,8 +16,9 @@ after it on the device) may hand to another request, and its result is ignored.
 
 Step budget (stall-free batching): a step carries at most ``max_prefill_tokens`` tokens,
 decode rows first (every decoding request has a row in every step), prompt chunks in the
-rest. While requests decode, ``stall_free_tokens`` also caps the prompt chunks' cost, so a
-step stays close to a decode step's time: a chunk of n tokens from position p costs
+rest. While requests decode (and are at least as many as those waiting for their first
+token), ``stall_free_tokens`` also caps the prompt chunks' cost, so a step stays close to a
+decode step's time: a chunk of n tokens from position p costs
 ``n * (1 + (p + n/2) / attention_span)`` (its matmuls, plus its attention over the context),
 against ``stall_free_tokens * (1 + decode context / kv_weight_tokens)`` (a decode step costs
 reading the weights plus the running requests' KV). Prompt chunks go shortest-remaining
@@ -195,7 +196,7 @@ class Scheduler:
         prefilling = [r for r in self.running if r.in_prefill]
         if not prefilling:
             return {}
-        budget = StepBudget.for_step(self.config, decoding)
+        budget = StepBudget.for_step(self.config, decoding, len(prefilling) + len(self.waiting))
         span, chunks = self.config.attention_span, {}
         for request in sorted(prefilling, key=self._prefill_priority):
             want = len(request.prompt_ids) - request.prefilled
@@ -443,9 +444,12 @@ class StepBudget:
     cost: float | None = None
 
     @classmethod
-    def for_step(cls, config: SchedulerConfig, decoding: list[Request]) -> "StepBudget":
+    def for_step(cls, config: SchedulerConfig, decoding: list[Request], awaiting: int) -> "StepBudget":
+        """``awaiting``: requests still waiting for their first token. The cost cap protects the
+        decoding requests while they are at least as many (a burst of new prompts beside a few
+        streams takes whole steps: its many first tokens weigh more than the streams' pace)."""
         cost = None
-        if config.stall_free_tokens is not None and decoding:
+        if config.stall_free_tokens is not None and decoding and len(decoding) >= awaiting:
             context = sum(r.held_tokens for r in decoding)
             cost = config.stall_free_tokens * (1 + context / config.kv_weight_tokens)
         return cls(config.max_prefill_tokens - len(decoding), cost)

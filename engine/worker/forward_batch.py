@@ -27,6 +27,7 @@ class ForwardBatch:
     # (prefix length of each row [B] int32: P or 0, (a member's row, P) [2] int32) of the rows whose
     # first P positions share their slots (kernels.shared_prefix, cascade attention)
     shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+    max_seq_len: int | None = None   # host copy of max(seq_len) where known (long contexts split their keys)
 
 
 SHARED_PREFIX_MIN_ROWS = 8    # smaller batches (and CUDA graph buckets) attend to every prefix per row

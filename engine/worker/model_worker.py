@@ -271,7 +271,7 @@ class ModelWorker:
             input_ids=ids_t, positions=positions_t, out_slots=slots_t,
             req_rows=to_device([r.row for r in step.rows], torch.int32, dev), q_start=to_device(q_start, torch.int32, dev),
             q_len=to_device(q_len, torch.int32, dev), seq_len=to_device(seq_len, torch.int32, dev),
-            max_q_len=max(q_len), is_decode=is_decode, shared_prefix=shared,
+            max_q_len=max(q_len), is_decode=is_decode, shared_prefix=shared, max_seq_len=max(seq_len),
         )
 
     def _decode_with_graphs(self, step: Step) -> tuple[list[int], torch.Tensor]:

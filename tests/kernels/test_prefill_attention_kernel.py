@@ -5,17 +5,34 @@ import torch
 import torch.nn.functional as F
 from kernel_inputs import ATTENTION_TOL, ON_GPU, build_kv_cache
 
-from kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from kernels.prefill_attention import (
+    CPU_LAUNCH,
+    CUDA_LAUNCHES,
+    CUDA_LAUNCHES_FP32,
+    MAX_SPLITS,
+    PrefillLaunch,
+    default_splits,
+    launch,
+    prefill_attention,
+    prefill_attention_ref,
+    prefill_launch,
+    tile_shape,
+)
 
 # (new tokens per request, cached prefix per request)
 LAYOUTS = {
     "single_token": ([1], [0]),
     "ragged": ([5, 1, 33, 17], [0, 0, 0, 0]),
     "chunked": ([7, 1, 20, 3], [9, 40, 31, 0]),
+    # several key blocks before the query block (full ones unmasked, then a partial one), a chunk
+    # spanning several query blocks, and prefixes of whole key blocks
+    "long prefix": ([40, 1, 70], [100, 130, 0]),
+    "block aligned": ([32, 64], [64, 32]),
 }
 if ON_GPU:
     LAYOUTS["long"] = ([300, 1, 129, 64, 1000], [0, 513, 77, 0, 2000])
-GQA = [(2, 2), (8, 2), (8, 1)] if not ON_GPU else [(32, 32), (32, 8), (32, 4)]
+# group sizes 1, 2, 4, 8 and 3 or 7 (not a power of two: one q head a program)
+GQA = [(2, 2), (4, 2), (8, 2), (8, 1), (6, 2)] if not ON_GPU else [(32, 32), (32, 16), (32, 8), (32, 4), (28, 4)]
 HEAD_DIMS = [32] if not ON_GPU else [64, 128]
 
 
@@ -43,6 +60,17 @@ def test_prefill_attention_matches_reference(device, dtype, q_heads, kv_heads, l
     assert out.isfinite().all()  # every row written, no read of a NaN-poisoned slot
     atol, rtol = ATTENTION_TOL[dtype]
     torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("params", [PrefillLaunch(16, 16, 4, 1), PrefillLaunch(64, 16, 4, 1),
+                                    PrefillLaunch(32, 64, 4, 1)])
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (6, 2)])
+def test_other_launch_parameters_give_the_same_result(device, params, q_heads, kv_heads):
+    """Other tiles (as the bench sweeps): 16 rows (4 tokens x 4 heads, or 16 tokens of one head), key
+    blocks as long as, and longer than, the query block."""
+    args = prefill_inputs([19, 1, 40], [37, 5, 0], q_heads, kv_heads, HEAD_DIMS[-1], torch.float32, device)
+    out = launch(*args, params=params)
+    torch.testing.assert_close(out, prefill_attention_ref(*args), atol=1e-4, rtol=1e-4)
 
 
 def test_prefill_attention_odd_head_dim(device):
@@ -111,3 +139,72 @@ def test_a_shared_prefix_gives_the_same_prefill_attention(device, case, q_heads,
     assert out.isfinite().all()
     atol, rtol = ATTENTION_TOL[torch.bfloat16]
     torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+SPLIT_LAYOUTS = {
+    # new tokens, cached prefix per request: chunks late in a long context, a split with no keys
+    "late chunks": ([5, 1, 40], [200, 97, 150]),
+    "a fresh prompt beside a late chunk": ([33, 4], [0, 130]),
+}
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("layout", list(SPLIT_LAYOUTS))
+def test_split_keys_give_the_same_prefill_attention(device, splits, layout):
+    """Split-KV: each query block's keys before its first token cut into parts (merged by the
+    decode attention's merge kernel); GQA group 4."""
+    args = prefill_inputs(*SPLIT_LAYOUTS[layout], 8, 2, HEAD_DIMS[-1], torch.float32, device)
+    out = launch(*args, params=prefill_launch(args[0].shape[2], args[0].device, args[0].dtype), splits=splits)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, prefill_attention_ref(*args), atol=1e-4, rtol=1e-4)
+
+
+def test_split_keys_with_a_shared_prefix(device):
+    q_lens, prefixes, members, prefix = [7, 3, 20], [150, 150, 90], [0, 1, 2], 64
+    q, kv_layer, table, rows, q_start, q_len, seq_len, scale, max_q_len = prefill_inputs(
+        q_lens, prefixes, 4, 2, HEAD_DIMS[-1], torch.float32, device)
+    for m in members[1:]:
+        table[rows[m], :prefix] = table[rows[0], :prefix]
+    shared = (torch.full((3,), prefix, dtype=torch.int32, device=device),
+              torch.tensor([int(rows[0]), prefix], dtype=torch.int32, device=device))
+    args = (q, kv_layer, table, rows, q_start, q_len, seq_len, scale, max_q_len)
+    out = launch(*args, params=prefill_launch(q.shape[2], q.device, q.dtype), splits=3, shared=shared)
+    torch.testing.assert_close(out, prefill_attention_ref(*args), atol=1e-4, rtol=1e-4)
+
+
+def test_launch_parameters_on_cuda_are_the_tables():
+    """Pure Python: what ``prefill_attention`` launches with on a CUDA device, and how a group splits a tile."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert prefill_launch(128, cuda) == CUDA_LAUNCHES[128] == prefill_launch(128, cuda, torch.float16)
+    assert prefill_launch(128, cuda, group=1) == CUDA_LAUNCHES[128]._replace(block_m=64)   # no GQA: 64 tokens
+    assert prefill_launch(80, cuda) == CUDA_LAUNCHES[128]              # head dims round up to a power of two
+    assert prefill_launch(64, cuda) == prefill_launch(32, cuda) == CUDA_LAUNCHES[64]
+    assert prefill_launch(256, cuda) == prefill_launch(512, cuda) == CUDA_LAUNCHES[256]
+    assert prefill_launch(128, cuda, torch.float32) == CUDA_LAUNCHES_FP32[128]
+    assert prefill_launch(128, cpu) == prefill_launch(128, cpu, torch.float32) == CPU_LAUNCH
+    for table in (CUDA_LAUNCHES, CUDA_LAUNCHES_FP32):
+        for params in table.values():       # tl.dot shapes: powers of two, at least 16
+            assert all(n >= 16 and n & (n - 1) == 0 for n in (params.block_m, params.block_n))
+    rows = CUDA_LAUNCHES[128].block_m
+    assert tile_shape(CUDA_LAUNCHES[128], 1) == (1, rows)                 # Llama-2-7B: 32 / 32 heads
+    assert tile_shape(CUDA_LAUNCHES[128], 4) == (4, rows // 4)            # Llama-3.1-8B: 32 / 8 heads
+    assert tile_shape(CUDA_LAUNCHES[128], 8) == (8, rows // 8)
+    assert tile_shape(CUDA_LAUNCHES[128], 7) == (1, rows)                 # an odd group: one head, no padding
+    assert tile_shape(CUDA_LAUNCHES[128], 6) == (2, rows // 2)            # its largest power-of-two divisor
+    assert tile_shape(PrefillLaunch(16, 16, 4, 1), 32) == (16, 1)         # never fewer than one token
+
+
+def test_splits_are_asked_only_when_the_blocks_leave_the_gpu_idle():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    params = CUDA_LAUNCHES[128]
+    assert default_splits(1, 32, 8, 200, 100_000, params, cpu) == 1          # the interpreter: never
+    if not ON_GPU:
+        return
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tokens = params.block_m // 4
+    assert default_splits(1, 32, 8, 64 * tokens, 100_000, params, cuda) == 1     # 512 programs fill it
+    assert default_splits(1, 32, 8, tokens, 100_000, params, cuda) == MAX_SPLITS   # 8 programs, 100 splits
+    expected = min(MAX_SPLITS, 1 << (-(-2 * sms // 32) - 1).bit_length())          # 32 programs: a power of two
+    assert default_splits(1, 32, 8, 4 * tokens, 100_000, params, cuda) == expected
+    assert default_splits(1, 32, 8, tokens, 1_500, params, cuda) == 1           # a short context: no split
+    assert default_splits(1, 32, 8, tokens, None, params, cuda) == 1

@@ -252,12 +252,12 @@ def test_rope_flags_follow_tgi():
 def test_derived_limits_follow_tgi_but_the_step_budget_is_ours():
     limits = resolve_limits(parse_args([], {}), 4096, None)
     assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_batch_prefill_tokens,
-            limits.max_batch_total_tokens) == (4096, 4095, 2048, None)
+            limits.max_batch_total_tokens) == (4096, 4095, 4096, None)
     limits = resolve_limits(parse_args([], {}), 32768, 20000)     # the memory holds less than the context
     assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_batch_prefill_tokens,
-            limits.max_batch_total_tokens) == (20000, 19999, 2048, 20000)
+            limits.max_batch_total_tokens) == (20000, 19999, 4096, 20000)
     limits = resolve_limits(parse_args(["--max-total-tokens", "256", "--max-input-length", "100"], {}), 4096, None)
-    assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_batch_prefill_tokens) == (256, 100, 2048)
+    assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_batch_prefill_tokens) == (256, 100, 4096)
     limits = resolve_limits(parse_args(["--max-batch-total-tokens", "1500"], {}), 1024, 99999)
     assert (limits.max_batch_prefill_tokens, limits.max_batch_total_tokens) == (1500, 1500)   # capped by the KV
     limits = resolve_limits(parse_args(["--max-input-tokens", "3000", "--max-batch-prefill-tokens", "512"], {}),

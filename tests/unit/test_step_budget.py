@@ -60,12 +60,13 @@ def test_a_chunks_cost_stays_within_the_stall_free_budget():
     config = SchedulerConfig(max_prefill_tokens=10_000, stall_free_tokens=100, attention_span=1000,
                              kv_weight_tokens=2000)
     decoding = [make_request(i, 500, 10) for i in range(3)]
-    budget = StepBudget.for_step(config, decoding)
+    budget = StepBudget.for_step(config, decoding, 1)
     assert budget.tokens == 10_000 - 3 and budget.cost == pytest.approx(100 * (1 + 1500 / 2000))
     for start in (0, 5000, 50_000):
         tokens = budget.fit(start, 100_000, config.attention_span)
         assert 0 < tokens and chunk_cost(start, tokens, 1000) <= budget.cost < chunk_cost(start, tokens + 1, 1000)
-    assert StepBudget.for_step(config, []).cost is None          # nothing decodes: the token budget only
+    assert StepBudget.for_step(config, [], 1).cost is None         # nothing decodes: the token budget only
+    assert StepBudget.for_step(config, decoding, 4).cost is None   # more await a first token than decode
 
 
 def test_a_short_prompt_passes_a_long_one():
