@@ -99,8 +99,10 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
                       num_shards)
 
 
-# The prefill attention's FLOP rate over the matmuls' at long context (one H100, Llama-3.1-8B heads:
-# bench.prefill_attention_bench against about 700 TFLOP/s of bf16 GEMM): its FLOPs cost this much more.
+# The prefill attention's FLOP rate over the matmuls': bench.prefill_attention_bench on one H100
+# (Llama-3.1-8B heads, bf16) measured 340-370 TFLOP/s for whole prompts and 2048-token chunks at
+# 32k-100k keys, about half the ~700 TFLOP/s of a bf16 GEMM, and 250-310 for 128-token chunks.
+# The scheduler's GPU runs (bench.long_prompt_bench) used 0.6.
 ATTENTION_EFFICIENCY = 0.6
 
 

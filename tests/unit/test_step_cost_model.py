@@ -1,0 +1,47 @@
+"""The step budget's inputs the engine derives: the cost model from the weight shapes, and the host
+``max_seq_len`` the worker hands the prefill attention (it lets a long context split its keys)."""
+import torch
+
+from engine import ops as ops_module
+from engine.assembly import ATTENTION_EFFICIENCY, step_cost_model
+from engine.generation import Engine, EngineConfig, GenerationRequest
+from engine.models.llama import FAMILY
+from tests.tiny_models import save_tiny_model
+
+BASE = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=10000.0, hidden_size=4096,
+            num_hidden_layers=32, num_attention_heads=32, bos_token_id=1, eos_token_id=2)
+LLAMA2_7B = dict(BASE, intermediate_size=11008, num_key_value_heads=32, vocab_size=32000,
+                 max_position_embeddings=4096)
+LLAMA31_8B = dict(BASE, intermediate_size=14336, num_key_value_heads=8, vocab_size=128256,
+                  max_position_embeddings=131072)
+
+
+def test_the_cost_model_follows_the_weight_shapes():
+    span7, kv7 = step_cost_model(FAMILY.parse_config(LLAMA2_7B))
+    span8, kv8 = step_cost_model(FAMILY.parse_config(LLAMA31_8B))
+    # Llama-2-7B: 202M layer weights a layer over 2 * 32 heads * 128 dims -> ~24.7k positions (x efficiency)
+    assert abs(span7 - ATTENTION_EFFICIENCY * 24704) <= 1
+    # GQA: a quarter of the KV heads -> about four times (and more weights) the context per weights' bytes
+    assert 25_000 < kv7 < 25_500 and 4 * kv7 < kv8 < 5 * kv7
+    assert span8 > span7                                   # a bigger MLP: more matmul per attention FLOP
+
+
+def test_the_worker_hands_the_prefill_attention_the_longest_sequence(tmp_path, monkeypatch):
+    path = save_tiny_model("llama", tmp_path / "llama")
+    seen = []
+    original = ops_module.TorchOps.prefill_attention
+
+    def recording(self, q, kv, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale, max_q_len, shared=None,
+                  max_seq_len=None):
+        seen.append((max_seq_len, int(seq_len.max())))
+        return original(self, q, kv, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale, max_q_len,
+                        shared=shared, max_seq_len=max_seq_len)
+
+    monkeypatch.setattr(ops_module.TorchOps, "prefill_attention", recording)
+    engine = Engine(EngineConfig(model_dir=str(path), device="cpu", kernel_backend="torch", num_slots=512,
+                                 max_requests=4, max_prefill_tokens=16))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (40, 7)]
+    engine.generate([GenerationRequest(i, p, 2, stop_token_ids=[]) for i, p in enumerate(prompts)])
+    assert seen and all(host == device for host, device in seen)
+    assert max(host for host, _ in seen) >= 40               # the 40-token prompt's later chunks
