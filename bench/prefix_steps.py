@@ -1,0 +1,77 @@
+"""Per-step times of the shared-prefix load in one process (no HTTP): where its TTFT goes.
+
+Runs ``--rounds`` rounds of ``--requests`` prompts that share a ``--prefix-len``-token prefix (a new
+random prefix each round, so every round misses the cache once and then hits it), all added at once,
+through ``engine.generation.Engine``. Prints each prefill step of each round (rows, wall ms) and each
+round's TTFT p50 / p99: the first round pays every lazily compiled kernel, later rounds do not.
+
+    python -m bench.prefix_steps --model-dir /tmp/llama2-7b
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from engine.generation import Engine, EngineConfig, GenerationRequest
+from engine.protocol.messages import SamplingParams
+
+
+def round_requests(first_id: int, args, rng: random.Random, vocab: int) -> list[GenerationRequest]:
+    prefix = [rng.randrange(3, vocab) for _ in range(args.prefix_len)]
+    return [GenerationRequest(first_id + i, prefix + [rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))],
+                              args.new_tokens, SamplingParams(), stop_token_ids=[])
+            for i in range(args.requests)]
+
+
+def run_round(engine: Engine, requests: list[GenerationRequest]) -> dict:
+    start = time.perf_counter()
+    for request in requests:
+        engine.add_request(request)
+    first: dict[int, float] = {}
+    steps = []
+    while engine.has_work():
+        t0 = time.perf_counter()
+        events = engine.step()
+        stats = engine.router.take_stats()
+        for event in events:
+            first.setdefault(event.request_id, time.perf_counter() - start)
+        for s in stats:
+            if s.method == "prefill":
+                steps.append({"rows": s.size, "forward_ms": 1000 * s.forward_s, "wall_ms": 1000 * (time.perf_counter() - t0)})
+    ttft = sorted(first.values())
+    return {"ttft_p50_s": statistics.median(ttft), "ttft_p99_s": ttft[int(0.99 * (len(ttft) - 1))],
+            "total_s": time.perf_counter() - start, "prefill_steps": steps}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.prefix_steps", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prefix-len", type=int, default=3000)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-requests", type=int, default=256)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    engine = Engine(EngineConfig(model_dir=args.model_dir, max_requests=args.max_requests))
+    rng = random.Random(0)
+    rounds = []
+    for r in range(args.rounds):
+        result = run_round(engine, round_requests(r * args.requests, args, rng, engine.model_config.vocab_size))
+        rounds.append(result)
+        print(f"round {r}: TTFT p50 {result['ttft_p50_s'] * 1000:.0f} ms, p99 {result['ttft_p99_s'] * 1000:.0f} ms, "
+              f"total {result['total_s']:.2f} s")
+        for s in result["prefill_steps"]:
+            print(f"   prefill step: {s['rows']} rows, forward {s['forward_ms']:.1f} ms, wall {s['wall_ms']:.1f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rounds, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
