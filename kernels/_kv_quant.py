@@ -112,12 +112,16 @@ def row_scales(a, b, dtype: tl.constexpr):
 
 @triton.jit
 def load_kv(base, slots, stride_kv_slot, mask, scale_base, stride_scale_slot, n_mask, dtype: tl.constexpr,
-            KV_SCALES: tl.constexpr):
+            KV_SCALES: tl.constexpr, BOUNDED: tl.constexpr):
     """One gathered K or V block [N, D] at ``slots``, dequantized in registers to ``dtype`` (as stored,
-    without scales). ``scale_base``: this kv head's scales (per slot, or the one per-tensor value)."""
+    without scales). ``scale_base``: this kv head's scales (per slot, or the one per-tensor value);
+    ``n_mask``: the block's positions to read (when BOUNDED)."""
     x = tl.load(base + slots[:, None] * stride_kv_slot, mask=mask, other=0.0)
     if KV_SCALES == 1:
-        scale = tl.load(scale_base + slots * stride_scale_slot, mask=n_mask, other=0.0)
+        if BOUNDED:
+            scale = tl.load(scale_base + slots * stride_scale_slot, mask=n_mask, other=0.0)
+        else:
+            scale = tl.load(scale_base + slots * stride_scale_slot)
         x = (x.to(tl.float32) * scale[:, None]).to(dtype)
     elif KV_SCALES == 2:
         x = (x.to(tl.float32) * tl.load(scale_base)).to(dtype)

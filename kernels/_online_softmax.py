@@ -37,10 +37,11 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
         slots = tl.load(table_row + pos, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
     else:
-        n_mask = None
+        n_mask = start_n      # unread
         slots = tl.load(table_row + pos).to(tl.int64)
         kv_mask = d_mask[None, :]
-    k = load_kv(k_base, slots, stride_kv_slot, kv_mask, k_scale_base, stride_scale_slot, n_mask, q.dtype, KV_SCALES)
+    k = load_kv(k_base, slots, stride_kv_slot, kv_mask, k_scale_base, stride_scale_slot, n_mask, q.dtype, KV_SCALES,
+                BOUNDED)
     if UPCAST:  # IEEE fp32 dots, not TF32
         qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -57,7 +58,8 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
     p = tl.exp2(qk - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_kv(v_base, slots, stride_kv_slot, kv_mask, v_scale_base, stride_scale_slot, n_mask, q.dtype, KV_SCALES)
+    v = load_kv(v_base, slots, stride_kv_slot, kv_mask, v_scale_base, stride_scale_slot, n_mask, q.dtype, KV_SCALES,
+                BOUNDED)
     if UPCAST:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
