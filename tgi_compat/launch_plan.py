@@ -127,7 +127,6 @@ def _check_master_address(host: str, port: int, num_shards: int) -> None:
 
 
 def _settings(config: LaunchConfig, limits: Limits, sha, pipeline_tag, engine: EnginePlan):
-    from engine.worker.kv_cache import kv_cache_dtype
     from tgi_compat.settings import ServerSettings
 
     return ServerSettings(
@@ -145,5 +144,5 @@ def _settings(config: LaunchConfig, limits: Limits, sha, pipeline_tag, engine: E
         cors_allow_origin=config.cors_allow_origin, stream_shutdown_grace_s=config.graceful_termination_timeout,
         otlp_endpoint=config.otlp_endpoint,
         otlp_service_name=config.otlp_service_name,
-        kv_cache_dtype=str(kv_cache_dtype(config.kv_cache_dtype, engine.worker.dtype)).removeprefix("torch."),
+        kv_cache_dtype=config.kv_cache_dtype,
     )

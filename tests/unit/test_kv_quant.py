@@ -62,6 +62,8 @@ def test_info_shows_the_kv_dtype_and_slots():
     settings = ServerSettings("m", 10, 20, kv_cache_dtype="int8")
     info = info_json(settings, {"kv_capacity": 1234})
     assert info["kv_cache_dtype"] == "int8" and info["kv_cache_slots"] == 1234
+    plain = info_json(ServerSettings("m", 10, 20, model_dtype="bfloat16"), {"kv_capacity": 617})
+    assert plain["kv_cache_dtype"] == "bfloat16" and plain["kv_cache_slots"] == 617
 
 
 def test_fp8_scales_are_read_from_the_checkpoint_under_each_name(tmp_path):
