@@ -145,7 +145,9 @@ for stage in $stages; do
     kvquant)
       # The quantized KV cache (issue 17, bench.kv_quant_bench): the kernel tests on the GPU, then per KV dtype
       # beside bf16 the slots, the 512-request load and batch-1 decode on the random 7B, the 100k-token
-      # context's decode speed on the random Llama-3.1-8B, the float32 7B's logprob drift. About 9 minutes.
+      # context's decode speed on the random Llama-3.1-8B, the float32 7B's logprob drift. About 9 minutes
+      # (estimated: kernel tests 1, 3 servers of the 7B 4, 2 of the 8B 2.5, drift 1.5); KVQUANT_ARGS adds
+      # e.g. "--kv-dtypes int8,fp8_e4m3fn,fp8_e5m2 --long-kv-dtypes int8,fp8_e4m3fn" (longer).
       ensure_7b
       MODEL_8B=${MODEL_8B:-/tmp/llama31-8b}
       [ -f "$MODEL_8B/config.json" ] || python3 -m weights.random_checkpoint --config llama-3.1-8b --out "$MODEL_8B" \

@@ -8,7 +8,7 @@ Phases (``--phases``, all by default), every server the real launcher over HTTP:
           ``batch``: prompts 64-512, 256 new, all at once, --max-concurrent-requests 1024) and batch-1
           decode (128-token prompt, 256 new; best of 3) -> slots, output tokens/s, decode tokens/s and
           their ratios to the unquantized cache's
-  long    per KV dtype, on --long-model-dir: one --long-tokens prompt, then --long-new tokens decoded
+  long    per --long-kv-dtypes, on --long-model-dir: one --long-tokens prompt, then --long-new tokens decoded
           -> decode tokens/s (1 / TPOT) and the ratio to the unquantized cache's
   drift   in-process, --model-dir in float32: 4 prompts' greedy 64 tokens with the unquantized cache,
           then each KV dtype scores the same tokens (prompt logprobs, teacher forced) -> the mean and
@@ -135,6 +135,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--long-model-dir", help="long: e.g. the random Llama-3.1-8B")
     parser.add_argument("--kv-dtypes", default="int8,fp8_e4m3fn", help="quantized KV dtypes, beside the model's")
     parser.add_argument("--phases", default="serve,long,drift")
+    parser.add_argument("--long-kv-dtypes", default="int8", help="long: quantized KV dtypes (each a server start "
+                        "and a 100k-token prefill, about a minute: the default keeps the GPU stage near 9 minutes)")
     parser.add_argument("--num-requests", type=int, default=512)
     parser.add_argument("--prompt-len", default="64-512")
     parser.add_argument("--output-len", default="256")
@@ -170,7 +172,7 @@ def main(argv=None) -> dict:
         elif phase == "long":
             if not args.long_model_dir:
                 raise SystemExit("the long phase needs --long-model-dir")
-            for kv in (PLAIN, *quantized):
+            for kv in (PLAIN, *[k for k in args.long_kv_dtypes.split(",") if k]):
                 results["long"][kv] = long_phase(args, kv)
                 print(f"long {kv}: {results['long'][kv]}", flush=True)
             results["long"]["ratio_decode"] = ratios(results, "long", "decode_tokens_per_s")
