@@ -187,3 +187,24 @@ def test_a_quantized_cache_without_its_scales_is_refused(device):
         decode_attention(q, fp8, table, rows, seq_len, scale, kv_scales=scales)
     with pytest.raises(ValueError, match="kv_scales given for an unquantized kv_layer"):
         decode_attention(q, data.to(q.dtype), table, rows, seq_len, scale, kv_scales=scales)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_prefill_with_a_shared_prefix_and_split_keys_dequantizes_both(device, kv_dtype):
+    """The prefill's shared-prefix start (kernels.shared_prefix) and its split keys read the scales too."""
+    from kernels.prefill_attention import launch, prefill_launch
+
+    seq_lens, q_lens, prefix = [80, 75, 71], [7, 3, 20], 40
+    cache, data, scales = quantized_cache(seq_lens, 2, 32, kv_dtype, device)
+    table, rows = cache.req_to_token, cache.b_req_row
+    for m in (1, 2):
+        table[rows[m], :prefix] = table[rows[0], :prefix]
+    shared = (torch.full((3,), prefix, dtype=torch.int32, device=device),
+              torch.tensor([int(rows[0]), prefix], dtype=torch.int32, device=device))
+    q = torch.randn(sum(q_lens), 4, 32, device=device).to(MODEL_DTYPE)
+    q_len = torch.tensor(q_lens, dtype=torch.int32, device=device)
+    q_start = (torch.cumsum(q_len, 0) - q_len).int()
+    args = (q, data, table, rows, q_start, q_len, cache.b_seq_len, 32 ** -0.5, max(q_lens))
+    out = launch(*args, params=prefill_launch(32, q.device, q.dtype), splits=2, shared=shared, kv_scales=scales)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, prefill_attention_ref(*args, kv_scales=scales), atol=TOL[0], rtol=TOL[1])
