@@ -103,7 +103,7 @@ def quantize(x, scale, dtype: tl.constexpr):
 
 
 @triton.jit
-def row_scales(a, b, dtype: tl.constexpr):
+def row_scales(a, b):
     """int8's scale of each row of the two halves ``a``, ``b`` [H, D/2] of a head: amax / 127 (1 for a zero row,
     whose values are all 0 whatever it is)."""
     amax = tl.maximum(tl.max(tl.abs(a), 1), tl.max(tl.abs(b), 1))

@@ -54,7 +54,7 @@ def _write_heads(src_ptr, src_stride_head, dst_ptr, dst_stride_head, heads, head
         y2 = x2.to(tl.float32)
     dtype = dst_ptr.dtype.element_ty
     if KV_SCALES == 1:
-        scale = row_scales(y1, y2, dtype)
+        scale = row_scales(y1, y2)
         tl.store(scale_ptr + offs_h * stride_scale_head, scale, mask=offs_h < heads)
         tl.store(dst1, quantize(y1, scale[:, None], dtype), mask=mask)
         tl.store(dst1 + half, quantize(y2, scale[:, None], dtype), mask=mask)
