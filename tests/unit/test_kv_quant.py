@@ -119,3 +119,15 @@ def test_the_kernels_generate_what_the_references_do(tokenizer, kv):
         engine = demo_engine(kv, backend, num_slots=256)
         out[backend] = [e.token_id for e in engine.generate([GenerationRequest(0, prompt, 6, stop_token_ids=[])])[0]]
     assert out["triton"] == out["torch"]
+
+
+def test_two_shards_with_an_int8_cache_generate_what_one_does(tokenizer):
+    """Tensor parallelism: each shard quantizes its own KV heads (int8 scales per head stay local)."""
+    from tests.e2e.server import free_port
+
+    prompt = tokenizer("class Parser:\n    def __init__(self")["input_ids"]
+    out = {}
+    for shards in (1, 2):
+        with demo_engine("int8", num_slots=1024, max_requests=4, num_shards=shards, master_port=free_port()) as engine:
+            out[shards] = [e.token_id for e in engine.generate([GenerationRequest(0, prompt, 12, stop_token_ids=[])])[0]]
+    assert out[2] == out[1]
