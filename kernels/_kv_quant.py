@@ -33,7 +33,6 @@ INT8_MAX = 127.0
 FP8_FORMATS = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
 # KV_SCALES constexpr of the kernels
 NO_SCALES, TOKEN_SCALES, TENSOR_SCALES = 0, 1, 2
-_RNE_MAGIC = 12582912.0    # 1.5 * 2**23: (y + it) - it rounds |y| < 2**22 to the nearest even integer
 
 
 def scale_args(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None) -> dict:
@@ -87,7 +86,7 @@ def round_to_fp8(x, dtype: tl.constexpr):
         up = ((127 + 2 - exponent) << 23).to(tl.float32, bitcast=True)
         down = ((127 - 2 + exponent) << 23).to(tl.float32, bitcast=True)
     y = x * up                                      # |y| < 2 ** (mantissa bits + 1): an integer on the grid
-    y = (y + 12582912.0) - 12582912.0
+    y = (y + 12582912.0) - 12582912.0              # + 1.5 * 2**23 and back: |y| < 2**22 rounded to nearest even
     return (y * down).to(dtype)
 
 

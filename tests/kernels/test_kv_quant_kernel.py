@@ -7,7 +7,7 @@ import torch
 from kernel_inputs import ON_GPU, build_kv_cache
 from test_rotary_kernel import make_case, split_qkv
 
-from kernels._kv_quant import FP8_FORMATS, dequantize_ref, gather_kv_ref, quantize_ref
+from kernels._kv_quant import FP8_FORMATS, gather_kv_ref, quantize_ref
 from kernels.decode_attention import decode_attention, decode_attention_ref
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from kernels.rotary import rotary_store_kv, rotary_store_kv_ref

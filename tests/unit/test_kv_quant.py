@@ -129,5 +129,6 @@ def test_two_shards_with_an_int8_cache_generate_what_one_does(tokenizer):
     out = {}
     for shards in (1, 2):
         with demo_engine("int8", num_slots=1024, max_requests=4, num_shards=shards, master_port=free_port()) as engine:
-            out[shards] = [e.token_id for e in engine.generate([GenerationRequest(0, prompt, 12, stop_token_ids=[])])[0]]
+            events = engine.generate([GenerationRequest(0, prompt, 12, stop_token_ids=[])])[0]
+        out[shards] = [e.token_id for e in events]
     assert out[2] == out[1]
