@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, kernels, parity7b, profile, bench (default), serving, ablation,
-#                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill
+#                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -142,6 +142,21 @@ for stage in $stages; do
       python3 -m bench.prefill_attention_bench ${PREFILL_ARGS:-} --json "$OUT/prefill_attention.json" 2>&1 \
         | tee "$OUT/prefill_attention.log" | tail -30
       rc=${PIPESTATUS[0]} ;;
+    kvquant)
+      # The quantized KV cache (issue 17, bench.kv_quant_bench): the kernel tests on the GPU, then per KV dtype
+      # beside bf16 the slots, the 512-request load and batch-1 decode on the random 7B, the 100k-token
+      # context's decode speed on the random Llama-3.1-8B, the float32 7B's logprob drift. About 9 minutes
+      # (estimated: kernel tests 1, 3 servers of the 7B 4, 2 of the 8B 2.5, drift 1.5); KVQUANT_ARGS adds
+      # e.g. "--kv-dtypes int8,fp8_e4m3fn,fp8_e5m2 --long-kv-dtypes int8,fp8_e4m3fn" (longer).
+      ensure_7b
+      MODEL_8B=${MODEL_8B:-/tmp/llama31-8b}
+      [ -f "$MODEL_8B/config.json" ] || python3 -m weights.random_checkpoint --config llama-3.1-8b --out "$MODEL_8B" \
+        --dtype bfloat16 --device cuda 2>&1 | tail -2
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kv_quant_kernel.py 2>&1 | tee "$OUT/kvquant.log" | tail -4
+      rc=${PIPESTATUS[0]}
+      python3 -m bench.kv_quant_bench --model-dir "$MODEL_7B" --long-model-dir "$MODEL_8B" ${KVQUANT_ARGS:-} \
+        --json "$OUT/kvquant.json" 2>&1 | tee -a "$OUT/kvquant.log" | grep -v -E "it/s|s/it" | tail -60
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"

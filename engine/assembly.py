@@ -27,6 +27,7 @@ from engine.ops import BACKENDS, default_backend
 from engine.router.allocator import SlotAllocator
 from engine.router.router import Router
 from engine.router.scheduler import SchedulerConfig, Scheduler
+from engine.worker.kv_cache import kv_cache_dtype
 from engine.worker.model_worker import WorkerConfig, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class EngineConfig:
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
     prefix_caching: bool = True           # reuse cached prompt prefixes' KV (engine.router.prefix_cache)
+    kv_cache_dtype: str | None = None     # int8 | fp8_e4m3fn | fp8_e5m2 (engine.worker.kv_cache); None: dtype
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,9 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         kernel_backend=backend, max_requests=config.max_requests, max_seq_len=max_seq_len,
         num_slots=config.num_slots, memory_fraction=config.memory_fraction,
         warmup_tokens=max(config.max_prefill_tokens, config.max_requests), cuda_graphs=config.cuda_graphs,
-        watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta)
+        watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta,
+        kv_cache_dtype=config.kv_cache_dtype)
+    kv_cache_dtype(config.kv_cache_dtype, worker.dtype)        # a bad name fails here, before any process
     attention_span, kv_weight_tokens = step_cost_model(model_config)
     scheduler = SchedulerConfig(
         max_prefill_tokens=config.max_prefill_tokens, stall_free_tokens=config.stall_free_tokens,

@@ -49,16 +49,18 @@ class TritonOps(KernelOps):
 
     def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, kv: KVLayer, slots) -> None:
         """Rotate q in place; rotated k and v into their slots of the KV cache."""
-        rotary.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv.data, slots)
+        rotary.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
                           max_q_len: int, shared=None, max_seq_len: int | None = None):
         return prefill_attention.prefill_attention(q, kv.data, req_to_token, req_rows, q_start, q_len, seq_len,
-                                                   sm_scale, max_q_len, shared=shared, max_seq_len=max_seq_len)
+                                                   sm_scale, max_q_len, shared=shared, max_seq_len=max_seq_len,
+                                                   kv_scales=kv.scales)
 
     def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None):
         """``shared``: a prefix several rows share (``ForwardBatch.shared_prefix``), attended to once for them."""
-        return decode_attention.decode_attention(q, kv.data, req_to_token, req_rows, seq_len, sm_scale, shared=shared)
+        return decode_attention.decode_attention(q, kv.data, req_to_token, req_rows, seq_len, sm_scale, shared=shared,
+                                                 kv_scales=kv.scales)
 
     def silu_and_mul(self, gate_up):
         return silu_and_mul.silu_and_mul(gate_up)
@@ -82,15 +84,16 @@ class TorchOps(KernelOps):
         return rmsnorm.add_rmsnorm_ref(x, residual, weight, eps)
 
     def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, kv: KVLayer, slots) -> None:
-        rotary.rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, kv.data, slots)
+        rotary.rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
                           max_q_len: int, shared=None, max_seq_len: int | None = None):
         return prefill_attention.prefill_attention_ref(q, kv.data, req_to_token, req_rows, q_start, q_len,
-                                                       seq_len, sm_scale, max_q_len)
+                                                       seq_len, sm_scale, max_q_len, kv_scales=kv.scales)
 
     def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None):
-        return decode_attention.decode_attention_ref(q, kv.data, req_to_token, req_rows, seq_len, sm_scale)
+        return decode_attention.decode_attention_ref(q, kv.data, req_to_token, req_rows, seq_len, sm_scale,
+                                                     kv_scales=kv.scales)
 
     def silu_and_mul(self, gate_up):
         return silu_and_mul.silu_and_mul_ref(gate_up)

@@ -34,11 +34,11 @@ import triton.language as tl
 from . import shared_prefix
 from ._checks import (
     check_last_dim_contiguous,
-    check_same_dtype,
     check_shape,
     check_tensor,
     upcast_dots,
 )
+from ._kv_quant import KV_DTYPES, check_kv, gather_kv_ref, scale_args
 from ._online_softmax import attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
@@ -60,6 +60,7 @@ def _decode_split_kernel(
     b_first_ptr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
     WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
+    scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
 ):
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
@@ -88,8 +89,10 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     k_base = kv_ptr + kv_head * stride_kv_head + offs_d[None, :]
     v_base = k_base + kv_heads * stride_kv_head
+    k_scale_base = scales_ptr + kv_head * stride_scale_head
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask,
-                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP)
+                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, k_scale_base, k_scale_base + v_scale_offset,
+                                 stride_scale_slot, KV_SCALES)
 
     has_keys = l_i > 0
     partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -146,11 +149,11 @@ def default_num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, max(1, batch * kv_heads)))))
 
 
-def _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits) -> None:
+def _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits, kv_scales) -> None:
     check_tensor("q", q, 3)
     device = q.device
-    check_tensor("kv_layer", kv_layer, 3, device=device)
-    check_same_dtype("kv_layer", kv_layer, q.dtype)
+    check_tensor("kv_layer", kv_layer, 3, dtypes=KV_DTYPES, device=device)
+    check_kv(kv_layer, kv_scales, q.dtype)
     batch, q_heads, head_dim = q.shape
     if kv_layer.shape[1] % 2 or kv_layer.shape[2] != head_dim:
         raise ValueError(f"kv_layer has shape {tuple(kv_layer.shape)}; expected (slots, 2 * kv_heads, {head_dim})")
@@ -169,12 +172,13 @@ def _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits) -> None:
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
                      b_req_row: torch.Tensor, b_seq_len: torch.Tensor, sm_scale: float,
                      num_splits: int | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     ) -> torch.Tensor:
+                     kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [B, Hq, D] in q's dtype.
 
     ``shared``: ``(b_prefix_len [B] int32, source [2] int32)``, a prefix that several requests
-    share (see the module's docstring); the result is the same as without it."""
-    _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits)
+    share (see the module's docstring); the result is the same as without it. ``kv_scales``: a
+    quantized cache's scales (``kernels._kv_quant``)."""
+    _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits, kv_scales)
     if shared is not None:
         shared_prefix.check(shared, q.shape[0], q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -184,13 +188,13 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torc
     splits = num_splits or default_num_splits(q.shape[0], kv_heads, q.device)
     block_n, num_warps, num_stages = CUDA_LAUNCH if q.is_cuda else (32, 4, 1)
     launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits, block_n, num_warps, num_stages,
-           shared=shared)
+           shared=shared, kv_scales=kv_scales)
     return out
 
 
 def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits: int, block_n: int,
            num_warps: int, num_stages: int, shared=None, shared_launch: tuple[int, int, int, int] | None = None,
-           ) -> None:
+           kv_scales=None) -> None:
     """The stages with explicit launch parameters (``decode_attention`` picks them; benchmarks sweep them)."""
     batch, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
@@ -213,11 +217,12 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
         kv_heads, group, head_dim, splits, first,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, SHARED=shared is not None,
+        **scale_args(kv_layer, kv_scales),
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if shared is not None:
         shared_prefix.launch(q, kv_layer, req_to_token, shared, mid_out, mid_lse, scale_log2,
-                             first_split=splits, splits=prefix_splits, params=params)
+                             first_split=splits, splits=prefix_splits, params=params, kv_scales=kv_scales)
     _decode_merge_kernel[(batch, q_heads)](
         mid_out, mid_lse, out, first, *mid_strides, out.stride(0), out.stride(1), head_dim, splits, total,
         BLOCK_S=triton.next_power_of_2(total), BLOCK_D=block_d, SHARED=shared is not None, num_warps=4, **pdl,
@@ -226,15 +231,14 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
 
 def decode_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
                          b_req_row: torch.Tensor, b_seq_len: torch.Tensor, sm_scale: float,
-                         num_splits: int | None = None, shared=None) -> torch.Tensor:
+                         num_splits: int | None = None, shared=None, kv_scales=None) -> torch.Tensor:
     """Every request over all its positions (``num_splits`` and ``shared`` change only how the kernel walks them)."""
     q_heads = q.shape[1]
     kv_heads = kv_layer.shape[1] // 2
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for b, (row, seq_len) in enumerate(zip(b_req_row.tolist(), b_seq_len.tolist())):
         slots = req_to_token[row, :seq_len].long()
-        k = kv_layer[slots, :kv_heads].float().repeat_interleave(q_heads // kv_heads, dim=1)
-        v = kv_layer[slots, kv_heads:].float().repeat_interleave(q_heads // kv_heads, dim=1)
+        k, v = (x.repeat_interleave(q_heads // kv_heads, dim=1) for x in gather_kv_ref(kv_layer, kv_scales, slots))
         probs = (torch.einsum("hd,khd->hk", q[b].float(), k) * sm_scale).softmax(-1)
         out[b] = torch.einsum("hk,khd->hd", probs, v).to(q.dtype)
     return out

@@ -51,11 +51,11 @@ import triton.language as tl
 from . import shared_prefix
 from ._checks import (
     check_last_dim_contiguous,
-    check_same_dtype,
     check_shape,
     check_tensor,
     upcast_dots,
 )
+from ._kv_quant import KV_DTYPES, check_kv, gather_kv_ref, scale_args
 from ._online_softmax import attend_block, attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
@@ -75,6 +75,7 @@ def _prefill_attention_kernel(
     stride_slse_head, num_splits,
     TOKENS: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr, SPLIT: tl.constexpr,
+    scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
 ):
     """One program: TOKENS new tokens x HEADS q heads of one kv head (the module's tile table)."""
     wait_for_prior_kernel(PDL)
@@ -114,15 +115,19 @@ def _prefill_attention_kernel(
     kv_head = tl.program_id(1) * HEADS // group_size
     k_base = kv_ptr + kv_head * stride_kv_head + offs_d[None, :]
     v_base = k_base + kv_heads * stride_kv_head
+    k_scale_base = scales_ptr + kv_head * stride_scale_head
+    v_scale_base = k_scale_base + v_scale_offset
     # range 1, [first, diag_start): visible to every row (this split's part of it); range 2, the diagonal
     diag_start = tl.maximum(first, prefix + block_m * TOKENS)
     key_end = tl.minimum(seq_len, prefix + (block_m + 1) * TOKENS)
     lo, hi = _split_part(first, diag_start, split, num_splits, BLOCK_N)
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, hi, table_row, k_base, v_base, stride_kv_slot, d_mask,
-                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP)
+                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, k_scale_base, v_scale_base,
+                                 stride_scale_slot, KV_SCALES)
     if split == num_splits - 1:
         m_i, l_i, acc = _attend_diagonal(q, m_i, l_i, acc, diag_start, key_end, prefix + offs_m, table_row, k_base,
-                                         v_base, stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP)
+                                         v_base, stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP,
+                                         k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES)
     if SPLIT:       # a partial result for the merge kernel
         _store_split(m_i, l_i, acc, split, tokens, heads, m_mask, offs_d, d_mask, split_out_ptr, split_lse_ptr,
                      stride_split_token, stride_split_head, stride_split_split, stride_slse_token, stride_slse_head)
@@ -156,20 +161,23 @@ def _split_part(start, end, split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attend_diagonal(q, m_i, l_i, acc, start, end, q_pos, table_row, k_base, v_base, stride_kv_slot, d_mask,
-                     scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr):
+                     scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr,
+                     k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES: tl.constexpr):
     """``attend_block`` with the causal and bounds masks over the key positions [start, end)."""
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
         start_n = start
         while start_n < end:
             m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True,
-                                         BOUNDED=True)
+                                         BOUNDED=True, k_scale_base=k_scale_base, v_scale_base=v_scale_base,
+                                         stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES)
             start_n += BLOCK_N
     else:
         for start_n in range(start, end, BLOCK_N):
             m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True,
-                                         BOUNDED=True)
+                                         BOUNDED=True, k_scale_base=k_scale_base, v_scale_base=v_scale_base,
+                                         stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES)
     return m_i, l_i, acc
 
 
@@ -185,11 +193,11 @@ def _store_split(m_i, l_i, acc, split, tokens, heads, m_mask, offs_d, d_mask, sp
     tl.store(split_lse_ptr + tokens * stride_slse_token + heads * stride_slse_head + split, lse, mask=m_mask)
 
 
-def _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, max_q_len) -> None:
+def _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, max_q_len, kv_scales) -> None:
     check_tensor("q", q, 3)
     device = q.device
-    check_tensor("kv_layer", kv_layer, 3, device=device)
-    check_same_dtype("kv_layer", kv_layer, q.dtype)
+    check_tensor("kv_layer", kv_layer, 3, dtypes=KV_DTYPES, device=device)
+    check_kv(kv_layer, kv_scales, q.dtype)
     q_heads, head_dim = q.shape[1:]
     if kv_layer.shape[1] % 2 or kv_layer.shape[2] != head_dim:
         raise ValueError(f"kv_layer has shape {tuple(kv_layer.shape)}; expected (slots, 2 * kv_heads, {head_dim})")
@@ -272,24 +280,25 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: tor
                       b_req_row: torch.Tensor, b_q_start: torch.Tensor, b_q_len: torch.Tensor,
                       b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int,
                       shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      max_seq_len: int | None = None) -> torch.Tensor:
+                      max_seq_len: int | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [T, Hq, D] contiguous, q's dtype.
 
     ``shared``: ``(b_prefix_len [B] int32, source [2] int32)``, a prefix that several requests
     share (see the module's docstring); ``max_seq_len``: the host's max of ``b_seq_len``, which
-    lets a long context be split (``default_splits``). The result is the same with or without them."""
-    _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, max_q_len)
+    lets a long context be split (``default_splits``). The result is the same with or without them.
+    ``kv_scales``: a quantized cache's scales (``kernels._kv_quant``)."""
+    _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, max_q_len, kv_scales)
     if shared is not None:
         shared_prefix.check(shared, b_req_row.shape[0], q.device)
     params = prefill_launch(q.shape[2], q.device, q.dtype, q.shape[1] // (kv_layer.shape[1] // 2))
     splits = default_splits(b_req_row.shape[0], q.shape[1], kv_layer.shape[1] // 2, max_q_len, max_seq_len, params,
                             q.device)
     return launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale, max_q_len,
-                  params, splits, shared)
+                  params, splits, shared, kv_scales)
 
 
 def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale: float, max_q_len: int,
-           params: PrefillLaunch, splits: int = 1, shared=None) -> torch.Tensor:
+           params: PrefillLaunch, splits: int = 1, shared=None, kv_scales=None) -> torch.Tensor:
     """The kernels with explicit launch parameters (``prefill_attention`` picks them; benchmarks sweep them)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
@@ -302,7 +311,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
     mid_strides = (0, 0, 0, 0)
     if shared is not None:
         b_first = shared[0]
-        mid_out, mid_lse = _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2)
+        mid_out, mid_lse = _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2, kv_scales)
         mid_strides = (mid_out.stride(0), mid_out.stride(1), mid_lse.stride(0), mid_lse.stride(1))
     split_out = split_lse = out                         # unwritten with one split
     split_strides = (0, 0, 0, 0, 0)
@@ -325,6 +334,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
         TOKENS=block_tokens, HEADS=heads, BLOCK_N=params.block_n, BLOCK_D=block_d, UPCAST=upcast_dots(q),
         WHILE_LOOP=not q.is_cuda, SHARED=shared is not None, SPLIT=splits > 1,
         num_warps=params.num_warps, num_stages=params.num_stages, **launch_options(q),
+        **scale_args(kv_layer, kv_scales),
     )
     if splits > 1:
         _decode_merge_kernel[(tokens, q_heads)](
@@ -335,7 +345,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
     return out
 
 
-def _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2: float):
+def _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2: float, kv_scales=None):
     """Each member token's attention to the shared prefix (``kernels.shared_prefix``, one split): its
     normalised partial output [T, Hq, 1, D] and log2-sum-exp [T, Hq, 1], both float32."""
     tokens, q_heads, head_dim = q.shape
@@ -343,13 +353,15 @@ def _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2:
     mid_out = torch.empty((tokens, q_heads, 1, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((tokens, q_heads, 1), dtype=torch.float32, device=q.device)
     shared_prefix.launch(q, kv_layer, req_to_token, (token_first, shared[1]), mid_out, mid_lse, scale_log2,
-                         first_split=0, splits=1, params=shared_prefix.default_launch(q.device))
+                         first_split=0, splits=1, params=shared_prefix.default_launch(q.device),
+                         kv_scales=kv_scales)
     return mid_out, mid_lse
 
 
 def prefill_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
                           b_req_row: torch.Tensor, b_q_start: torch.Tensor, b_q_len: torch.Tensor,
-                          b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int, shared=None) -> torch.Tensor:
+                          b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int, shared=None,
+                          max_seq_len: int | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Every new token over all the positions it sees (``shared`` changes only how the kernel walks them)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
@@ -357,8 +369,7 @@ def prefill_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token:
     for row, start, q_len, seq_len in zip(b_req_row.tolist(), b_q_start.tolist(), b_q_len.tolist(),
                                           b_seq_len.tolist()):
         slots = req_to_token[row, :seq_len].long()
-        k = kv_layer[slots, :kv_heads].float().repeat_interleave(q_heads // kv_heads, dim=1)
-        v = kv_layer[slots, kv_heads:].float().repeat_interleave(q_heads // kv_heads, dim=1)
+        k, v = (x.repeat_interleave(q_heads // kv_heads, dim=1) for x in gather_kv_ref(kv_layer, kv_scales, slots))
         qr = q[start:start + q_len].float()
         scores = torch.einsum("qhd,khd->hqk", qr, k) * sm_scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)

@@ -27,14 +27,17 @@ from ._checks import (
     check_shape,
     check_tensor,
 )
+from ._kv_quant import KV_DTYPES, check_kv, quantize, quantize_ref, row_scales, scale_args
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 
 
 @triton.jit
 def _write_heads(src_ptr, src_stride_head, dst_ptr, dst_stride_head, heads, head_block, cos, sin, offs_d, half,
-                  BLOCK_H: tl.constexpr, ROTATE: tl.constexpr):
-    """dst heads of the block <- the src heads rotated (``ROTATE``) or copied as they are."""
+                  BLOCK_H: tl.constexpr, ROTATE: tl.constexpr, scale_ptr=None, stride_scale_head=0,
+                  KV_SCALES: tl.constexpr = 0):
+    """dst heads of the block <- the src heads rotated (``ROTATE``) or copied as they are; into a quantized
+    cache (``KV_SCALES``) quantized, int8's per-head scales written at ``scale_ptr``."""
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (offs_h[:, None] < heads) & (offs_d[None, :] < half)
     src1 = src_ptr + offs_h[:, None] * src_stride_head + offs_d[None, :]
@@ -44,8 +47,24 @@ def _write_heads(src_ptr, src_stride_head, dst_ptr, dst_stride_head, heads, head
     if ROTATE:
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
-        tl.store(dst1, round_to(a * cos - b * sin, x1.dtype), mask=mask)
-        tl.store(dst1 + half, round_to(b * cos + a * sin, x1.dtype), mask=mask)
+        y1 = a * cos - b * sin
+        y2 = b * cos + a * sin
+    else:
+        y1 = x1.to(tl.float32)
+        y2 = x2.to(tl.float32)
+    dtype = dst_ptr.dtype.element_ty
+    if KV_SCALES == 1:
+        scale = row_scales(y1, y2)
+        tl.store(scale_ptr + offs_h * stride_scale_head, scale, mask=offs_h < heads)
+        tl.store(dst1, quantize(y1, scale[:, None], dtype), mask=mask)
+        tl.store(dst1 + half, quantize(y2, scale[:, None], dtype), mask=mask)
+    elif KV_SCALES == 2:
+        scale = tl.load(scale_ptr)
+        tl.store(dst1, quantize(y1, scale, dtype), mask=mask)
+        tl.store(dst1 + half, quantize(y2, scale, dtype), mask=mask)
+    elif ROTATE:
+        tl.store(dst1, round_to(y1, dtype), mask=mask)
+        tl.store(dst1 + half, round_to(y2, dtype), mask=mask)
     else:
         tl.store(dst1, x1, mask=mask)
         tl.store(dst1 + half, x2, mask=mask)
@@ -58,6 +77,7 @@ def _rotary_store_kv_kernel(
     stride_cache, stride_kv_slot, stride_kv_head,
     q_heads, kv_heads, half,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
+    scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
 ):
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
@@ -72,14 +92,17 @@ def _rotary_store_kv_kernel(
         _write_heads(q_row, stride_q_head, q_row, stride_q_head, q_heads, head_block,
                       cos, sin, offs_d, half, BLOCK_H, True)
     if head_block * BLOCK_H < kv_heads:
-        slot_row = kv_ptr + tl.load(slots_ptr + token).to(tl.int64) * stride_kv_slot
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        slot_row = kv_ptr + slot * stride_kv_slot
+        k_scales = scales_ptr + slot * stride_scale_slot
         _write_heads(k_ptr + token * stride_k_token, stride_k_head, slot_row, stride_kv_head, kv_heads, head_block,
-                      cos, sin, offs_d, half, BLOCK_H, True)
+                      cos, sin, offs_d, half, BLOCK_H, True, k_scales, stride_scale_head, KV_SCALES)
         _write_heads(v_ptr + token * stride_v_token, stride_v_head, slot_row + kv_heads * stride_kv_head,
-                      stride_kv_head, kv_heads, head_block, cos, sin, offs_d, half, BLOCK_H, False)
+                      stride_kv_head, kv_heads, head_block, cos, sin, offs_d, half, BLOCK_H, False,
+                      k_scales + v_scale_offset, stride_scale_head, KV_SCALES)
 
 
-def _check(q, k, v, positions, cos_sin_cache, kv_layer, slots) -> None:
+def _check(q, k, v, positions, cos_sin_cache, kv_layer, slots, kv_scales) -> None:
     check_tensor("q", q, 3)
     device = q.device
     tokens, _, head_dim = q.shape
@@ -89,9 +112,10 @@ def _check(q, k, v, positions, cos_sin_cache, kv_layer, slots) -> None:
     check_shape("k", k, (tokens, None, head_dim))
     check_tensor("v", v, 3, device=device)
     check_shape("v", v, tuple(k.shape))
-    check_tensor("kv_layer", kv_layer, 3, device=device)
+    check_tensor("kv_layer", kv_layer, 3, dtypes=KV_DTYPES, device=device)
     check_shape("kv_layer", kv_layer, (None, 2 * k.shape[1], head_dim))
-    for name, t in (("k", k), ("v", v), ("kv_layer", kv_layer)):
+    check_kv(kv_layer, kv_scales, q.dtype)
+    for name, t in (("k", k), ("v", v)):
         check_same_dtype(name, t, q.dtype)
     check_tensor("positions", positions, 1, dtypes=INDEX_DTYPES, device=device)
     check_shape("positions", positions, (tokens,))
@@ -104,9 +128,11 @@ def _check(q, k, v, positions, cos_sin_cache, kv_layer, slots) -> None:
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    cos_sin_cache: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor) -> None:
-    """Rotate q [T, Hq, D] in place; write rotated k and v [T, Hk, D] into kv_layer [S+1, 2*Hk, D] at ``slots``."""
-    _check(q, k, v, positions, cos_sin_cache, kv_layer, slots)
+                    cos_sin_cache: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor,
+                    kv_scales: torch.Tensor | None = None) -> None:
+    """Rotate q [T, Hq, D] in place; write rotated k and v [T, Hk, D] into kv_layer [S+1, 2*Hk, D] at ``slots``,
+    quantized when the cache is (``kv_scales``, ``kernels._kv_quant``: int8's scales written, fp8's read)."""
+    _check(q, k, v, positions, cos_sin_cache, kv_layer, slots, kv_scales)
     tokens, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if tokens == 0:
@@ -119,7 +145,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), kv_layer.stride(0), kv_layer.stride(1),
         q_heads, kv_heads, head_dim // 2,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4, **launch_options(q),
+        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4, **launch_options(q), **scale_args(kv_layer, kv_scales),
     )
 
 
@@ -133,9 +159,18 @@ def rotate_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
 
 
 def rotary_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                        cos_sin_cache: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor) -> None:
+                        cos_sin_cache: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor,
+                        kv_scales: torch.Tensor | None = None) -> None:
     kv_heads = k.shape[1]
     slots = slots.long()
     q.copy_(rotate_ref(q, positions, cos_sin_cache))
-    kv_layer[slots, :kv_heads] = rotate_ref(k, positions, cos_sin_cache)
-    kv_layer[slots, kv_heads:] = v
+    if kv_scales is None:
+        kv_layer[slots, :kv_heads] = rotate_ref(k, positions, cos_sin_cache)
+        kv_layer[slots, kv_heads:] = v
+        return
+    for half, x, per_tensor in ((slice(None, kv_heads), rotate_ref(k.float(), positions, cos_sin_cache), 0),
+                                (slice(kv_heads, None), v, 1)):
+        values, scales = quantize_ref(x, kv_layer.dtype, kv_scales[per_tensor] if kv_scales.dim() == 1 else None)
+        kv_layer[slots, half] = values
+        if kv_scales.dim() == 2:
+            kv_scales[slots, half] = scales

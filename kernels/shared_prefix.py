@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_shape, check_tensor, upcast_dots
+from ._kv_quant import scale_args
 from ._online_softmax import attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 
@@ -58,6 +59,7 @@ def _shared_prefix_kernel(
     kv_heads, group_size, head_dim, num_splits, first_split,
     BLOCK_B: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
 ):
     """Rows (request b, q head) of a block of requests x one kv head's q heads, against the
     shared prefix's positions [split * chunk, (split + 1) * chunk) of ``0..P-1``. Only members'
@@ -92,8 +94,10 @@ def _shared_prefix_kernel(
     acc = tl.zeros([BLOCK_B * BLOCK_G, BLOCK_D], dtype=tl.float32)
     k_base = kv_ptr + kv_head * stride_kv_head + offs_d[None, :]
     v_base = k_base + kv_heads * stride_kv_head
+    k_scale_base = scales_ptr + kv_head * stride_scale_head
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask,
-                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP)
+                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, k_scale_base, k_scale_base + v_scale_offset,
+                                 stride_scale_slot, KV_SCALES)
 
     has_keys = member & (l_i > 0)
     partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -107,8 +111,9 @@ def _shared_prefix_kernel(
 
 
 def launch(q, kv_layer, req_to_token, shared, mid_out, mid_lse, scale_log2: float, first_split: int, splits: int,
-           params: tuple[int, int, int, int]) -> None:
-    """The kernel over every row of ``q`` [N, Hq, D] (``params``: tile rows, BLOCK_N, warps, stages)."""
+           params: tuple[int, int, int, int], kv_scales=None) -> None:
+    """The kernel over every row of ``q`` [N, Hq, D] (``params``: tile rows, BLOCK_N, warps, stages;
+    ``kv_scales``: a quantized cache's, ``kernels._kv_quant``)."""
     rows, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     group = q_heads // kv_heads
@@ -122,5 +127,5 @@ def launch(q, kv_layer, req_to_token, shared, mid_out, mid_lse, scale_log2: floa
         kv_heads, group, head_dim, splits, first_split,
         BLOCK_B=block_b, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
-        **launch_options(q),
+        **launch_options(q), **scale_args(kv_layer, kv_scales),
     )

@@ -49,7 +49,8 @@ def serving_line(spec: FrontendSpec, kv_slots: int) -> str:
     """The one line that says what is served, with which limits (TGI logs its args likewise)."""
     s = spec.settings
     return (f"serving {s.model_id} on http://{spec.hostname}:{spec.port}: {s.model_dtype} on "
-            f"{s.num_shards} {s.model_device_type} shard(s), {kv_slots} KV slots (tokens), "
+            f"{s.num_shards} {s.model_device_type} shard(s), {kv_slots} KV slots (tokens) of "
+            f"{s.kv_cache_dtype or s.model_dtype}, "
             f"max_input_tokens {s.max_input_tokens}, max_total_tokens {s.max_total_tokens}, "
             f"max_batch_prefill_tokens {s.max_batch_prefill_tokens}, "
             f"max_concurrent_requests {s.max_concurrent_requests}")

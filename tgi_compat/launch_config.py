@@ -9,7 +9,7 @@ and ``resolve_num_shard`` the shard count that depends on the visible GPUs.
 
 Flags of TGI that this engine does not implement are of two kinds: those that would
 change what is served or that a user relies on (``--quantize``, ``--trust-remote-code``,
-``--speculate``, ``--kv-cache-dtype``, ``--lora-adapters``, ``--weights-cache-override``) are
+``--speculate``, ``--lora-adapters``, ``--weights-cache-override``) are
 errors when set; those that only concern TGI's plumbing
 (``--shard-uds-path``, ``--ngrok``, ``--prometheus-port``, ...) are accepted, and
 ``LaunchConfig.notices`` lists the ones set to something that is not applied, for the
@@ -62,8 +62,10 @@ class LaunchConfig:
     trust_remote_code: bool = _flag("not supported: this engine runs its own model code, never the hub's", False)
     quantize: str | None = _flag("not supported yet: the weights run in --dtype", choices=QUANTIZE_CHOICES)
     speculate: int | None = _flag("speculative tokens per step; not supported yet (0 or unset only)", minimum=0)
-    kv_cache_dtype: str | None = _flag("KV cache dtype; not supported yet: the cache uses the model's dtype",
-                                       choices=("fp8_e4m3fn", "fp8_e5m2"))
+    kv_cache_dtype: str | None = _flag("KV cache dtype: fp8_e4m3fn or fp8_e5m2 (per-tensor scales from the "
+                                       "checkpoint's k_scale/v_scale or kv_scale, else 1.0) or int8 (our extension, "
+                                       "LightLLM's: one scale per token and KV head); about twice the KV slots. "
+                                       "Default: the model's dtype", choices=("fp8_e4m3fn", "fp8_e5m2", "int8"))
     lora_adapters: str | None = _flag("comma-separated LoRA adapter ids to load; not supported yet")
     rope_scaling: str | None = _flag("RoPE scaling to apply over the checkpoint's: linear or dynamic (factor "
                                      "--rope-factor, 1.0 if unset); default: the checkpoint's config",
@@ -202,7 +204,6 @@ _UNSUPPORTED = {
     "trust_remote_code": "--trust-remote-code is not supported: this engine runs its own model code",
     "quantize": "--quantize is not supported yet: the weights run in --dtype; use an unquantized checkpoint",
     "speculate": "--speculate is not supported yet: leave it unset",
-    "kv_cache_dtype": "--kv-cache-dtype is not supported yet: the KV cache uses the model's dtype",
     "lora_adapters": "--lora-adapters is not supported yet: merge the adapter into the weights",
     "weights_cache_override": "--weights-cache-override is not supported: point --model-id at a local directory",
 }

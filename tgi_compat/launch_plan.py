@@ -77,6 +77,7 @@ def engine_config(config: LaunchConfig, limits: Limits, model_dir: str) -> Engin
         admission=config.admission, cuda_graphs=config.cuda_graphs, prefix_caching=config.prefix_caching,
         num_shards=resolve_num_shard(config, _visible_gpus()), master_addr=config.master_addr,
         master_port=config.master_port, rope_scaling=config.rope, step_timeout_s=config.step_timeout,
+        kv_cache_dtype=config.kv_cache_dtype,
         **{k: v for k, v in watermark.items() if v is not None})
 
 
@@ -143,4 +144,5 @@ def _settings(config: LaunchConfig, limits: Limits, sha, pipeline_tag, engine: E
         cors_allow_origin=config.cors_allow_origin, stream_shutdown_grace_s=config.graceful_termination_timeout,
         otlp_endpoint=config.otlp_endpoint,
         otlp_service_name=config.otlp_service_name,
+        kv_cache_dtype=config.kv_cache_dtype,
     )

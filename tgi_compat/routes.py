@@ -131,4 +131,6 @@ def info_json(s: ServerSettings, stats: dict) -> dict:
         "model_device_type": s.model_device_type, "waiting_served_ratio": s.waiting_served_ratio,
         "max_batch_total_tokens": max_batch_total_tokens, "max_waiting_tokens": s.max_waiting_tokens,
         "max_batch_size": s.max_batch_size,
+        # ours: the KV cache's storage dtype (--kv-cache-dtype, else the model's) and its slots
+        "kv_cache_dtype": s.kv_cache_dtype or s.model_dtype, "kv_cache_slots": stats.get("kv_capacity"),
     }

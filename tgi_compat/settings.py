@@ -51,6 +51,7 @@ class ServerSettings:
     # --otlp-endpoint / --otlp-service-name: OpenTelemetry traces of the requests (tgi_compat.tracing)
     otlp_endpoint: str | None = None
     otlp_service_name: str = "text-generation-inference.router"
+    kv_cache_dtype: str | None = None     # --kv-cache-dtype (/info "kv_cache_dtype", ours); None: model_dtype
 
     def __post_init__(self):
         checks = [

@@ -27,11 +27,11 @@ from engine.models.layers import (Attention, GatedMLP, Linear, LMHead, RowParall
 from engine.models.parallel import FULL, Slice, TensorParallel, read
 from engine.ops import KernelOps
 from engine.worker.forward_batch import ForwardBatch
-from engine.worker.kv_cache import KVCache
+from engine.worker.kv_cache import KV_SCALE_PATTERNS, KVCache
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Buffers some checkpoints carry that the model recomputes.
-IGNORED_CHECKPOINT_NAMES = (r"rotary_emb\.inv_freq$",)
+IGNORED_CHECKPOINT_NAMES = (r"rotary_emb\.inv_freq$", *KV_SCALE_PATTERNS)   # KV scales: the worker's
 
 
 @dataclass(frozen=True)

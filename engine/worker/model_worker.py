@@ -21,7 +21,7 @@ from engine.sampling.watermark import WatermarkConfig
 from engine.transfer import to_device
 from engine.worker.cuda_graphs import PaddedDecoder
 from engine.worker.forward_batch import SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs
-from engine.worker.kv_cache import KVCache
+from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
 from weights.checkpoint import open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class WorkerConfig:
     cuda_graphs: tuple[int, ...] | None = None   # decode batch sizes to capture; () = eager (CUDA only)
     watermark_gamma: float = 0.5          # TGI's --watermark-gamma / --watermark-delta
     watermark_delta: float = 2.0
+    kv_cache_dtype: str | None = None     # --kv-cache-dtype: int8 | fp8_e4m3fn | fp8_e5m2; None: ``dtype``
 
 
 def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -90,8 +91,11 @@ class ModelWorker:
         self.tp = tp
         self.ops = KernelOps.create(config.kernel_backend or default_backend(config.device))
         self.model = build_model(self.model_config, self.ops, config.dtype, config.device, config.max_seq_len, tp)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype)
         with open_checkpoint(config.model_dir) as checkpoint:
             self.model.load_weights(checkpoint)
+            fp8 = self.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            self.kv_tensor_scales = read_kv_scales(checkpoint, self.model_config.num_layers) if fp8 else None
         self.sampler = self._new_sampler()
         self._sampling: dict[int, RowSampling] = {}
         self.kv_cache: KVCache | None = None
@@ -120,7 +124,7 @@ class ModelWorker:
     def _new_cache(self, num_slots: int) -> KVCache:
         c, cfg = self.model_config, self.config
         return KVCache(c.num_layers, num_slots, self.model.num_kv_heads, c.head_dim, cfg.max_requests,
-                       cfg.max_seq_len, cfg.dtype, cfg.device)
+                       cfg.max_seq_len, cfg.dtype, cfg.device, self.kv_dtype, self.kv_tensor_scales)
 
     @property
     def num_slots(self) -> int:
@@ -133,15 +137,16 @@ class ModelWorker:
         if self.device.type != "cuda":
             return max(self.config.max_seq_len, 16384)
         c = self.model_config
-        per_slot = KVCache.bytes_per_slot(c.num_layers, self.model.num_kv_heads, c.head_dim, self.config.dtype)
+        per_slot = KVCache.bytes_per_slot(c.num_layers, self.model.num_kv_heads, c.head_dim, self.kv_dtype)
         activations = self._warmup_peak_bytes()
         free, _ = torch.cuda.mem_get_info(self.device)
         slots = int(free * self.config.memory_fraction - activations) // per_slot
         if slots < self.config.max_seq_len:
             raise MemoryError(f"after the weights only {slots} KV slots fit on {self.device}; one request of "
                               f"{self.config.max_seq_len} tokens needs more: lower --max-total-tokens or add shards")
-        log.info("KV cache: %d slots (%.1f GiB); warm-up activations %.2f GiB", slots,
-                 slots * per_slot / 2**30, activations / 2**30)
+        log.info("KV cache: %d slots of %s (%d bytes each, scales included; %.1f GiB); warm-up activations %.2f GiB",
+                 slots, str(self.kv_dtype).removeprefix("torch."), per_slot, slots * per_slot / 2**30,
+                 activations / 2**30)
         return slots
 
     def _warmup_peak_bytes(self) -> int:

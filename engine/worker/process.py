@@ -44,7 +44,8 @@ def shard_main(spec: ShardSpec, conn, log_level="INFO") -> None:
                  worker_config.device)
         worker = ModelWorker(worker_config, spec.model_config, tp=TensorParallel(spec.rank, spec.world_size))
         conn.send_bytes(encode(Ready(spec.rank, worker.num_slots)))
-        log.info("shard %d ready: %d KV slots", spec.rank, worker.num_slots)
+        log.info("shard %d ready: %d KV slots (KV cache dtype %s)", spec.rank, worker.num_slots,
+                 str(worker.kv_dtype).removeprefix("torch."))
         serve_steps(worker, conn, reply=spec.rank == 0)
     except (EOFError, KeyboardInterrupt):
         return

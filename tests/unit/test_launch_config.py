@@ -21,7 +21,7 @@ SAMPLES = {
     "max_input_length": ("100", 100), "max_total_tokens": ("512", 512), "max_client_batch_size": ("8", 8),
     "payload_limit": ("1000", 1000), "waiting_served_ratio": ("1.2", 1.2), "max_batch_prefill_tokens": ("2048", 2048),
     "max_batch_total_tokens": ("10000", 10000), "max_waiting_tokens": ("0", 0), "max_batch_size": ("16", 16),
-    "admission": ("reserve", "reserve"), "step_timeout": ("2.5", 2.5), "prefix_caching": ("0", False), "hostname": ("127.0.0.1", "127.0.0.1"), "port": ("8080", 8080),
+    "kv_cache_dtype": ("int8", "int8"), "admission": ("reserve", "reserve"), "step_timeout": ("2.5", 2.5), "prefix_caching": ("0", False), "hostname": ("127.0.0.1", "127.0.0.1"), "port": ("8080", 8080),
     "api_key": ("secret", "secret"), "validation_workers": ("4", 4), "disable_grammar_support": ("yes", True),
     "enable_prefill_logprobs": ("on", True), "cors_allow_origin": ("https://a.b, https://c.d",
                                                                    ("https://a.b", "https://c.d")),
@@ -35,7 +35,6 @@ SAMPLES = {
 UNSUPPORTED = {"trust_remote_code": ("true", "--trust-remote-code is not supported"),
                "quantize": ("gptq", "--quantize is not supported yet"),
                "speculate": ("2", "--speculate is not supported yet"),
-               "kv_cache_dtype": ("fp8_e5m2", "--kv-cache-dtype is not supported yet"),
                "lora_adapters": ("org/adapter", "--lora-adapters is not supported yet"),
                "weights_cache_override": ("/w", "--weights-cache-override is not supported")}
 NO_ENV_FIELDS = {"env"}

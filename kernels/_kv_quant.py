@@ -1,0 +1,164 @@
+"""The quantized KV cache's one format: how a K/V row is stored and read back.
+
+``kv_scales`` travels beside ``kv_layer`` [S+1, 2*Hk, D] and its shape says the scheme:
+
+| kv_layer dtype        | kv_scales                 | stored value                                   |
+| --------------------- | ------------------------- | ---------------------------------------------- |
+| the model's (16/32 b) | None                      | x                                              |
+| int8                  | [S+1, 2*Hk] float32       | round(x / s), s = amax over the head dim / 127 |
+|                       | (per token and KV head)   | (computed when the token is stored)            |
+| float8 e4m3fn / e5m2  | [2] float32 (K's, V's)    | clamp(x / s, format's range), rounded to nearest even |
+
+Dequantized: ``stored * s``. The rotary/store kernel quantizes as it writes (``quantize``);
+the attention kernels dequantize each gathered block in registers (``load_kv``), so no
+dequantized copy of the cache ever exists. The ``*_ref`` functions are the torch references.
+
+The Triton CPU interpreter converts float32 to fp8 by truncating the mantissa (and its
+"round to nearest" mode carries wrongly into the exponent), while it converts exactly
+representable values exactly; ``round_to_fp8`` therefore rounds on the fp8 grid in float32
+first, which gives the same bits on the GPU and in the interpreter.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES
+
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+KV_DTYPES = (*FLOAT_DTYPES, *QUANTIZED_DTYPES)
+INT8_MAX = 127.0
+# (largest finite value, mantissa bits, smallest normal exponent) of each fp8 format
+FP8_FORMATS = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
+# KV_SCALES constexpr of the kernels
+NO_SCALES, TOKEN_SCALES, TENSOR_SCALES = 0, 1, 2
+
+
+def scale_args(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None) -> dict:
+    """The kernels' trailing scale arguments (by name): the scales, their stride per slot and per kv
+    head, the offset of V's scales from K's, and ``KV_SCALES``."""
+    kv_heads = kv_layer.shape[1] // 2
+    if kv_scales is None:         # unread
+        args = (kv_layer, 0, 0, 0, NO_SCALES)
+    elif kv_scales.dim() == 2:
+        args = (kv_scales, kv_scales.stride(0), 1, kv_heads, TOKEN_SCALES)
+    else:
+        args = (kv_scales, 0, 0, 1, TENSOR_SCALES)
+    names = ("scales_ptr", "stride_scale_slot", "stride_scale_head", "v_scale_offset", "KV_SCALES")
+    return dict(zip(names, args))
+
+
+def check_kv(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, dtype: torch.dtype) -> None:
+    """``kv_layer`` holds ``dtype`` values unquantized, or a quantized dtype with its matching scales."""
+    if kv_layer.dtype not in QUANTIZED_DTYPES:
+        if kv_layer.dtype != dtype:
+            raise ValueError(f"kv_layer has dtype {kv_layer.dtype} but must match {dtype}")
+        if kv_scales is not None:
+            raise ValueError(f"kv_scales given for an unquantized kv_layer ({kv_layer.dtype}); pass None")
+        return
+    if kv_scales is None or kv_scales.dtype != torch.float32 or kv_scales.device != kv_layer.device:
+        raise ValueError(f"a {kv_layer.dtype} kv_layer needs float32 kv_scales on {kv_layer.device}, got "
+                         f"{None if kv_scales is None else (kv_scales.dtype, str(kv_scales.device))}")
+    if kv_layer.dtype == torch.int8:
+        expected = tuple(kv_layer.shape[:2])
+        if tuple(kv_scales.shape) != expected or kv_scales.stride(1) != 1:
+            raise ValueError(f"int8 kv_scales have shape {tuple(kv_scales.shape)}; expected {expected} (one "
+                             f"scale per slot and KV head, contiguous last dim)")
+    elif tuple(kv_scales.shape) != (2,):
+        raise ValueError(f"fp8 kv_scales have shape {tuple(kv_scales.shape)}; expected (2,): K's and V's scale")
+
+
+# ---- Triton ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def round_to_fp8(x, dtype: tl.constexpr):
+    """float32 ``x`` clamped to the fp8 format's range, rounded to nearest even on its grid, in ``dtype``."""
+    if dtype == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        exponent = tl.maximum(((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127, -6)
+        up = ((127 + 3 - exponent) << 23).to(tl.float32, bitcast=True)        # 2 ** (mantissa bits - exponent)
+        down = ((127 - 3 + exponent) << 23).to(tl.float32, bitcast=True)
+    else:
+        x = tl.minimum(tl.maximum(x, -57344.0), 57344.0)
+        exponent = tl.maximum(((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127, -14)
+        up = ((127 + 2 - exponent) << 23).to(tl.float32, bitcast=True)
+        down = ((127 - 2 + exponent) << 23).to(tl.float32, bitcast=True)
+    y = x * up                                      # |y| < 2 ** (mantissa bits + 1): an integer on the grid
+    y = (y + 12582912.0) - 12582912.0              # + 1.5 * 2**23 and back: |y| < 2**22 rounded to nearest even
+    return (y * down).to(dtype)
+
+
+@triton.jit
+def quantize(x, scale, dtype: tl.constexpr):
+    """float32 ``x`` divided by its (broadcast) ``scale`` and rounded to the int8 or fp8 ``dtype``."""
+    y = x / scale
+    if dtype == tl.int8:
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        return ((y + 12582912.0) - 12582912.0).to(tl.int8)
+    else:
+        return round_to_fp8(y, dtype)
+
+
+@triton.jit
+def row_scales(a, b):
+    """int8's scale of each row of the two halves ``a``, ``b`` [H, D/2] of a head: amax / 127 (1 for a zero row,
+    whose values are all 0 whatever it is)."""
+    amax = tl.maximum(tl.max(tl.abs(a), 1), tl.max(tl.abs(b), 1))
+    return tl.where(amax > 0, amax / 127.0, 1.0)
+
+
+@triton.jit
+def load_kv(base, slots, stride_kv_slot, mask, scale_base, stride_scale_slot, n_mask, dtype: tl.constexpr,
+            KV_SCALES: tl.constexpr, BOUNDED: tl.constexpr):
+    """One gathered K or V block [N, D] at ``slots``, dequantized in registers to ``dtype`` (as stored,
+    without scales). ``scale_base``: this kv head's scales (per slot, or the one per-tensor value);
+    ``n_mask``: the block's positions to read (when BOUNDED)."""
+    x = tl.load(base + slots[:, None] * stride_kv_slot, mask=mask, other=0.0)
+    if KV_SCALES == 1:
+        if BOUNDED:
+            scale = tl.load(scale_base + slots * stride_scale_slot, mask=n_mask, other=0.0)
+        else:
+            scale = tl.load(scale_base + slots * stride_scale_slot)
+        x = (x.to(tl.float32) * scale[:, None]).to(dtype)
+    elif KV_SCALES == 2:
+        x = (x.to(tl.float32) * tl.load(scale_base)).to(dtype)
+    return x
+
+
+# ---- torch references -----------------------------------------------------------------------
+
+
+def quantize_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] as stored in ``dtype``: (values, scales). int8 computes its scales [T, H] (``scale``
+    unused); fp8 divides by the per-tensor ``scale`` (a 0-dim float32 tensor) and returns it."""
+    x = x.float()
+    if dtype == torch.int8:
+        amax = x.abs().amax(dim=-1)
+        scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+        return (x / scales[..., None]).clamp(-INT8_MAX, INT8_MAX).round().to(torch.int8), scales
+    limit = FP8_FORMATS[dtype][0]
+    return (x / scale).clamp(-limit, limit).to(dtype), scale
+
+
+def dequantize_ref(x: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Stored K or V rows [N, H, D] -> float32; ``scales`` [N, H] (int8), a 0-dim per-tensor scale, or None."""
+    if scales is None:
+        return x.float()
+    return x.float() * (scales[..., None] if scales.dim() == 2 else scales)
+
+
+def gather_kv_ref(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, slots: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 K and V [N, Hk, D] of ``slots`` (only those rows are dequantized)."""
+    kv_heads = kv_layer.shape[1] // 2
+    rows = kv_layer[slots]
+    if kv_scales is None:
+        return rows[:, :kv_heads].float(), rows[:, kv_heads:].float()
+    if kv_scales.dim() == 2:
+        k_scales, v_scales = kv_scales[slots, :kv_heads], kv_scales[slots, kv_heads:]
+    else:
+        k_scales, v_scales = kv_scales[0], kv_scales[1]
+    return dequantize_ref(rows[:, :kv_heads], k_scales), dequantize_ref(rows[:, kv_heads:], v_scales)

@@ -1,0 +1,210 @@
+"""The quantized KV cache (kernels._kv_quant): the rotary/store kernel quantizes as it writes, the
+attention kernels dequantize as they read; each against its torch reference, per KV dtype."""
+import math
+
+import pytest
+import torch
+from kernel_inputs import ON_GPU, build_kv_cache
+from test_rotary_kernel import make_case, split_qkv
+
+from kernels._kv_quant import FP8_FORMATS, gather_kv_ref, quantize_ref
+from kernels.decode_attention import decode_attention, decode_attention_ref
+from kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from kernels.rotary import rotary_store_kv, rotary_store_kv_ref
+
+KV_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+GQA = [(2, 2), (8, 2), (8, 1)]          # groups of 1, 4 and 8 q heads per kv head
+# model dtype: float32 on the interpreter (its bf16 dots are not usable), bf16 on the GPU
+MODEL_DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+# attention over dequantized K/V: the kernel dequantizes into the model dtype (bf16 on the GPU)
+TOL = (3e-2, 3e-2) if ON_GPU else (2e-5, 2e-5)
+
+
+def empty_scales(kv_dtype, num_slots, kv_heads, device, tensor_scales=(0.5, 2.0)):
+    """int8: per slot and head scales, NaN until written; fp8: the per-tensor K and V scales."""
+    if kv_dtype == torch.int8:
+        return torch.full((num_slots, 2 * kv_heads), float("nan"), device=device)
+    return torch.tensor(tensor_scales, dtype=torch.float32, device=device)
+
+
+def quantized_cache(seq_lens, kv_heads, head_dim, kv_dtype, device):
+    """``kernel_inputs.build_kv_cache`` stored in ``kv_dtype``: unused slots poisoned (int8: NaN scales;
+    fp8: NaN values), so a kernel that reads outside its keys produces NaN."""
+    cache = build_kv_cache(seq_lens, kv_heads, head_dim, torch.float32, device)
+    x = cache.kv_layer * 3.0
+    scales = empty_scales(kv_dtype, x.shape[0], kv_heads, device)
+    data = torch.zeros(x.shape, dtype=kv_dtype, device=device)
+    used = ~x[:, 0, 0].isnan()
+    for half, per_tensor in ((slice(None, kv_heads), 0), (slice(kv_heads, None), 1)):
+        tensor_scale = scales[per_tensor] if kv_dtype != torch.int8 else None
+        values, row_scales = quantize_ref(x[used][:, half], kv_dtype, tensor_scale)
+        data[used, half] = values
+        if kv_dtype == torch.int8:
+            scales[used, half] = row_scales
+    if kv_dtype != torch.int8:
+        data.view(torch.uint8)[~used] = 0x7F      # a NaN in both fp8 formats
+    quantized_cache.last_input = x
+    return cache, data, scales
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(13, 8, 2, 32), (5, 2, 2, 80)])
+def test_rotary_store_quantizes_as_the_reference(device, kv_dtype, tokens, q_heads, kv_heads, head_dim):
+    qkv, _, slots, positions, cache = make_case(tokens, q_heads, kv_heads, head_dim, MODEL_DTYPE, device)
+    qkv = qkv * 4
+    kv_layer = torch.zeros((slots.max().item() + 3, 2 * kv_heads, head_dim), dtype=kv_dtype, device=device)
+    scales = empty_scales(kv_dtype, kv_layer.shape[0], kv_heads, device)
+    expected_qkv, expected_kv, expected_scales = qkv.clone(), kv_layer.clone(), scales.clone()
+    rotary_store_kv_ref(*split_qkv(expected_qkv, q_heads, kv_heads, head_dim), positions, cache, expected_kv, slots,
+                        expected_scales)
+    rotary_store_kv(*split_qkv(qkv, q_heads, kv_heads, head_dim), positions, cache, kv_layer, slots, scales)
+    torch.testing.assert_close(qkv, expected_qkv)                          # q rotated, unquantized
+    torch.testing.assert_close(scales, expected_scales, equal_nan=True)   # int8: written scales only
+    got, want = kv_layer[slots.long()].float(), expected_kv[slots.long()].float()
+    if ON_GPU:      # float32 rotation may round differently by an ulp: at most one quantization step apart
+        step = 1.0 if kv_dtype == torch.int8 else want.abs() * 2.0 ** -FP8_FORMATS[kv_dtype][1]
+        assert ((got - want).abs() <= step + 1e-30).all()
+    else:
+        assert torch.equal(got, want)
+    k, v = gather_kv_ref(kv_layer, scales, slots.long())                  # dequantized: close to the input
+    _, _, v_in = split_qkv(qkv, q_heads, kv_heads, head_dim)
+    rel = 2 / 254 if kv_dtype == torch.int8 else 2.0 ** -FP8_FORMATS[kv_dtype][1]
+    assert ((v - v_in.float()).abs() <= v_in.float().abs().amax(-1, keepdim=True) * rel + 1e-6).all()
+
+
+def limit_values(kv_dtype) -> torch.Tensor:
+    """Values at the format's limits: every finite fp8 value, the midpoints between neighbours (ties round
+    to even), values past the largest (clamped), subnormals; for int8 rows whose amax hits 127 exactly and
+    halves that tie."""
+    if kv_dtype == torch.int8:
+        return torch.tensor([127.0, -127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 63.5, 0.0, 1e-30, -126.5, 3.0])
+    codes = torch.arange(256, dtype=torch.uint8).view(kv_dtype).float()
+    grid = codes[codes.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    limit = FP8_FORMATS[kv_dtype][0]
+    beyond = torch.tensor([limit * 1.01, -limit * 1.5, 1e30, -1e30, limit + 1.0])
+    return torch.cat([grid, mids, beyond])
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_values_at_the_format_limits_are_stored_as_torch_rounds_them(device, kv_dtype):
+    """V is stored unrotated: the kernel's rounding of chosen values against torch's (round to nearest
+    even, clamped to the range)."""
+    values = limit_values(kv_dtype)
+    head_dim = 32
+    rows = math.ceil(values.numel() / head_dim)
+    v = torch.zeros(rows * head_dim)
+    v[: values.numel()] = values
+    v = v.view(rows, 1, head_dim).to(device)
+    q, k = torch.randn(rows, 1, head_dim, device=device), torch.randn(rows, 1, head_dim, device=device)
+    positions = torch.zeros(rows, dtype=torch.int32, device=device)
+    cache = torch.cat([torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2)], dim=1).to(device)
+    slots = torch.arange(rows, dtype=torch.int32, device=device)
+    kv_layer = torch.zeros((rows + 1, 2, head_dim), dtype=kv_dtype, device=device)
+    scales = empty_scales(kv_dtype, rows + 1, 1, device, tensor_scales=(1.0, 1.0))
+    rotary_store_kv(q, k, v, positions, cache, kv_layer, slots, scales)
+    stored = kv_layer[:rows, 1].float()
+    if kv_dtype == torch.int8:
+        expected, row_scales = quantize_ref(v, kv_dtype)
+        torch.testing.assert_close(scales[:rows, 1], row_scales[:, 0])
+        assert torch.equal(stored, expected[:, 0].float())
+        assert stored.abs().amax(-1).eq(127).all()                  # every row's amax maps to 127
+    else:
+        limit = FP8_FORMATS[kv_dtype][0]
+        expected = v[:, 0].clamp(-limit, limit).to(kv_dtype).float()
+        assert torch.equal(stored, expected)
+        assert stored.abs().max() == limit
+
+
+def decode_case(lengths, q_heads, kv_heads, head_dim, kv_dtype, device):
+    cache, data, scales = quantized_cache(lengths, kv_heads, head_dim, kv_dtype, device)
+    q = torch.randn(len(lengths), q_heads, head_dim, device=device).to(MODEL_DTYPE)
+    return q, data, cache.req_to_token, cache.b_req_row, cache.b_seq_len, 1 / math.sqrt(head_dim), scales
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads", GQA)
+def test_decode_attention_dequantizes_as_the_reference(device, kv_dtype, q_heads, kv_heads):
+    q, data, table, rows, seq_len, scale, scales = decode_case([1, 2, 17, 45], q_heads, kv_heads, 32, kv_dtype,
+                                                               device)
+    out = decode_attention(q, data, table, rows, seq_len, scale, kv_scales=scales)
+    expected = decode_attention_ref(q, data, table, rows, seq_len, scale, kv_scales=scales)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, atol=TOL[0], rtol=TOL[1])
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_decode_attention_with_a_shared_prefix_dequantizes_it(device, kv_dtype):
+    from test_decode_attention_kernel import share_a_prefix
+
+    q, data, table, rows, seq_len, scale, scales = decode_case([40, 33, 1, 36], 8, 2, 32, kv_dtype, device)
+    shared = share_a_prefix(table, rows.tolist(), [0, 1, 3], 30)
+    out = decode_attention(q, data, table, rows, seq_len, scale, shared=shared, kv_scales=scales)
+    expected = decode_attention_ref(q, data, table, rows, seq_len, scale, kv_scales=scales)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, atol=TOL[0], rtol=TOL[1])
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads", GQA)
+def test_prefill_attention_dequantizes_as_the_reference(device, kv_dtype, q_heads, kv_heads):
+    """Ragged chunks: whole prompts, a chunk after cached positions, a one-token row."""
+    seq_lens, q_lens = [5, 40, 33, 1], [5, 7, 33, 1]
+    cache, data, scales = quantized_cache(seq_lens, kv_heads, 32, kv_dtype, device)
+    q = torch.randn(sum(q_lens), q_heads, 32, device=device).to(MODEL_DTYPE)
+    q_len = torch.tensor(q_lens, dtype=torch.int32, device=device)
+    q_start = (torch.cumsum(q_len, 0) - q_len).int()
+    args = (q, data, cache.req_to_token, cache.b_req_row, q_start, q_len, cache.b_seq_len, 32 ** -0.5, max(q_lens))
+    out = prefill_attention(*args, kv_scales=scales)
+    expected = prefill_attention_ref(*args, kv_scales=scales)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, atol=TOL[0], rtol=TOL[1])
+
+
+@pytest.mark.parametrize("kv_dtype,bound", [(torch.int8, 0.02), (torch.float8_e4m3fn, 0.1),
+                                            (torch.float8_e5m2, 0.15)])
+def test_quantized_attention_stays_near_the_unquantized(device, kv_dtype, bound):
+    """The format is worth its bytes: attention over the quantized cache is near the float cache's, in
+    relative RMS error (int8 steps amax / 127; e4m3 keeps 3 mantissa bits, e5m2 2; logits of std ~3 make
+    the softmax amplify them: the values alone are 0.5%, 2.6% and 5.3% off)."""
+    q, data, table, rows, seq_len, scale, scales = decode_case([17, 64], 8, 2, 32, kv_dtype, device)
+    original = quantized_cache.last_input                  # the values before quantization
+    out = decode_attention(q, data, table, rows, seq_len, scale, kv_scales=scales).float()
+    plain = decode_attention_ref(q.float(), original, table, rows, seq_len, scale)
+    error = ((out - plain).pow(2).mean() / plain.pow(2).mean()).sqrt().item()
+    print(f"{kv_dtype}: relative RMS error {error:.4f}")
+    assert 0 < error < bound
+
+
+def test_a_quantized_cache_without_its_scales_is_refused(device):
+    q, data, table, rows, seq_len, scale, scales = decode_case([3, 4], 4, 2, 16, torch.int8, device)
+    with pytest.raises(ValueError, match="a torch.int8 kv_layer needs float32 kv_scales"):
+        decode_attention(q, data, table, rows, seq_len, scale)
+    with pytest.raises(ValueError, match=r"int8 kv_scales have shape \(\d+, 2\); expected"):
+        decode_attention(q, data, table, rows, seq_len, scale, kv_scales=scales[:, :2])
+    fp8 = data.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"fp8 kv_scales have shape .*expected \(2,\)"):
+        decode_attention(q, fp8, table, rows, seq_len, scale, kv_scales=scales)
+    with pytest.raises(ValueError, match="kv_scales given for an unquantized kv_layer"):
+        decode_attention(q, data.to(q.dtype), table, rows, seq_len, scale, kv_scales=scales)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_prefill_with_a_shared_prefix_and_split_keys_dequantizes_both(device, kv_dtype):
+    """The prefill's shared-prefix start (kernels.shared_prefix) and its split keys read the scales too."""
+    from kernels.prefill_attention import launch, prefill_launch
+
+    seq_lens, q_lens, prefix = [80, 75, 71], [7, 3, 20], 40
+    cache, data, scales = quantized_cache(seq_lens, 2, 32, kv_dtype, device)
+    table, rows = cache.req_to_token, cache.b_req_row
+    for m in (1, 2):
+        table[rows[m], :prefix] = table[rows[0], :prefix]
+    shared = (torch.full((3,), prefix, dtype=torch.int32, device=device),
+              torch.tensor([int(rows[0]), prefix], dtype=torch.int32, device=device))
+    q = torch.randn(sum(q_lens), 4, 32, device=device).to(MODEL_DTYPE)
+    q_len = torch.tensor(q_lens, dtype=torch.int32, device=device)
+    q_start = (torch.cumsum(q_len, 0) - q_len).int()
+    args = (q, data, table, rows, q_start, q_len, cache.b_seq_len, 32 ** -0.5, max(q_lens))
+    out = launch(*args, params=prefill_launch(32, q.device, q.dtype), splits=2, shared=shared, kv_scales=scales)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, prefill_attention_ref(*args, kv_scales=scales), atol=TOL[0], rtol=TOL[1])
