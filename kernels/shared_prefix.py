@@ -20,6 +20,7 @@ import triton.language as tl
 from ._checks import check_shape, check_tensor, upcast_dots
 from ._online_softmax import attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
+from .score_mods import LOG2E, ScoreMods
 
 MAX_SPLITS = 64
 # The shared-prefix kernel on CUDA: (tile rows, BLOCK_N, num_warps, num_stages). A tile's (request,
@@ -58,6 +59,7 @@ def _shared_prefix_kernel(
     kv_heads, group_size, head_dim, num_splits, first_split,
     BLOCK_B: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    softcap_log2, SOFTCAP: tl.constexpr,
 ):
     """Rows (request b, q head) of a block of requests x one kv head's q heads, against the
     shared prefix's positions [split * chunk, (split + 1) * chunk) of ``0..P-1``. Only members'
@@ -93,7 +95,8 @@ def _shared_prefix_kernel(
     k_base = kv_ptr + kv_head * stride_kv_head + offs_d[None, :]
     v_base = k_base + kv_heads * stride_kv_head
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask,
-                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP)
+                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, offs_r * 0, 0, softcap_log2, 0.0,
+                                 WINDOW=False, SOFTCAP=SOFTCAP, ALIBI=False)
 
     has_keys = member & (l_i > 0)
     partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -107,8 +110,13 @@ def _shared_prefix_kernel(
 
 
 def launch(q, kv_layer, req_to_token, shared, mid_out, mid_lse, scale_log2: float, first_split: int, splits: int,
-           params: tuple[int, int, int, int]) -> None:
-    """The kernel over every row of ``q`` [N, Hq, D] (``params``: tile rows, BLOCK_N, warps, stages)."""
+           params: tuple[int, int, int, int], mods: ScoreMods | None = None) -> None:
+    """The kernel over every row of ``q`` [N, Hq, D] (``params``: tile rows, BLOCK_N, warps, stages).
+    Of ``mods`` only the soft-cap applies here: a window or ALiBi needs each row's position, so the
+    callers do not use the shared prefix with them."""
+    if mods is not None and mods.needs_positions:
+        raise ValueError("the shared-prefix kernel cannot apply a sliding window or ALiBi (no row positions)")
+    softcap = mods.softcap if mods is not None else None
     rows, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     group = q_heads // kv_heads
@@ -121,6 +129,7 @@ def launch(q, kv_layer, req_to_token, shared, mid_out, mid_lse, scale_log2: floa
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         kv_heads, group, head_dim, splits, first_split,
         BLOCK_B=block_b, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, softcap_log2=(softcap or 1.0) * LOG2E,
+        SOFTCAP=softcap is not None, num_warps=num_warps, num_stages=num_stages,
         **launch_options(q),
     )

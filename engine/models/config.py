@@ -54,12 +54,14 @@ class ModelConfig:
     @property
     def max_context(self) -> int:
         """Longest sequence served exactly: the trained context, times the factor of a rope
-        scaling asked on the command line (as TGI's launcher); a sliding window caps it (keys
-        beyond it would need window masking, which the attention kernels do not do)."""
+        scaling asked on the command line (as TGI's launcher). A sliding window does not cap it:
+        the attention kernels apply the window (``kernels.score_mods``). Sliding-window models
+        still keep every position's KV: TokenAttention frees a request's slots when it ends, and
+        freeing the slots that fell out of the window while it runs is a later optimisation."""
         context = self.max_position_embeddings
         if self.rope.extends_context:
             context = int(context * self.rope.factor)
-        return min(context, self.sliding_window) if self.sliding_window else context
+        return context
 
     def sharded_sizes(self) -> dict[str, int]:
         """Sizes a tensor-parallel split must divide (name in config.json -> value); families add theirs."""

@@ -28,6 +28,7 @@ from engine.models.parallel import FULL, Slice, TensorParallel, read
 from engine.ops import KernelOps
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.kv_cache import KVCache
+from kernels.score_mods import ScoreMods
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Buffers some checkpoints carry that the model recomputes.
@@ -146,7 +147,8 @@ class LlamaFamilyModel:
         qkv = Linear.fused([t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"],
                            [t.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if c.qkv_bias else None)
         attention = Attention(qkv, RowParallelLinear(t.pop(p + "self_attn.o_proj.weight"), tp), self.num_heads,
-                              self.num_kv_heads, c.head_dim, c.head_dim**-0.5)
+                              self.num_kv_heads, c.head_dim, c.head_dim**-0.5,
+                              ScoreMods(window=c.sliding_window) if c.sliding_window else None)
         gate_up = Linear.fused([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
         mlp = GatedMLP(gate_up, RowParallelLinear(t.pop(p + "mlp.down_proj.weight"), tp))
         return DecoderLayer(t.pop(p + "input_layernorm.weight"), attention,
