@@ -6,13 +6,14 @@ import math
 import pytest
 import torch
 from kernel_inputs import ATTENTION_TOL, ON_GPU, build_kv_cache
-from test_prefill_attention_kernel import HEAD_DIMS, prefill_inputs
+from test_prefill_attention_kernel import prefill_inputs
 
 from kernels.decode_attention import decode_attention, decode_attention_ref
 from kernels.prefill_attention import launch, prefill_attention, prefill_attention_ref, prefill_launch
 from kernels.score_mods import ScoreMods, alibi_slopes, apply_ref
 
 GQA = [(4, 4), (8, 2)] if not ON_GPU else [(32, 32), (32, 8), (16, 8)]   # groups 1 and 4 (2 on the GPU)
+HEAD_DIM = 32 if not ON_GPU else 256        # Gemma's head dim on the GPU (its own launch table row)
 
 
 def mods_cases(q_heads: int, device) -> dict[str, ScoreMods]:
@@ -35,7 +36,7 @@ LAYOUT = ([5, 1, 45, 17], [0, 60, 31, 0])
 @pytest.mark.parametrize("q_heads,kv_heads", GQA)
 def test_prefill_attention_with_score_mods(device, mods_name, q_heads, kv_heads):
     mods = mods_cases(q_heads, device)[mods_name]
-    args = prefill_inputs(*LAYOUT, q_heads, kv_heads, HEAD_DIMS[-1], torch.float32, device)
+    args = prefill_inputs(*LAYOUT, q_heads, kv_heads, HEAD_DIM, torch.float32, device)
     out = prefill_attention(*args, mods=mods)
     assert out.isfinite().all()
     torch.testing.assert_close(out, prefill_attention_ref(*args, mods=mods), atol=2e-5, rtol=2e-5)
@@ -46,7 +47,7 @@ def test_prefill_attention_with_score_mods(device, mods_name, q_heads, kv_heads)
 def test_prefill_split_keys_with_score_mods(device, mods_name):
     """Split-KV parts of a windowed / capped / biased range merge to the same result."""
     mods = mods_cases(8, device)[mods_name]
-    args = prefill_inputs([5, 40], [150, 90], 8, 2, HEAD_DIMS[-1], torch.float32, device)
+    args = prefill_inputs([5, 40], [150, 90], 8, 2, HEAD_DIM, torch.float32, device)
     out = launch(*args, params=prefill_launch(args[0].shape[2], device, args[0].dtype), splits=3, mods=mods)
     torch.testing.assert_close(out, prefill_attention_ref(*args, mods=mods), atol=1e-4, rtol=1e-4)
 
@@ -56,9 +57,9 @@ def test_prefill_split_keys_with_score_mods(device, mods_name):
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_attention_with_score_mods(device, mods_name, q_heads, kv_heads, num_splits):
     mods = mods_cases(q_heads, device)[mods_name]
-    cache = build_kv_cache([1, 6, 50, 97], kv_heads, HEAD_DIMS[-1], torch.float32, device)
-    q = torch.randn(4, q_heads, HEAD_DIMS[-1], device=device)
-    args = (q, cache.kv_layer, cache.req_to_token, cache.b_req_row, cache.b_seq_len, HEAD_DIMS[-1] ** -0.5)
+    cache = build_kv_cache([1, 6, 50, 97], kv_heads, HEAD_DIM, torch.float32, device)
+    q = torch.randn(4, q_heads, HEAD_DIM, device=device)
+    args = (q, cache.kv_layer, cache.req_to_token, cache.b_req_row, cache.b_seq_len, HEAD_DIM ** -0.5)
     out = decode_attention(*args, num_splits=num_splits, mods=mods)
     assert out.isfinite().all()
     torch.testing.assert_close(out, decode_attention_ref(*args, mods=mods), atol=2e-5, rtol=2e-5)
@@ -68,7 +69,7 @@ def test_softcap_with_a_shared_prefix(device):
     """The shared-prefix kernel applies the soft-cap; a window drops the shared prefix (same result)."""
     q_lens, prefixes, prefix = [7, 1, 20], [40, 45, 31], 30
     q, kv_layer, table, rows, q_start, q_len, seq_len, scale, max_q_len = prefill_inputs(
-        q_lens, prefixes, 8, 2, HEAD_DIMS[-1], torch.float32, device)
+        q_lens, prefixes, 8, 2, HEAD_DIM, torch.float32, device)
     for m in (1, 2):
         table[rows[m], :prefix] = table[rows[0], :prefix]
     shared = (torch.full((3,), prefix, dtype=torch.int32, device=device),
@@ -77,7 +78,7 @@ def test_softcap_with_a_shared_prefix(device):
     for mods in (ScoreMods(softcap=0.5), ScoreMods(window=5, softcap=0.5)):
         out = prefill_attention(*args, shared=shared, mods=mods)
         torch.testing.assert_close(out, prefill_attention_ref(*args, mods=mods), atol=1e-4, rtol=1e-4)
-        q1 = torch.randn(3, 8, HEAD_DIMS[-1], device=device)
+        q1 = torch.randn(3, 8, HEAD_DIM, device=device)
         dec = (q1, kv_layer, table, rows, seq_len, scale)
         torch.testing.assert_close(decode_attention(*dec, shared=shared, mods=mods),
                                    decode_attention_ref(*dec, mods=mods), atol=1e-4, rtol=1e-4)
@@ -91,7 +92,7 @@ def test_bf16_prefill_with_score_mods(device, mods_name):
     """bf16 (the GPU's launch tables and split keys there)."""
     q_heads, kv_heads = GQA[-1]
     mods = mods_cases(q_heads, device)[mods_name]
-    args = prefill_inputs(*BF16_LAYOUT, q_heads, kv_heads, HEAD_DIMS[-1], torch.bfloat16, device)
+    args = prefill_inputs(*BF16_LAYOUT, q_heads, kv_heads, HEAD_DIM, torch.bfloat16, device)
     atol, rtol = ATTENTION_TOL[torch.bfloat16]
     max_seq_len = max(q + p for q, p in zip(*BF16_LAYOUT))
     torch.testing.assert_close(prefill_attention(*args, mods=mods, max_seq_len=max_seq_len),
