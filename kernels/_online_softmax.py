@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._math import tanh
+
 
 @triton.jit
 def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base, stride_kv_slot,
@@ -51,7 +53,7 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
     else:
         qk = tl.dot(q, tl.trans(k))
     if SOFTCAP:
-        qk = softcap_log2 * _tanh(qk * (scale_log2 / softcap_log2))
+        qk = softcap_log2 * tanh(qk * (scale_log2 / softcap_log2))
     else:
         qk = qk * scale_log2
     if ALIBI:
@@ -108,9 +110,3 @@ def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride
                                      window=window, softcap_log2=softcap_log2, alibi_log2=alibi_log2,
                                      WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     return m_i, l_i, acc
-
-
-@triton.jit
-def _tanh(x):
-    """tanh from one exponential, saturating to +-1 (no overflow to nan: exp2 of a large x is inf, 2 / inf = 0)."""
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)   # 2 * log2(e)

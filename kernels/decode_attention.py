@@ -217,7 +217,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
     scale_log2 = float(sm_scale) * math.log2(math.e)
     pdl = launch_options(q)
     first = b_seq_len if shared is None else shared[0]     # unread without SHARED
-    mod_args, mod_flags = score_mods.kernel_args(mods, sm_scale, unread=mid_lse)
+    mod_args, mod_flags = score_mods.kernel_args(mods, unread=mid_lse)
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, kv_layer, req_to_token, b_req_row, b_seq_len, mid_out, mid_lse,
         scale_log2,

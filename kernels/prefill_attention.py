@@ -20,6 +20,9 @@ A query block at positions ``[s, s + TOKENS)`` walks two key ranges, BLOCK_N pos
 1. ``[first, s)``: visible to every row, walked without the causal mask, and without the
    bounds mask except in its last, partial block (``_online_softmax.attend_range``);
 2. the diagonal ``[s, min(seq_len, s + TOKENS))`` with the causal mask (``_attend_diagonal``).
+With a sliding window (``kernels.score_mods``) range 1 starts at the block's first row's window
+start (earlier keys are not visited) and only its blocks that some row's window start cuts
+take the window mask (the diagonal always does).
 Later keys are never visited. ``first`` is 0, or the shared prefix's length (below).
 
 A chunk late in a long prompt has few query blocks but a long first range: ``splits`` > 1
@@ -124,9 +127,16 @@ def _prefill_attention_kernel(
     q_pos = prefix + offs_m
     alibi_log2 = tl.load(alibi_ptr + heads) * 1.4426950408889634 if ALIBI else 0.0
     lo, hi = _split_part(first, diag_start, split, num_splits, BLOCK_N)
+    if WINDOW:      # blocks before `seen_by_all` straddle some row's window start: masked; the rest are not
+        last_row = prefix + tl.minimum(q_len, (block_m + 1) * TOKENS) - 1
+        seen_by_all = tl.minimum(lo + tl.cdiv(tl.maximum(last_row - window + 1 - lo, 0), BLOCK_N) * BLOCK_N, hi)
+        m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, seen_by_all, table_row, k_base, v_base, stride_kv_slot,
+                                     d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2,
+                                     alibi_log2, True, SOFTCAP, ALIBI)
+        lo = seen_by_all
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, hi, table_row, k_base, v_base, stride_kv_slot, d_mask,
                                  scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2, alibi_log2,
-                                 WINDOW, SOFTCAP, ALIBI)
+                                 False, SOFTCAP, ALIBI)
     if split == num_splits - 1:
         m_i, l_i, acc = _attend_diagonal(q, m_i, l_i, acc, diag_start, key_end, q_pos, table_row, k_base,
                                          v_base, stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP,
@@ -330,7 +340,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
         split_strides = (*split_out.stride()[:3], *split_lse.stride()[:2])
     block_d = max(16, triton.next_power_of_2(head_dim))
     heads, block_tokens = tile_shape(params, q_heads // kv_heads)
-    mod_args, mod_flags = score_mods.kernel_args(mods, sm_scale, unread=b_seq_len)
+    mod_args, mod_flags = score_mods.kernel_args(mods, unread=b_seq_len)
     grid = (batch, q_heads // heads, triton.cdiv(max_q_len, block_tokens) * splits)
     _prefill_attention_kernel[grid](
         q, kv_layer, req_to_token, out,

@@ -57,7 +57,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def kernel_args(mods: ScoreMods | None, sm_scale: float, unread: torch.Tensor) -> tuple[dict, dict]:
+def kernel_args(mods: ScoreMods | None, unread: torch.Tensor) -> tuple[dict, dict]:
     """(runtime arguments, constexprs) of the attention kernels for ``mods``; ``unread`` stands in for
     the slopes' pointer when there is no ALiBi."""
     mods = mods or NONE

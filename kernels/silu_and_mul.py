@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_last_dim_contiguous, check_tensor
+from ._math import tanh
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 
@@ -31,9 +32,8 @@ def _silu_and_mul_kernel(
     gate = tl.load(gate_up_ptr + token * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + token * stride_in + inter + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    if GELU_TANH:   # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))); tanh(y) = 1 - 2 / (e^(2y) + 1)
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        act = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+    if GELU_TANH:   # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch's approximate="tanh"
+        act = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
     else:
         act = g / (1.0 + tl.exp(-g))
     act = round_to(act, gate.dtype).to(tl.float32)

@@ -28,6 +28,8 @@ from engine.models.config import Family, ModelConfigError, shared_fields
 from engine.models.layers import Attention, GatedMLP, Linear, RowParallelLinear
 from engine.models.llama import IGNORED_CHECKPOINT_NAMES, LlamaConfig, LlamaFamilyModel
 from engine.models.llama import checkpoint_shapes as llama_checkpoint_shapes
+from engine.models.parallel import TensorParallel
+from engine.ops import KernelOps
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.kv_cache import KVCache
 from kernels.score_mods import ScoreMods
@@ -107,8 +109,9 @@ class GemmaLayer:
 class GemmaFamilyModel(LlamaFamilyModel):
     """Llama's weight reading and slicing; Gemma's norms, embedding scale, MLP, attention mods and layer order."""
 
-    def __init__(self, config: GemmaConfig, ops, dtype, device, max_positions: int, tp=None):
-        super().__init__(config, ops, dtype, device, max_positions, *(() if tp is None else (tp,)))
+    def __init__(self, config: GemmaConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device,
+                 max_positions: int, tp: TensorParallel = TensorParallel()):
+        super().__init__(config, ops, dtype, device, max_positions, tp)
         # transformers multiplies by sqrt(hidden) as a tensor of the model dtype
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=dtype))
 

@@ -1,7 +1,6 @@
 """Sliding window, logit soft-capping and ALiBi inside the prefill, decode and shared-prefix
 attention kernels, against their torch references (``kernels.score_mods.apply_ref``), and the
 references against transformers' own definitions."""
-import math
 
 import pytest
 import torch
