@@ -114,6 +114,18 @@ def shared_fields(raw: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def sliding_layers(raw: dict[str, Any], num_layers: int, default: Callable[[int], bool]) -> tuple[bool, ...]:
+    """Per layer, whether the sliding window applies: config.json's ``layer_types`` (transformers 5),
+    else ``default(layer index)`` (the family's rule when the config predates ``layer_types``)."""
+    types = raw.get("layer_types")
+    if not types:
+        return tuple(default(i) for i in range(num_layers))
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ModelConfigError(f"layer_types must list 'sliding_attention' or 'full_attention' for each of the "
+                               f"{num_layers} layers, got {types!r}")
+    return tuple(t == "sliding_attention" for t in types)
+
+
 def parse_rope(raw: dict[str, Any]) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})

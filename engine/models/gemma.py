@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from engine.models.config import Family, ModelConfigError, shared_fields
+from engine.models.config import Family, ModelConfigError, shared_fields, sliding_layers
 from engine.models.layers import Attention, GatedMLP, Linear, RowParallelLinear
 from engine.models.llama import IGNORED_CHECKPOINT_NAMES, LlamaConfig, LlamaFamilyModel
 from engine.models.llama import checkpoint_shapes as llama_checkpoint_shapes
@@ -44,7 +44,6 @@ class GemmaConfig(LlamaConfig):
     query_pre_attn_scalar: float | None = None      # Gemma 2's sm_scale is its -1/2 power
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
-    sliding_layers: tuple[bool, ...] = ()           # per layer: does the sliding window apply
 
     @property
     def sm_scale(self) -> float:
@@ -58,14 +57,6 @@ def _activation(raw: dict[str, Any], gemma2: bool) -> None:
     if name not in allowed:
         raise ModelConfigError(f"hidden_activation={name!r} is not supported for {raw['architectures'][0]}; "
                                f"supported: {', '.join(allowed)}")
-
-
-def _sliding_layers(raw: dict[str, Any], layers: int) -> tuple[bool, ...]:
-    types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
-        raise ModelConfigError(f"layer_types must list 'sliding_attention' or 'full_attention' for each of the "
-                               f"{layers} layers, got {types!r}")
-    return tuple(t == "sliding_attention" for t in types)
 
 
 def parse_config(raw: dict[str, Any]) -> GemmaConfig:
@@ -83,7 +74,7 @@ def parse_config(raw: dict[str, Any]) -> GemmaConfig:
         query_pre_attn_scalar=optional("query_pre_attn_scalar"),
         attn_logit_softcapping=optional("attn_logit_softcapping"),
         final_logit_softcapping=optional("final_logit_softcapping"),
-        sliding_layers=_sliding_layers(raw, shared["num_layers"]) if gemma2 and window else (),
+        sliding_layers=sliding_layers(raw, shared["num_layers"], lambda i: i % 2 == 0) if gemma2 and window else (),
     )
 
 
@@ -124,9 +115,7 @@ class GemmaFamilyModel(LlamaFamilyModel):
 
     def _layer(self, t: dict[str, torch.Tensor], p: str) -> GemmaLayer:
         c, tp = self.config, self.tp
-        index = int(p.split(".")[2])
-        window = c.sliding_window if c.sliding_layers and c.sliding_layers[index] else None
-        mods = ScoreMods(window=window, softcap=c.attn_logit_softcapping)
+        mods = ScoreMods(window=c.layer_window(int(p.split(".")[2])), softcap=c.attn_logit_softcapping)
         qkv = Linear.fused([t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         attention = Attention(qkv, RowParallelLinear(t.pop(p + "self_attn.o_proj.weight"), tp), self.num_heads,
                               self.num_kv_heads, c.head_dim, c.sm_scale, mods if mods != ScoreMods() else None)

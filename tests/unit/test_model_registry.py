@@ -80,3 +80,8 @@ def test_gemma2_config_reads_its_layers_scales_and_caps(tmp_path):
             load_model_config(path)
     (path / "config.json").write_text(json.dumps({**raw, "layer_types": None}))
     assert load_model_config(path).sliding_layers == (True, False)   # configs without it: the even-layer rule
+
+
+def test_qwen2_slides_only_from_max_window_layers_on(tmp_path):
+    config = load_model_config(save_tiny_model("qwen2_window", tmp_path / "q"))
+    assert config.sliding_layers == (False, True) and [config.layer_window(i) for i in range(2)] == [None, 5]
