@@ -23,7 +23,7 @@ import torch
 LOG2E = math.log2(math.e)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)       # eq=False: a tensor field has no truth value to compare by
 class ScoreMods:
     window: int | None = None
     softcap: float | None = None
@@ -34,6 +34,10 @@ class ScoreMods:
             raise ValueError(f"the sliding window must be an int >= 1, got {self.window!r}")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"the attention soft-cap must be > 0, got {self.softcap!r}")
+
+    @property
+    def any(self) -> bool:
+        return self.window is not None or self.softcap is not None or self.alibi_slopes is not None
 
     @property
     def needs_positions(self) -> bool:

@@ -118,7 +118,7 @@ class GemmaFamilyModel(LlamaFamilyModel):
         mods = ScoreMods(window=c.layer_window(int(p.split(".")[2])), softcap=c.attn_logit_softcapping)
         qkv = Linear.fused([t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         attention = Attention(qkv, RowParallelLinear(t.pop(p + "self_attn.o_proj.weight"), tp), self.num_heads,
-                              self.num_kv_heads, c.head_dim, c.sm_scale, mods if mods != ScoreMods() else None)
+                              self.num_kv_heads, c.head_dim, c.sm_scale, mods if mods.any else None)
         gate_up = Linear.fused([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
         mlp = GatedMLP(gate_up, RowParallelLinear(t.pop(p + "mlp.down_proj.weight"), tp), "gelu_tanh")
         norm = lambda name: t.pop(p + name + ".weight") + 1  # noqa: E731

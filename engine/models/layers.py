@@ -14,7 +14,7 @@ all-reduce; vocab: rows split by token id):
 | ``LMHead`` | this shard's vocabulary rows | float32 logits, columns gathered |
 | ``GatedMLP`` | gate|up fused, down | ``down(act(gate) * up)`` (SiLU or GeLU-tanh) |
 | ``Rotary`` | the cos/sin table | the table and positions the rotary kernel reads |
-| ``Attention`` | qkv (fused), o | rotary + KV store, prefill or decode attention over the cache, o |
+| ``Attention`` | qkv (fused), o, score mods | rotary + KV store, prefill or decode attention over the cache (with the layer's sliding window / soft-cap / ALiBi), o |
 """
 from __future__ import annotations
 
