@@ -7,6 +7,7 @@ gemma-2-9b's window is 4096, longer than these prompts: a second run of the same
 """
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def with_window(model_dir: str, window: int, out) -> str:
     for name in os.listdir(model_dir):
         if name != "config.json":
             os.symlink(os.path.join(model_dir, name), out / name)
-    config = json.loads(open(os.path.join(model_dir, "config.json")).read())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "sliding_window": window}))
     return str(out)
 

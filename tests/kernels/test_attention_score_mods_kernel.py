@@ -53,13 +53,13 @@ def test_prefill_split_keys_with_score_mods(device, mods_name):
 
 @pytest.mark.parametrize("mods_name", list(mods_cases(4, "cpu")))
 @pytest.mark.parametrize("q_heads,kv_heads", GQA)
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_with_score_mods(device, mods_name, q_heads, kv_heads, num_splits):
+def test_decode_attention_with_score_mods(device, mods_name, q_heads, kv_heads):
+    """Three splits of each request's keys (some empty once the window bounds them)."""
     mods = mods_cases(q_heads, device)[mods_name]
     cache = build_kv_cache([1, 6, 50, 97], kv_heads, HEAD_DIM, torch.float32, device)
     q = torch.randn(4, q_heads, HEAD_DIM, device=device)
     args = (q, cache.kv_layer, cache.req_to_token, cache.b_req_row, cache.b_seq_len, HEAD_DIM ** -0.5)
-    out = decode_attention(*args, num_splits=num_splits, mods=mods)
+    out = decode_attention(*args, num_splits=3, mods=mods)
     assert out.isfinite().all()
     torch.testing.assert_close(out, decode_attention_ref(*args, mods=mods), atol=2e-5, rtol=2e-5)
 
