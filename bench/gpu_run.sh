@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, kernels, parity7b, profile, bench (default), serving, ablation,
-#                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant
+#                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant,
+#                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES)
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -157,6 +158,38 @@ for stage in $stages; do
       python3 -m bench.kv_quant_bench --model-dir "$MODEL_7B" --long-model-dir "$MODEL_8B" ${KVQUANT_ARGS:-} \
         --json "$OUT/kvquant.json" 2>&1 | tee -a "$OUT/kvquant.log" | grep -v -E "it/s|s/it" | tail -60
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
+    gemma)
+      # Gemma / Gemma 2 (issue 18): the score-mod and GeLU kernel tests on the GPU, float32 greedy parity
+      # and bf16 closeness against transformers on random gemma-7b / gemma-2-9b (GEMMA_LAYERS layers, default 8),
+      # then batch-1 decode and the 256-request throughput beside transformers (bench.engine_bench)
+      GEMMA_7B=${GEMMA_7B:-/tmp/gemma-7b}; GEMMA2_9B=${GEMMA2_9B:-/tmp/gemma-2-9b}
+      for pair in "gemma-7b $GEMMA_7B" "gemma-2-9b $GEMMA2_9B"; do
+        set -- $pair
+        [ -f "$2/config.json" ] || python3 -m weights.random_checkpoint --config "$1" --num-layers "${GEMMA_LAYERS:-8}" \
+          --out "$2" --dtype bfloat16 --device cuda 2>&1 | tail -2
+      done
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention_score_mods_kernel.py \
+        tests/kernels/test_silu_and_mul_kernel.py 2>&1 | tee "$OUT/gemma_kernels.log" | tail -5
+      rc=${PIPESTATUS[0]}
+      GEMMA_7B_DIR=$GEMMA_7B GEMMA2_9B_DIR=$GEMMA2_9B python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gemma.py \
+        2>&1 | tee "$OUT/gemma_parity.log" | grep -v -E "it/s|s/it" | tail -30
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      for model in "$GEMMA_7B" "$GEMMA2_9B"; do
+        python3 -m bench.engine_bench --model-dir "$model" --json "$OUT/gemma_bench_$(basename "$model").json" 2>&1 \
+          | tee -a "$OUT/gemma_bench.log" | grep -v -E "^\s*$|it/s|s/it" | tail -8
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      done ;;
+    llama_attn)
+      # Llama's attention kernels before (the first trees of COMPARE_TREES) and after the score mods (this
+      # tree): decode (Llama-2-7B heads) and prefill (Llama-3.1-8B heads, no launch sweep), one machine
+      for tree in ${COMPARE_TREES:-.baseline .}; do
+        tag=$(basename "$(realpath "$tree")")
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 -m bench.attention_bench --json "$OUT/llama_decode_$tag.json" \
+          2>&1 | tee "$OUT/llama_attn_$tag.log" | tail -10
+         PYTHONPATH=/tmp/site:$PWD python3 -m bench.prefill_attention_bench --seq-lens 4096,32768 --sweep-lens "" \
+          --json "$OUT/llama_prefill_$tag.json" 2>&1 | tee -a "$OUT/llama_attn_$tag.log" | tail -6)
+        rc=$?
+      done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"

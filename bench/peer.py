@@ -12,11 +12,24 @@ import torch
 from .workloads import Workload
 
 
+# transformers' attention for these is eager only (SDPA cannot soft-cap the scores)
+EAGER_ONLY = ("Gemma2ForCausalLM",)
+
+
+def attention_implementation(model_dir: str) -> str:
+    """transformers' fastest attention that serves this checkpoint: SDPA, else eager."""
+    import json
+    from pathlib import Path
+
+    architecture = (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
+    return "eager" if architecture in EAGER_ONLY else "sdpa"
+
+
 def load(model_dir: str, dtype=torch.bfloat16):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype, device_map="cuda",
-                                                               attn_implementation="sdpa")
+                                                               attn_implementation=attention_implementation(model_dir))
     return model.eval()
 
 

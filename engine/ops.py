@@ -52,18 +52,23 @@ class TritonOps(KernelOps):
         rotary.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
-                          max_q_len: int, shared=None, max_seq_len: int | None = None):
+                          max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None):
+        """``mods``: the layer's sliding window / soft-cap / ALiBi (``kernels.score_mods.ScoreMods``)."""
         return prefill_attention.prefill_attention(q, kv.data, req_to_token, req_rows, q_start, q_len, seq_len,
                                                    sm_scale, max_q_len, shared=shared, max_seq_len=max_seq_len,
-                                                   kv_scales=kv.scales)
+                                                   mods=mods, kv_scales=kv.scales)
 
-    def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None):
+    def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None, mods=None):
         """``shared``: a prefix several rows share (``ForwardBatch.shared_prefix``), attended to once for them."""
         return decode_attention.decode_attention(q, kv.data, req_to_token, req_rows, seq_len, sm_scale, shared=shared,
-                                                 kv_scales=kv.scales)
+                                                 mods=mods, kv_scales=kv.scales)
 
     def silu_and_mul(self, gate_up):
         return silu_and_mul.silu_and_mul(gate_up)
+
+    def act_and_mul(self, gate_up, activation: str):
+        """``activation`` ("silu" | "gelu_tanh") of the gate half times the up half."""
+        return silu_and_mul.act_and_mul(gate_up, activation)
 
     def apply_penalties(self, logits, counts, pool_rows, repetition, frequency, presence) -> None:
         """In place on float32 logits; ``counts`` rows of ``pool_rows`` (< 0: no penalties)."""
@@ -87,16 +92,19 @@ class TorchOps(KernelOps):
         rotary.rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
-                          max_q_len: int, shared=None, max_seq_len: int | None = None):
+                          max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None):
         return prefill_attention.prefill_attention_ref(q, kv.data, req_to_token, req_rows, q_start, q_len,
-                                                       seq_len, sm_scale, max_q_len, kv_scales=kv.scales)
+                                                       seq_len, sm_scale, max_q_len, mods=mods, kv_scales=kv.scales)
 
-    def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None):
+    def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None, mods=None):
         return decode_attention.decode_attention_ref(q, kv.data, req_to_token, req_rows, seq_len, sm_scale,
-                                                     kv_scales=kv.scales)
+                                                     mods=mods, kv_scales=kv.scales)
 
     def silu_and_mul(self, gate_up):
         return silu_and_mul.silu_and_mul_ref(gate_up)
+
+    def act_and_mul(self, gate_up, activation: str):
+        return silu_and_mul.act_and_mul_ref(gate_up, activation)
 
     def apply_penalties(self, logits, counts, pool_rows, repetition, frequency, presence) -> None:
         penalties.apply_penalties_ref(logits, counts, pool_rows, repetition, frequency, presence)

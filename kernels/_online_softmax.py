@@ -15,6 +15,18 @@ Two masks, each compiled in only where needed:
   ``attend_range`` walks its full blocks without it and only its last, partial block with it.
 - ``CAUSAL`` (prefill's diagonal): each query row also ignores the keys after its own
   position ``q_pos``.
+
+Score modifications (``kernels.score_mods``), each a constexpr so a model without it (Llama)
+compiles the block exactly as before; their arguments come last in every signature:
+- ``SOFTCAP``: the score (natural units) becomes ``cap * tanh(score / cap)`` before the softmax
+  (``softcap_log2`` = cap * log2(e), so the log2-unit score is ``softcap_log2 * tanh(...)``);
+- ``ALIBI``: each row adds ``slope * (k_pos - q_pos)`` (``alibi_log2`` = its head's slope * log2(e));
+  relative to the row's own position, so every split of a row shares the same offset and the
+  values stay small at long contexts;
+- ``WINDOW``: a row sees a key only if ``q_pos - k_pos < window`` (transformers'
+  ``sliding_window_overlay``). The callers start their walks at the window's first key (a bound);
+  this mask only cuts the keys of the blocks that straddle a row's window start. A row can then
+  see no key of a block while its running max is still -inf: the exponentials subtract 0 instead.
 """
 from __future__ import annotations
 
@@ -22,13 +34,15 @@ import triton
 import triton.language as tl
 
 from ._kv_quant import load_kv
+from ._math import tanh
 
 
 @triton.jit
 def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base, stride_kv_slot,
                  d_mask, scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, CAUSAL: tl.constexpr,
-                 BOUNDED: tl.constexpr, k_scale_base=None, v_scale_base=None, stride_scale_slot=0,
-                 KV_SCALES: tl.constexpr = 0):
+                 BOUNDED: tl.constexpr, window, softcap_log2, alibi_log2, WINDOW: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, k_scale_base=None, v_scale_base=None,
+                 stride_scale_slot=0, KV_SCALES: tl.constexpr = 0):
     """Online-softmax update of (m_i, l_i, acc) with the keys at positions [start_n, start_n + BLOCK_N),
     cut at ``key_end`` when BOUNDED (without it every position of the block must be a key)."""
     pos = start_n + tl.arange(0, BLOCK_N)
@@ -46,7 +60,14 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
         qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    qk = qk * scale_log2
+    if SOFTCAP:
+        qk = softcap_log2 * tanh(qk * (scale_log2 / softcap_log2))
+    else:
+        qk = qk * scale_log2
+    if ALIBI:
+        qk += alibi_log2[:, None] * (pos[None, :] - q_pos[:, None]).to(tl.float32)
+    if WINDOW:
+        qk = tl.where(q_pos[:, None] - pos[None, :] < window, qk, float("-inf"))
     if CAUSAL:
         visible = pos[None, :] <= q_pos[:, None]
         if BOUNDED:
@@ -55,8 +76,11 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
     elif BOUNDED:
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    m_sub = m_new
+    if WINDOW:  # a row without a visible key so far: subtract 0, not -inf (the module's docstring)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_sub[:, None])
+    alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_kv(v_base, slots, stride_kv_slot, kv_mask, v_scale_base, stride_scale_slot, n_mask, q.dtype, KV_SCALES,
                 BOUNDED)
@@ -69,28 +93,36 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
 
 @triton.jit
 def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask, scale_log2,
-                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, k_scale_base=None,
+                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, q_pos, window, softcap_log2,
+                 alibi_log2, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, k_scale_base=None,
                  v_scale_base=None, stride_scale_slot=0, KV_SCALES: tl.constexpr = 0):
     """``attend_block`` over the key positions [start, end), every one visible to every query row:
-    the full blocks without a mask, then the partial block left at the end (if any) with the bounds mask."""
+    the full blocks without a mask, then the partial block left at the end (if any) with the bounds mask
+    (WINDOW: every block with the window mask; ``q_pos`` [rows] is read only by ALIBI and WINDOW)."""
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
         start_n = start
         while start_n < full_end:
-            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, 0, table_row, k_base, v_base,
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=False,
-                                         BOUNDED=False, k_scale_base=k_scale_base, v_scale_base=v_scale_base,
+                                         BOUNDED=False, window=window, softcap_log2=softcap_log2,
+                                         alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                                         k_scale_base=k_scale_base, v_scale_base=v_scale_base,
                                          stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES)
             start_n += BLOCK_N
     else:
         for start_n in range(start, full_end, BLOCK_N):
-            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, 0, table_row, k_base, v_base,
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=False,
-                                         BOUNDED=False, k_scale_base=k_scale_base, v_scale_base=v_scale_base,
+                                         BOUNDED=False, window=window, softcap_log2=softcap_log2,
+                                         alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                                         k_scale_base=k_scale_base, v_scale_base=v_scale_base,
                                          stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES)
     if full_end < end:
-        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, full_end, end, 0, table_row, k_base, v_base,
+        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, full_end, end, q_pos, table_row, k_base, v_base,
                                      stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=False, BOUNDED=True,
-                                     k_scale_base=k_scale_base, v_scale_base=v_scale_base,
-                                     stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES)
+                                     window=window, softcap_log2=softcap_log2, alibi_log2=alibi_log2,
+                                     WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI, k_scale_base=k_scale_base,
+                                     v_scale_base=v_scale_base, stride_scale_slot=stride_scale_slot,
+                                     KV_SCALES=KV_SCALES)
     return m_i, l_i, acc

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import shared_prefix
+from . import score_mods, shared_prefix
 from ._checks import (
     check_last_dim_contiguous,
     check_shape,
@@ -42,6 +42,7 @@ from ._kv_quant import KV_DTYPES, check_kv, gather_kv_ref, scale_args
 from ._online_softmax import attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
+from .score_mods import ScoreMods
 
 MAX_SPLITS = 64
 CPU_SPLITS = 3
@@ -60,6 +61,7 @@ def _decode_split_kernel(
     b_first_ptr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
     WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
+    window, softcap_log2, alibi_ptr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
 ):
     wait_for_prior_kernel(PDL)
@@ -70,6 +72,8 @@ def _decode_split_kernel(
     seq_len = tl.load(b_seq_len_ptr + b)
     table_row = req_to_token_ptr + tl.load(b_req_row_ptr + b).to(tl.int64) * stride_table_row
     first = tl.load(b_first_ptr + b) if SHARED else 0       # positions before it: the shared-prefix kernel
+    if WINDOW:      # the window's keys are one contiguous range for the one query: a bound, no mask
+        first = tl.maximum(first, seq_len - window)
     chunk = tl.cdiv(seq_len - first, num_splits)
     start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -90,9 +94,13 @@ def _decode_split_kernel(
     k_base = kv_ptr + kv_head * stride_kv_head + offs_d[None, :]
     v_base = k_base + kv_heads * stride_kv_head
     k_scale_base = scales_ptr + kv_head * stride_scale_head
+    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1
+    alibi_log2 = tl.load(alibi_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634 if ALIBI else 0.0
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask,
-                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, k_scale_base, k_scale_base + v_scale_offset,
-                                 stride_scale_slot, KV_SCALES)
+                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2, alibi_log2,
+                                 WINDOW=False, SOFTCAP=SOFTCAP, ALIBI=ALIBI, k_scale_base=k_scale_base,
+                                 v_scale_base=k_scale_base + v_scale_offset, stride_scale_slot=stride_scale_slot,
+                                 KV_SCALES=KV_SCALES)
 
     has_keys = l_i > 0
     partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -172,13 +180,18 @@ def _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits, kv_scale
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
                      b_req_row: torch.Tensor, b_seq_len: torch.Tensor, sm_scale: float,
                      num_splits: int | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                     mods: ScoreMods | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [B, Hq, D] in q's dtype.
 
     ``shared``: ``(b_prefix_len [B] int32, source [2] int32)``, a prefix that several requests
-    share (see the module's docstring); the result is the same as without it. ``kv_scales``: a
+    share (see the module's docstring); the result is the same as without it.
+    ``mods``: the layer's sliding window, soft-cap, ALiBi (``kernels.score_mods``); with a window
+    or ALiBi the shared prefix is not used (its kernel knows no row positions). ``kv_scales``: a
     quantized cache's scales (``kernels._kv_quant``)."""
     _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits, kv_scales)
+    score_mods.check(mods, q.shape[1], q.device)
+    if mods is not None and mods.needs_positions:
+        shared = None
     if shared is not None:
         shared_prefix.check(shared, q.shape[0], q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -188,13 +201,13 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torc
     splits = num_splits or default_num_splits(q.shape[0], kv_heads, q.device)
     block_n, num_warps, num_stages = CUDA_LAUNCH if q.is_cuda else (32, 4, 1)
     launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits, block_n, num_warps, num_stages,
-           shared=shared, kv_scales=kv_scales)
+           shared=shared, mods=mods, kv_scales=kv_scales)
     return out
 
 
 def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits: int, block_n: int,
            num_warps: int, num_stages: int, shared=None, shared_launch: tuple[int, int, int, int] | None = None,
-           kv_scales=None) -> None:
+           mods: ScoreMods | None = None, kv_scales=None) -> None:
     """The stages with explicit launch parameters (``decode_attention`` picks them; benchmarks sweep them)."""
     batch, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
@@ -209,6 +222,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
     scale_log2 = float(sm_scale) * math.log2(math.e)
     pdl = launch_options(q)
     first = b_seq_len if shared is None else shared[0]     # unread without SHARED
+    mod_args, mod_flags = score_mods.kernel_args(mods, unread=mid_lse)
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, kv_layer, req_to_token, b_req_row, b_seq_len, mid_out, mid_lse,
         scale_log2,
@@ -217,12 +231,12 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
         kv_heads, group, head_dim, splits, first,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, SHARED=shared is not None,
-        **scale_args(kv_layer, kv_scales),
+        **mod_args, **mod_flags, **scale_args(kv_layer, kv_scales),
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if shared is not None:
         shared_prefix.launch(q, kv_layer, req_to_token, shared, mid_out, mid_lse, scale_log2,
-                             first_split=splits, splits=prefix_splits, params=params, kv_scales=kv_scales)
+                             first_split=splits, splits=prefix_splits, params=params, mods=mods, kv_scales=kv_scales)
     _decode_merge_kernel[(batch, q_heads)](
         mid_out, mid_lse, out, first, *mid_strides, out.stride(0), out.stride(1), head_dim, splits, total,
         BLOCK_S=triton.next_power_of_2(total), BLOCK_D=block_d, SHARED=shared is not None, num_warps=4, **pdl,
@@ -231,15 +245,19 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
 
 def decode_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
                          b_req_row: torch.Tensor, b_seq_len: torch.Tensor, sm_scale: float,
-                         num_splits: int | None = None, shared=None, kv_scales=None) -> torch.Tensor:
-    """Every request over all its positions (``num_splits`` and ``shared`` change only how the kernel walks them)."""
+                         num_splits: int | None = None, shared=None, mods: ScoreMods | None = None,
+                         kv_scales=None) -> torch.Tensor:
+    """Every request over all its positions (``num_splits`` and ``shared`` change only how the kernel walks them),
+    the scores modified by ``mods`` (``score_mods.apply_ref``)."""
     q_heads = q.shape[1]
     kv_heads = kv_layer.shape[1] // 2
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for b, (row, seq_len) in enumerate(zip(b_req_row.tolist(), b_seq_len.tolist())):
         slots = req_to_token[row, :seq_len].long()
         k, v = (x.repeat_interleave(q_heads // kv_heads, dim=1) for x in gather_kv_ref(kv_layer, kv_scales, slots))
-        probs = (torch.einsum("hd,khd->hk", q[b].float(), k) * sm_scale).softmax(-1)
+        scores = torch.einsum("hd,khd->hk", q[b].float(), k)[:, None] * sm_scale
+        positions = torch.arange(seq_len, device=q.device)
+        probs = score_mods.apply_ref(scores, positions[-1:], positions, mods)[:, 0].softmax(-1)
         out[b] = torch.einsum("hk,khd->hd", probs, v).to(q.dtype)
     return out
 

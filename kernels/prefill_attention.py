@@ -20,6 +20,9 @@ A query block at positions ``[s, s + TOKENS)`` walks two key ranges, BLOCK_N pos
 1. ``[first, s)``: visible to every row, walked without the causal mask, and without the
    bounds mask except in its last, partial block (``_online_softmax.attend_range``);
 2. the diagonal ``[s, min(seq_len, s + TOKENS))`` with the causal mask (``_attend_diagonal``).
+With a sliding window (``kernels.score_mods``) range 1 starts at the block's first row's window
+start (earlier keys are not visited) and only its blocks that some row's window start cuts
+take the window mask (the diagonal always does).
 Later keys are never visited. ``first`` is 0, or the shared prefix's length (below).
 
 A chunk late in a long prompt has few query blocks but a long first range: ``splits`` > 1
@@ -48,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import shared_prefix
+from . import score_mods, shared_prefix
 from ._checks import (
     check_last_dim_contiguous,
     check_shape,
@@ -60,6 +63,7 @@ from ._online_softmax import attend_block, attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 from .decode_attention import _decode_merge_kernel
+from .score_mods import ScoreMods
 
 
 @triton.jit
@@ -75,6 +79,7 @@ def _prefill_attention_kernel(
     stride_slse_head, num_splits,
     TOKENS: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr, SPLIT: tl.constexpr,
+    window, softcap_log2, alibi_ptr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
 ):
     """One program: TOKENS new tokens x HEADS q heads of one kv head (the module's tile table)."""
@@ -120,13 +125,26 @@ def _prefill_attention_kernel(
     # range 1, [first, diag_start): visible to every row (this split's part of it); range 2, the diagonal
     diag_start = tl.maximum(first, prefix + block_m * TOKENS)
     key_end = tl.minimum(seq_len, prefix + (block_m + 1) * TOKENS)
+    if WINDOW:      # keys before the block's first row's window are seen by none of its rows: not walked
+        first = tl.maximum(first, tl.minimum(prefix + block_m * TOKENS - window + 1, diag_start))
+    q_pos = prefix + offs_m
+    alibi_log2 = tl.load(alibi_ptr + heads) * 1.4426950408889634 if ALIBI else 0.0
     lo, hi = _split_part(first, diag_start, split, num_splits, BLOCK_N)
+    if WINDOW:      # blocks before `seen_by_all` straddle some row's window start: masked; the rest are not
+        last_row = prefix + tl.minimum(q_len, (block_m + 1) * TOKENS) - 1
+        seen_by_all = tl.minimum(lo + tl.cdiv(tl.maximum(last_row - window + 1 - lo, 0), BLOCK_N) * BLOCK_N, hi)
+        m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, seen_by_all, table_row, k_base, v_base, stride_kv_slot,
+                                     d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2,
+                                     alibi_log2, True, SOFTCAP, ALIBI, k_scale_base, v_scale_base,
+                                     stride_scale_slot, KV_SCALES)
+        lo = seen_by_all
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, hi, table_row, k_base, v_base, stride_kv_slot, d_mask,
-                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, k_scale_base, v_scale_base,
-                                 stride_scale_slot, KV_SCALES)
+                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2, alibi_log2,
+                                 False, SOFTCAP, ALIBI, k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES)
     if split == num_splits - 1:
-        m_i, l_i, acc = _attend_diagonal(q, m_i, l_i, acc, diag_start, key_end, prefix + offs_m, table_row, k_base,
+        m_i, l_i, acc = _attend_diagonal(q, m_i, l_i, acc, diag_start, key_end, q_pos, table_row, k_base,
                                          v_base, stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP,
+                                         window, softcap_log2, alibi_log2, WINDOW, SOFTCAP, ALIBI,
                                          k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES)
     if SPLIT:       # a partial result for the merge kernel
         _store_split(m_i, l_i, acc, split, tokens, heads, m_mask, offs_d, d_mask, split_out_ptr, split_lse_ptr,
@@ -161,7 +179,8 @@ def _split_part(start, end, split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attend_diagonal(q, m_i, l_i, acc, start, end, q_pos, table_row, k_base, v_base, stride_kv_slot, d_mask,
-                     scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr,
+                     scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, window,
+                     softcap_log2, alibi_log2, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                      k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES: tl.constexpr):
     """``attend_block`` with the causal and bounds masks over the key positions [start, end)."""
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
@@ -169,14 +188,18 @@ def _attend_diagonal(q, m_i, l_i, acc, start, end, q_pos, table_row, k_base, v_b
         while start_n < end:
             m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True,
-                                         BOUNDED=True, k_scale_base=k_scale_base, v_scale_base=v_scale_base,
+                                         BOUNDED=True, window=window, softcap_log2=softcap_log2,
+                                         alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                                         k_scale_base=k_scale_base, v_scale_base=v_scale_base,
                                          stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES)
             start_n += BLOCK_N
     else:
         for start_n in range(start, end, BLOCK_N):
             m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
                                          stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True,
-                                         BOUNDED=True, k_scale_base=k_scale_base, v_scale_base=v_scale_base,
+                                         BOUNDED=True, window=window, softcap_log2=softcap_log2,
+                                         alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                                         k_scale_base=k_scale_base, v_scale_base=v_scale_base,
                                          stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES)
     return m_i, l_i, acc
 
@@ -280,25 +303,34 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: tor
                       b_req_row: torch.Tensor, b_q_start: torch.Tensor, b_q_len: torch.Tensor,
                       b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int,
                       shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      max_seq_len: int | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                      max_seq_len: int | None = None, mods: ScoreMods | None = None,
+                      kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [T, Hq, D] contiguous, q's dtype.
 
     ``shared``: ``(b_prefix_len [B] int32, source [2] int32)``, a prefix that several requests
     share (see the module's docstring); ``max_seq_len``: the host's max of ``b_seq_len``, which
     lets a long context be split (``default_splits``). The result is the same with or without them.
-    ``kv_scales``: a quantized cache's scales (``kernels._kv_quant``)."""
+    ``mods``: the layer's sliding window, soft-cap, ALiBi (``kernels.score_mods``); with a window or
+    ALiBi the shared prefix is not used (its kernel knows no row positions). ``kv_scales``: a quantized
+    cache's scales (``kernels._kv_quant``)."""
     _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, max_q_len, kv_scales)
+    score_mods.check(mods, q.shape[1], q.device)
+    if mods is not None and mods.needs_positions:
+        shared = None
+    if mods is not None and mods.window is not None and max_seq_len:
+        max_seq_len = min(max_seq_len, mods.window + max_q_len)     # the most keys a query block walks
     if shared is not None:
         shared_prefix.check(shared, b_req_row.shape[0], q.device)
     params = prefill_launch(q.shape[2], q.device, q.dtype, q.shape[1] // (kv_layer.shape[1] // 2))
     splits = default_splits(b_req_row.shape[0], q.shape[1], kv_layer.shape[1] // 2, max_q_len, max_seq_len, params,
                             q.device)
     return launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale, max_q_len,
-                  params, splits, shared, kv_scales)
+                  params, splits, shared, mods, kv_scales)
 
 
 def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale: float, max_q_len: int,
-           params: PrefillLaunch, splits: int = 1, shared=None, kv_scales=None) -> torch.Tensor:
+           params: PrefillLaunch, splits: int = 1, shared=None, mods: ScoreMods | None = None,
+           kv_scales=None) -> torch.Tensor:
     """The kernels with explicit launch parameters (``prefill_attention`` picks them; benchmarks sweep them)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
@@ -311,7 +343,8 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
     mid_strides = (0, 0, 0, 0)
     if shared is not None:
         b_first = shared[0]
-        mid_out, mid_lse = _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2, kv_scales)
+        mid_out, mid_lse = _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2, mods,
+                                                kv_scales)
         mid_strides = (mid_out.stride(0), mid_out.stride(1), mid_lse.stride(0), mid_lse.stride(1))
     split_out = split_lse = out                         # unwritten with one split
     split_strides = (0, 0, 0, 0, 0)
@@ -321,6 +354,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
         split_strides = (*split_out.stride()[:3], *split_lse.stride()[:2])
     block_d = max(16, triton.next_power_of_2(head_dim))
     heads, block_tokens = tile_shape(params, q_heads // kv_heads)
+    mod_args, mod_flags = score_mods.kernel_args(mods, unread=b_seq_len)
     grid = (batch, q_heads // heads, triton.cdiv(max_q_len, block_tokens) * splits)
     _prefill_attention_kernel[grid](
         q, kv_layer, req_to_token, out,
@@ -332,7 +366,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
         b_first, mid_out, mid_lse, *mid_strides,
         split_out, split_lse, *split_strides, splits,
         TOKENS=block_tokens, HEADS=heads, BLOCK_N=params.block_n, BLOCK_D=block_d, UPCAST=upcast_dots(q),
-        WHILE_LOOP=not q.is_cuda, SHARED=shared is not None, SPLIT=splits > 1,
+        WHILE_LOOP=not q.is_cuda, SHARED=shared is not None, SPLIT=splits > 1, **mod_args, **mod_flags,
         num_warps=params.num_warps, num_stages=params.num_stages, **launch_options(q),
         **scale_args(kv_layer, kv_scales),
     )
@@ -345,7 +379,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
     return out
 
 
-def _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2: float, kv_scales=None):
+def _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2: float, mods=None, kv_scales=None):
     """Each member token's attention to the shared prefix (``kernels.shared_prefix``, one split): its
     normalised partial output [T, Hq, 1, D] and log2-sum-exp [T, Hq, 1], both float32."""
     tokens, q_heads, head_dim = q.shape
@@ -353,7 +387,7 @@ def _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2:
     mid_out = torch.empty((tokens, q_heads, 1, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((tokens, q_heads, 1), dtype=torch.float32, device=q.device)
     shared_prefix.launch(q, kv_layer, req_to_token, (token_first, shared[1]), mid_out, mid_lse, scale_log2,
-                         first_split=0, splits=1, params=shared_prefix.default_launch(q.device),
+                         first_split=0, splits=1, params=shared_prefix.default_launch(q.device), mods=mods,
                          kv_scales=kv_scales)
     return mid_out, mid_lse
 
@@ -361,8 +395,10 @@ def _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2:
 def prefill_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
                           b_req_row: torch.Tensor, b_q_start: torch.Tensor, b_q_len: torch.Tensor,
                           b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int, shared=None,
-                          max_seq_len: int | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Every new token over all the positions it sees (``shared`` changes only how the kernel walks them)."""
+                          max_seq_len: int | None = None, mods: ScoreMods | None = None,
+                          kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Every new token over all the positions it sees (``shared`` and ``max_seq_len`` change only how the
+    kernel walks them), the scores modified by ``mods`` (``score_mods.apply_ref``)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -373,7 +409,6 @@ def prefill_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token:
         qr = q[start:start + q_len].float()
         scores = torch.einsum("qhd,khd->hqk", qr, k) * sm_scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = score_mods.apply_ref(scores, q_pos, torch.arange(seq_len, device=q.device), mods)
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out

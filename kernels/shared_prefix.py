@@ -21,6 +21,7 @@ from ._checks import check_shape, check_tensor, upcast_dots
 from ._kv_quant import scale_args
 from ._online_softmax import attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
+from .score_mods import LOG2E, ScoreMods
 
 MAX_SPLITS = 64
 # The shared-prefix kernel on CUDA: (tile rows, BLOCK_N, num_warps, num_stages). A tile's (request,
@@ -59,6 +60,7 @@ def _shared_prefix_kernel(
     kv_heads, group_size, head_dim, num_splits, first_split,
     BLOCK_B: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    softcap_log2, SOFTCAP: tl.constexpr,
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
 ):
     """Rows (request b, q head) of a block of requests x one kv head's q heads, against the
@@ -96,8 +98,10 @@ def _shared_prefix_kernel(
     v_base = k_base + kv_heads * stride_kv_head
     k_scale_base = scales_ptr + kv_head * stride_scale_head
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask,
-                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, k_scale_base, k_scale_base + v_scale_offset,
-                                 stride_scale_slot, KV_SCALES)
+                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, offs_r * 0, 0, softcap_log2, 0.0,
+                                 WINDOW=False, SOFTCAP=SOFTCAP, ALIBI=False, k_scale_base=k_scale_base,
+                                 v_scale_base=k_scale_base + v_scale_offset, stride_scale_slot=stride_scale_slot,
+                                 KV_SCALES=KV_SCALES)
 
     has_keys = member & (l_i > 0)
     partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -111,9 +115,13 @@ def _shared_prefix_kernel(
 
 
 def launch(q, kv_layer, req_to_token, shared, mid_out, mid_lse, scale_log2: float, first_split: int, splits: int,
-           params: tuple[int, int, int, int], kv_scales=None) -> None:
+           params: tuple[int, int, int, int], mods: ScoreMods | None = None, kv_scales=None) -> None:
     """The kernel over every row of ``q`` [N, Hq, D] (``params``: tile rows, BLOCK_N, warps, stages;
-    ``kv_scales``: a quantized cache's, ``kernels._kv_quant``)."""
+    ``kv_scales``: a quantized cache's, ``kernels._kv_quant``). Of ``mods`` only the soft-cap applies
+    here: a window or ALiBi needs each row's position, so the callers do not use the shared prefix with them."""
+    if mods is not None and mods.needs_positions:
+        raise ValueError("the shared-prefix kernel cannot apply a sliding window or ALiBi (no row positions)")
+    softcap = mods.softcap if mods is not None else None
     rows, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     group = q_heads // kv_heads
@@ -126,6 +134,7 @@ def launch(q, kv_layer, req_to_token, shared, mid_out, mid_lse, scale_log2: floa
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         kv_heads, group, head_dim, splits, first_split,
         BLOCK_B=block_b, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, softcap_log2=(softcap or 1.0) * LOG2E,
+        SOFTCAP=softcap is not None, num_warps=num_warps, num_stages=num_stages,
         **launch_options(q), **scale_args(kv_layer, kv_scales),
     )

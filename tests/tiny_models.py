@@ -25,6 +25,18 @@ FAMILIES = {
                                                              head_dim=8, sliding_window=4096)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1,
                                                        tie_word_embeddings=True)),
+    # a window far shorter than prompt + generation, so the kernels' window really matters
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2,
+                                                                    head_dim=8, sliding_window=7)),
+    # Qwen2 slides only from max_window_layers on: layer 1 of 2
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                              use_sliding_window=True, sliding_window=5,
+                                                              max_window_layers=1)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=24)),
+    # layer 0 slides (window 6), layer 1 is global; soft-caps small enough to bend random scores
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+        attn_logit_softcapping=3.0, final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh")),
 }
 
 

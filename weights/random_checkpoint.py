@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from .tokenizer_builder import write_tokenizer
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 _LLAMA_2 = {
@@ -98,6 +98,37 @@ REAL_CONFIGS: dict[str, dict] = {
 }
 
 
+_GEMMA = {
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 2, "eos_token_id": 1, "head_dim": 256,
+    "initializer_range": 0.02, "max_position_embeddings": 8192, "num_attention_heads": 16, "pad_token_id": 0,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "vocab_size": 256000,
+}
+REAL_CONFIGS.update({
+    "gemma-7b": {  # google/gemma-7b
+        **_GEMMA, "architectures": ["GemmaForCausalLM"], "hidden_act": "gelu", "hidden_size": 3072,
+        "intermediate_size": 24576, "model_type": "gemma", "num_hidden_layers": 28, "num_key_value_heads": 16,
+        "rope_scaling": None, "torch_dtype": "bfloat16"},
+    "gemma-2-9b": {  # google/gemma-2-9b
+        **_GEMMA, "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0,
+        "cache_implementation": "hybrid", "final_logit_softcapping": 30.0, "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3584, "intermediate_size": 14336,
+        "model_type": "gemma2", "num_hidden_layers": 42, "num_key_value_heads": 8, "query_pre_attn_scalar": 256,
+        "sliding_window": 4096, "sliding_window_size": 4096, "torch_dtype": "float32"},
+})
+
+
+def with_num_layers(config: dict, num_layers: int | None) -> dict:
+    """The config with its first ``num_layers`` layers (so a big model fits one GPU); None keeps them all."""
+    if num_layers is None:
+        return config
+    if not 1 <= num_layers <= config["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in 1..{config['num_hidden_layers']}, got {num_layers}")
+    config = {**config, "num_hidden_layers": num_layers}
+    if config.get("layer_types"):
+        config["layer_types"] = config["layer_types"][:num_layers]
+    return config
+
+
 def resolve_config(config: str | dict) -> dict:
     """A copy of the config: a REAL_CONFIGS name, a path to a config.json (or its directory), or a dict."""
     if isinstance(config, dict):
@@ -114,7 +145,7 @@ def resolve_config(config: str | dict) -> dict:
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape for a Llama / Mistral / Qwen2 causal LM config."""
+    """Hugging Face tensor name -> shape for a Llama / Mistral / Qwen2 / Gemma / Gemma 2 causal LM config."""
     architecture = (config.get("architectures") or [None])[0]
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r} is not supported; expected one of {ARCHITECTURES}")
@@ -148,8 +179,11 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         if config.get("mlp_bias"):
             shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
                            p + "mlp.down_proj.bias": (hidden,)})
+        if architecture == "Gemma2ForCausalLM":
+            shapes.update({p + "pre_feedforward_layernorm.weight": (hidden,),
+                           p + "post_feedforward_layernorm.weight": (hidden,)})
     shapes["model.norm.weight"] = (hidden,)
-    if not config.get("tie_word_embeddings", False):
+    if not config.get("tie_word_embeddings", architecture in ("GemmaForCausalLM", "Gemma2ForCausalLM")):
         shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
 
@@ -188,7 +222,7 @@ def _random_tensor(name: str, shape, index: int, seed: int, dtype, device, std: 
 
 def write_random_checkpoint(out_dir: str | Path, config: str | dict, dtype: str = "bfloat16", seed: int = 0,
                             device: str | torch.device = "cpu", max_shard_bytes: int = 2 * 1024**3,
-                            std: float = 0.02) -> Path:
+                            std: float = 0.02, num_layers: int | None = None) -> Path:
     """Write config.json, generation_config.json, random safetensors weights and a tokenizer to ``out_dir``.
 
     One ``model.safetensors`` when the weights fit in ``max_shard_bytes``, else
@@ -196,7 +230,7 @@ def write_random_checkpoint(out_dir: str | Path, config: str | dict, dtype: str 
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(_DTYPES)}")
-    config = resolve_config(config)
+    config = with_num_layers(resolve_config(config), num_layers)
     config["torch_dtype"] = dtype
     torch_dtype, device = _DTYPES[dtype], torch.device(device)
     shapes = tensor_shapes(config)
@@ -253,6 +287,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-shard-bytes", type=int, default=2 * 1024**3,
                         help="largest shard file in bytes; more weights are split into shards + index "
                              "(default: 2 GiB)")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="keep only the first N layers (a big model on one GPU; default: all)")
     parser.add_argument("--list", action="store_true", help="print the known config names and exit")
     args = parser.parse_args(argv)
     if not args.list and (not args.config or not args.out):
@@ -269,7 +305,7 @@ def main(argv=None) -> int:
                   f"{config.get('num_key_value_heads')} vocab={config['vocab_size']}")
         return 0
     path = write_random_checkpoint(args.out, args.config, dtype=args.dtype, seed=args.seed, device=args.device,
-                                   max_shard_bytes=args.max_shard_bytes, std=args.std)
+                                   max_shard_bytes=args.max_shard_bytes, std=args.std, num_layers=args.num_layers)
     print(path)
     return 0
 

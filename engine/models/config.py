@@ -54,12 +54,14 @@ class ModelConfig:
     @property
     def max_context(self) -> int:
         """Longest sequence served exactly: the trained context, times the factor of a rope
-        scaling asked on the command line (as TGI's launcher); a sliding window caps it (keys
-        beyond it would need window masking, which the attention kernels do not do)."""
+        scaling asked on the command line (as TGI's launcher). A sliding window does not cap it:
+        the attention kernels apply the window (``kernels.score_mods``). Sliding-window models
+        still keep every position's KV: TokenAttention frees a request's slots when it ends, and
+        freeing the slots that fell out of the window while it runs is a later optimisation."""
         context = self.max_position_embeddings
         if self.rope.extends_context:
             context = int(context * self.rope.factor)
-        return min(context, self.sliding_window) if self.sliding_window else context
+        return context
 
     def sharded_sizes(self) -> dict[str, int]:
         """Sizes a tensor-parallel split must divide (name in config.json -> value); families add theirs."""
@@ -110,6 +112,18 @@ def shared_fields(raw: dict[str, Any]) -> dict[str, Any]:
         sliding_window=None, bos_token_id=raw.get("bos_token_id"), eos_token_ids=as_tuple(raw.get("eos_token_id")),
         checkpoint_dtype=DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype") or "")),
     )
+
+
+def sliding_layers(raw: dict[str, Any], num_layers: int, default: Callable[[int], bool]) -> tuple[bool, ...]:
+    """Per layer, whether the sliding window applies: config.json's ``layer_types`` (transformers 5),
+    else ``default(layer index)`` (the family's rule when the config predates ``layer_types``)."""
+    types = raw.get("layer_types")
+    if not types:
+        return tuple(default(i) for i in range(num_layers))
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ModelConfigError(f"layer_types must list 'sliding_attention' or 'full_attention' for each of the "
+                               f"{num_layers} layers, got {types!r}")
+    return tuple(t == "sliding_attention" for t in types)
 
 
 def parse_rope(raw: dict[str, Any]) -> RopeConfig:

@@ -12,9 +12,9 @@ all-reduce; vocab: rows split by token id):
 | ``RowParallelLinear`` | the input-column slice | ``all_reduce(x @ w.T)`` |
 | ``VocabParallelEmbedding`` | this shard's token rows | rows of the ids it holds, all-reduced |
 | ``LMHead`` | this shard's vocabulary rows | float32 logits, columns gathered |
-| ``GatedMLP`` | gate|up fused, down | ``down(silu(gate) * up)`` |
+| ``GatedMLP`` | gate|up fused, down | ``down(act(gate) * up)`` (SiLU or GeLU-tanh) |
 | ``Rotary`` | the cos/sin table | the table and positions the rotary kernel reads |
-| ``Attention`` | qkv (fused), o | rotary + KV store, prefill or decode attention over the cache, o |
+| ``Attention`` | qkv (fused), o, score mods | rotary + KV store, prefill or decode attention over the cache (with the layer's sliding window / soft-cap / ALiBi), o |
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import torch
 from engine.models.config import ModelConfig
 from engine.models.parallel import TensorParallel
 from engine.models.rope import build_cos_sin_cache, cos_sin_rows, dynamic_inv_freq
+from kernels.score_mods import ScoreMods
 
 
 @dataclass
@@ -83,9 +84,10 @@ class LMHead:
 class GatedMLP:
     gate_up: Linear               # [2 * intermediate / shards, hidden]: gate rows, then up rows
     down: RowParallelLinear
+    activation: str = "silu"      # of the gate: "silu" (Llama) or "gelu_tanh" (Gemma)
 
     def __call__(self, ops, x: torch.Tensor) -> torch.Tensor:
-        return self.down(ops, ops.silu_and_mul(self.gate_up(ops, x)))
+        return self.down(ops, ops.act_and_mul(self.gate_up(ops, x), self.activation))
 
 
 class Rotary:
@@ -129,6 +131,7 @@ class Attention:
     num_kv_heads: int
     head_dim: int
     sm_scale: float
+    mods: ScoreMods | None = None  # this layer's sliding window / logit soft-cap / ALiBi (this shard's heads)
 
     def __call__(self, ops, hidden, batch, kv, req_to_token, rotary: tuple[torch.Tensor, torch.Tensor]):
         qkv = self.qkv(ops, hidden)
@@ -140,9 +143,9 @@ class Attention:
         ops.rotary_store_kv(q, k, v, positions, table, kv, batch.out_slots)
         if batch.is_decode:
             out = ops.decode_attention(q, kv, req_to_token, batch.req_rows, batch.seq_len, self.sm_scale,
-                                       shared=batch.shared_prefix)
+                                       shared=batch.shared_prefix, mods=self.mods)
         else:
             out = ops.prefill_attention(q, kv, req_to_token, batch.req_rows, batch.q_start, batch.q_len,
                                         batch.seq_len, self.sm_scale, batch.max_q_len, shared=batch.shared_prefix,
-                                        max_seq_len=batch.max_seq_len)
+                                        max_seq_len=batch.max_seq_len, mods=self.mods)
         return self.o(ops, out.reshape(tokens, q_size))

@@ -22,12 +22,14 @@ from typing import Any
 import torch
 
 from engine.models.config import Family, ModelConfig, ModelConfigError, shared_fields
+from engine.models.config import sliding_layers as config_sliding_layers
 from engine.models.layers import (Attention, GatedMLP, Linear, LMHead, RowParallelLinear, Rotary,
                                   VocabParallelEmbedding)
 from engine.models.parallel import FULL, Slice, TensorParallel, read
 from engine.ops import KernelOps
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.kv_cache import KV_SCALE_PATTERNS, KVCache
+from kernels.score_mods import ScoreMods
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Buffers some checkpoints carry that the model recomputes.
@@ -40,6 +42,10 @@ class LlamaConfig(ModelConfig):
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    sliding_layers: tuple[bool, ...] = ()     # per layer: does ``sliding_window`` apply (empty: no window)
+
+    def layer_window(self, index: int) -> int | None:
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[index] else None
 
     def sharded_sizes(self) -> dict[str, int]:
         return {**super().sharded_sizes(), "intermediate_size": self.intermediate_size}
@@ -50,13 +56,24 @@ def parse_config(raw: dict[str, Any]) -> LlamaConfig:
         raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported; only 'silu' is")
     is_qwen2 = raw["architectures"][0] == "Qwen2ForCausalLM"
     sliding = raw.get("sliding_window") if (not is_qwen2 or raw.get("use_sliding_window")) else None
+    shared = shared_fields(raw)
     return LlamaConfig(
-        **{**shared_fields(raw), "sliding_window": int(sliding) if sliding else None},
+        **{**shared, "sliding_window": int(sliding) if sliding else None},
+        sliding_layers=_sliding_layers(raw, shared["num_layers"], is_qwen2) if sliding else (),
         intermediate_size=int(raw["intermediate_size"]),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", is_qwen2)),
         qkv_bias=bool(raw.get("attention_bias", False)) or is_qwen2,
     )
+
+
+def _sliding_layers(raw: dict[str, Any], num_layers: int, is_qwen2: bool) -> tuple[bool, ...]:
+    """Mistral slides on every layer (transformers ignores a Mistral config's layer_types); Qwen2 on its
+    layer_types, else from ``max_window_layers`` on (transformers' rule)."""
+    if not is_qwen2:
+        return (True,) * num_layers
+    first = int(raw.get("max_window_layers", 28))
+    return config_sliding_layers(raw, num_layers, lambda i: i >= first)
 
 
 def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -146,7 +163,8 @@ class LlamaFamilyModel:
         qkv = Linear.fused([t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"],
                            [t.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if c.qkv_bias else None)
         attention = Attention(qkv, RowParallelLinear(t.pop(p + "self_attn.o_proj.weight"), tp), self.num_heads,
-                              self.num_kv_heads, c.head_dim, c.head_dim**-0.5)
+                              self.num_kv_heads, c.head_dim, c.head_dim**-0.5,
+                              ScoreMods(window=window) if (window := c.layer_window(int(p.split(".")[2]))) else None)
         gate_up = Linear.fused([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
         mlp = GatedMLP(gate_up, RowParallelLinear(t.pop(p + "mlp.down_proj.weight"), tp))
         return DecoderLayer(t.pop(p + "input_layernorm.weight"), attention,

@@ -15,3 +15,13 @@ def llama2_7b_dir():
     if not path or not os.path.isdir(path):
         raise pytest.UsageError("set LLAMA2_7B_DIR to a checkpoint from `python -m weights.random_checkpoint`")
     return path
+
+
+@pytest.fixture(scope="session")
+def gemma_dirs():
+    """Random gemma-7b and gemma-2-9b checkpoints (layers reduced) written by bench/gpu_run.sh's gemma stage."""
+    dirs = {name: os.environ.get(var) for name, var in (("gemma", "GEMMA_7B_DIR"), ("gemma2", "GEMMA2_9B_DIR"))}
+    if not all(path and os.path.isdir(path) for path in dirs.values()):
+        raise pytest.UsageError("set GEMMA_7B_DIR and GEMMA2_9B_DIR to checkpoints from "
+                                "`python -m weights.random_checkpoint --config gemma-7b|gemma-2-9b --num-layers N`")
+    return dirs

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from bench.peer import attention_implementation
 from engine.generation import Engine, EngineConfig, GenerationRequest
 from engine.protocol.messages import SamplingParams
 
@@ -37,12 +38,13 @@ def prompts(vocab_size: int = 32000) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def transformers_greedy(model_dir: str, dtype: torch.dtype, all_prompts: list[list[int]]) -> list[Greedy]:
+def transformers_greedy(model_dir: str, dtype: torch.dtype, all_prompts: list[list[int]],
+                        new_tokens: int = NEW_TOKENS) -> list[Greedy]:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="cuda",
-                                                               attn_implementation="sdpa")
+                                                               attn_implementation=attention_implementation(model_dir))
     runs = []
     for prompt in all_prompts:
-        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS, do_sample=False,
+        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         tokens = out.sequences[0, len(prompt):].tolist()
         logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
@@ -58,9 +60,9 @@ def _top(logprobs: torch.Tensor) -> dict[int, float]:
     return dict(zip(ids.tolist(), values.tolist()))
 
 
-def engine_greedy(all_prompts: list[list[int]], **config) -> list[Greedy]:
+def engine_greedy(all_prompts: list[list[int]], new_tokens: int = NEW_TOKENS, **config) -> list[Greedy]:
     params = SamplingParams(top_n_tokens=TOP_N)
-    requests = [GenerationRequest(i, p, NEW_TOKENS, params, stop_token_ids=[]) for i, p in enumerate(all_prompts)]
+    requests = [GenerationRequest(i, p, new_tokens, params, stop_token_ids=[]) for i, p in enumerate(all_prompts)]
     with Engine(EngineConfig(num_slots=8192, max_requests=8, **config)) as engine:
         out = engine.generate(requests)
     release_memory()

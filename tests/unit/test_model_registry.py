@@ -58,3 +58,30 @@ def test_rope_scaling_from_the_command_line_extends_the_context(tmp_path):
     plain, scaled = load_model_config(path), load_model_config(path, rope_scaling=("dynamic", 2.0))
     assert (scaled.rope.rope_type, scaled.rope.factor) == ("dynamic", 2.0)
     assert scaled.max_context == 2 * plain.max_context
+
+
+def test_a_sliding_window_does_not_cap_the_context(tmp_path):
+    """The kernels apply the window, so the context limit is the model's (it used to be the window)."""
+    config = load_model_config(save_tiny_model("mistral_window", tmp_path / "m"))
+    assert config.sliding_window == 7 and config.max_context == 512
+
+
+def test_gemma2_config_reads_its_layers_scales_and_caps(tmp_path):
+    path = save_tiny_model("gemma2", tmp_path / "g")
+    config = load_model_config(path)
+    assert config.sliding_layers == (True, False)            # transformers' layer_types: even layers slide
+    assert (config.sliding_window, config.attn_logit_softcapping, config.final_logit_softcapping) == (6, 3.0, 8.0)
+    assert config.sm_scale == 24 ** -0.5 and config.head_dim == 16 and config.tie_word_embeddings
+    raw = json.loads((path / "config.json").read_text())
+    for bad, message in ((dict(hidden_activation="gelu"), "hidden_activation='gelu' is not supported"),
+                         (dict(layer_types=["sliding_attention"]), "layer_types must list")):
+        (path / "config.json").write_text(json.dumps({**raw, **bad}))
+        with pytest.raises(ModelConfigError, match=message):
+            load_model_config(path)
+    (path / "config.json").write_text(json.dumps({**raw, "layer_types": None}))
+    assert load_model_config(path).sliding_layers == (True, False)   # configs without it: the even-layer rule
+
+
+def test_qwen2_slides_only_from_max_window_layers_on(tmp_path):
+    config = load_model_config(save_tiny_model("qwen2_window", tmp_path / "q"))
+    assert config.sliding_layers == (False, True) and [config.layer_window(i) for i in range(2)] == [None, 5]

@@ -9,7 +9,7 @@ from engine.worker.kv_cache import KVCache, KVLayer
 from kernels import rmsnorm
 
 OPS = ("rmsnorm", "add_rmsnorm", "rotary_store_kv", "prefill_attention", "decode_attention", "silu_and_mul",
-       "apply_penalties", "linear")
+       "apply_penalties", "linear", "act_and_mul")
 
 
 @pytest.mark.parametrize("cls", [TritonOps, TorchOps])

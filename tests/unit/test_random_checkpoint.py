@@ -213,6 +213,13 @@ def _params(name):
                       vocab_size=152064, num_hidden_layers=28, rope_theta=1000000.0, rms_norm_eps=1e-6,
                       bos_token_id=151643, eos_token_id=151643, tie_word_embeddings=False,
                       architectures=["Qwen2ForCausalLM"]), 7_615_616_512),
+    ("gemma-7b", dict(hidden_size=3072, head_dim=256, num_attention_heads=16, num_key_value_heads=16,
+                      intermediate_size=24576, vocab_size=256000, num_hidden_layers=28, hidden_act="gelu",
+                      architectures=["GemmaForCausalLM"]), 8_537_680_896),
+    ("gemma-2-9b", dict(hidden_size=3584, head_dim=256, num_attention_heads=16, num_key_value_heads=8,
+                        intermediate_size=14336, num_hidden_layers=42, query_pre_attn_scalar=256,
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096,
+                        architectures=["Gemma2ForCausalLM"]), 9_241_705_984),
 ])
 def test_real_configs_have_the_known_numbers(name, known, params):
     config = REAL_CONFIGS[name]
@@ -250,3 +257,16 @@ def test_cli_list_help_and_write(tmp_path, capsys):
     assert "Writing random weights" in capsys.readouterr().err
     with open_checkpoint(tmp_path) as checkpoint:
         assert checkpoint.dtype("model.embed_tokens.weight") == torch.float16
+
+
+@pytest.mark.parametrize("name", ["gemma-7b", "gemma-2-9b", "mistral-7b-v0.1"])
+def test_layer_override_and_the_engine_expects_the_written_shapes(name):
+    """--num-layers keeps the first layers; the engine's family asks for exactly the tensors written."""
+    from engine.models import family_for
+    from weights.random_checkpoint import with_num_layers
+    config = with_num_layers(REAL_CONFIGS[name], 2)
+    assert config["num_hidden_layers"] == 2 and REAL_CONFIGS[name]["num_hidden_layers"] > 2
+    family = family_for(config["architectures"][0])
+    assert family.checkpoint_shapes(family.parse_config(config)) == tensor_shapes(config)
+    with pytest.raises(ValueError, match="num_layers must be in 1"):
+        with_num_layers(REAL_CONFIGS[name], 0)

@@ -23,9 +23,10 @@ def generate(path, num_shards):
     return {i: [(e.token_id, round(e.logprob, 3)) for e in events] for i, events in out.items()}
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "gemma2"])
 def test_two_shards_give_the_same_tokens_as_one(family, tmp_path):
-    """llama: MHA; llama3: GQA with as many KV heads as shards; qwen2: 1 KV head (replicated) + biases."""
+    """llama: MHA; llama3: GQA with as many KV heads as shards; qwen2: 1 KV head (replicated) + biases;
+    gemma2: sliding window and soft-caps per shard, the final soft-cap on the gathered logits."""
     path = save_tiny_model(family, tmp_path / family)
     assert generate(path, 2) == generate(path, 1)
 
