@@ -11,9 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.models import llama
+from engine.models import phi3
+from engine.models import starcoder2
 from engine.models.config import Family, ModelConfig, ModelConfigError, read_config_json
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY,)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, phi3.FAMILY, starcoder2.FAMILY)
 MODEL_REGISTRY: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 
 
