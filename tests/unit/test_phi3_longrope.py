@@ -18,6 +18,7 @@ import transformers
 from engine.generation import Engine, EngineConfig, GenerationRequest
 from engine.models import load_model_config
 from engine.models.config import ModelConfigError
+from engine.models.layers import Rotary
 from tests.tiny_models import load_hf, save_tiny_model
 
 ORIGINAL = 20
@@ -29,8 +30,8 @@ def phi3(tmp_path_factory):
     return path, load_hf(path)
 
 
-def engine_tokens(path, prompts, new_tokens):
-    engine = Engine(EngineConfig(model_dir=str(path), device="cpu", kernel_backend="torch", num_slots=512,
+def engine_tokens(path, prompts, new_tokens, backend="torch"):
+    engine = Engine(EngineConfig(model_dir=str(path), device="cpu", kernel_backend=backend, num_slots=512,
                                  dtype="float32", max_requests=8, max_prefill_tokens=64))
     out = engine.generate([GenerationRequest(i, p, new_tokens, stop_token_ids=[]) for i, p in enumerate(prompts)])
     return [[e.token_id for e in out[i]] for i in range(len(prompts))], out
@@ -43,6 +44,25 @@ def test_the_config_reads_both_factor_sets_and_the_attention_factor(phi3):
     factor = 512 / ORIGINAL        # no `factor`: the context ratio, as transformers
     assert rope.attention_factor == pytest.approx((1 + torch.log(torch.tensor(factor)).item() / torch.log(
         torch.tensor(float(ORIGINAL))).item()) ** 0.5)
+
+
+def test_the_tables_are_transformers_cos_and_sin_for_both_sets(phi3):
+    """Row p (short) and row p + max_positions (long) of our table: transformers' cos | sin (attention
+    factor included) for a forward pass of 20 (short) and of 21 or 33 tokens (long)."""
+    path, hf = phi3
+    rotary = Rotary(load_model_config(path), 64, torch.float32, "cpu")
+    for seq_len in (20, 21, 33):
+        cos, sin = hf.model.rotary_emb(torch.zeros(1), torch.arange(seq_len)[None])
+        rows = rotary.table[torch.arange(seq_len) + (64 if seq_len > ORIGINAL else 0)]
+        assert torch.equal(rows, torch.cat([cos[0, :, :8], sin[0, :, :8]], dim=-1)), seq_len
+
+
+def test_the_triton_rotary_kernel_reads_the_long_rows(phi3):
+    path, hf = phi3
+    prompts = [[5, 9, 11], list(range(30, 55))]           # short; long from the prefill on
+    ours, _ = engine_tokens(path, prompts, 4, backend="triton")
+    for prompt, tokens in zip(prompts, ours):
+        assert tokens == hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):].tolist()
 
 
 def test_short_and_long_sequences_match_transformers_generate(phi3):
