@@ -2,7 +2,7 @@
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, kernels, parity7b, profile, bench (default), serving, ablation,
 #                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant,
-#                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES)
+#                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -189,6 +189,22 @@ for stage in $stages; do
          PYTHONPATH=/tmp/site:$PWD python3 -m bench.prefill_attention_bench --seq-lens 4096,32768 --sweep-lens "" \
           --json "$OUT/llama_prefill_$tag.json" 2>&1 | tee -a "$OUT/llama_attn_$tag.log" | tail -6)
         rc=$?
+    dense)
+      # Phi-3-mini-4k / -128k and StarCoder2-7B (DENSE_LAYERS layers, default 8): float32 greedy parity
+      # with transformers, then bf16 batch-1 decode and the 256-request throughput beside transformers
+      dense_dirs=""
+      for name in phi-3-mini-4k phi-3-mini-128k starcoder2-7b; do
+        dir=/tmp/dense-$name
+        [ -f "$dir/config.json" ] || python3 -m weights.random_checkpoint --config $name --out "$dir" \
+          --dtype bfloat16 --device cuda --num-layers "${DENSE_LAYERS:-8}" 2>&1 | tail -1
+        dense_dirs="$dense_dirs $name=$dir"
+      done
+      DENSE_DIRS="$dense_dirs" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_dense_families.py 2>&1 \
+        | tee "$OUT/dense.log" | grep -v -E "it/s|s/it" | tail -30
+      rc=${PIPESTATUS[0]}
+      for name in phi-3-mini-4k starcoder2-7b; do
+        python3 -m bench.engine_bench --model-dir /tmp/dense-$name --json "$OUT/dense_$name.json" 2>&1 \
+          | tee -a "$OUT/dense.log" | grep -v -E "it/s|s/it" | tail -12
       done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -15,7 +15,7 @@ import os
 import torch
 
 from engine.worker.kv_cache import KVLayer
-from kernels import decode_attention, penalties, prefill_attention, rmsnorm, rotary, silu_and_mul, skinny_gemm
+from kernels import decode_attention, gelu, layernorm, penalties, prefill_attention, rmsnorm, rotary, silu_and_mul, skinny_gemm
 
 BACKENDS = ("triton", "torch")
 
@@ -69,6 +69,14 @@ class TritonOps(KernelOps):
     def act_and_mul(self, gate_up, activation: str):
         """``activation`` ("silu" | "gelu_tanh") of the gate half times the up half."""
         return silu_and_mul.act_and_mul(gate_up, activation)
+    def layernorm(self, x, weight, bias, eps: float):
+        return layernorm.layernorm(x, weight, bias, eps)
+
+    def add_layernorm(self, x, residual, weight, bias, eps: float):
+        return layernorm.add_layernorm(x, residual, weight, bias, eps)
+
+    def gelu(self, x, approximate: str):
+        return gelu.gelu(x, approximate)
 
     def apply_penalties(self, logits, counts, pool_rows, repetition, frequency, presence) -> None:
         """In place on float32 logits; ``counts`` rows of ``pool_rows`` (< 0: no penalties)."""
@@ -105,6 +113,14 @@ class TorchOps(KernelOps):
 
     def act_and_mul(self, gate_up, activation: str):
         return silu_and_mul.act_and_mul_ref(gate_up, activation)
+    def layernorm(self, x, weight, bias, eps: float):
+        return layernorm.layernorm_ref(x, weight, bias, eps)
+
+    def add_layernorm(self, x, residual, weight, bias, eps: float):
+        return layernorm.add_layernorm_ref(x, residual, weight, bias, eps)
+
+    def gelu(self, x, approximate: str):
+        return gelu.gelu_ref(x, approximate)
 
     def apply_penalties(self, logits, counts, pool_rows, repetition, frequency, presence) -> None:
         penalties.apply_penalties_ref(logits, counts, pool_rows, repetition, frequency, presence)

@@ -37,12 +37,22 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
         attn_logit_softcapping=3.0, final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh")),
+    # longrope (short factors and the attention factor here: no sequence passes 64 tokens; the long
+    # factors are proven by tests/unit/test_phi3_longrope.py, see there why not here)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, original_max_position_embeddings=64, pad_token_id=0,
+        sliding_window=9,   # shorter than prompt + generation: the kernels' window matters
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                      "long_factor": [1.2, 1.9, 2.8, 4.0, 5.5, 7.3, 9.4, 12.0]})),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, use_bias=True, norm_epsilon=1e-5,
+        hidden_act="gelu_pytorch_tanh", sliding_window=8, tie_word_embeddings=True, pad_token_id=0)),
 }
 
 
-def save_tiny_model(family: str, path: Path, seed: int = 0, dtype=torch.float32) -> Path:
+def save_tiny_model(family: str, path: Path, seed: int = 0, dtype=torch.float32, **config_overrides) -> Path:
     config_cls, model_cls, overrides = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, **config_overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype)
     with torch.no_grad():

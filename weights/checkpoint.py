@@ -188,6 +188,16 @@ class Checkpoint:
         tensor = source[window] if dim == 0 else source[:, window]
         return _cast(tensor, dtype, device)
 
+    def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype | None = None,
+                  device=None) -> torch.Tensor:
+        """Rows ``start:stop`` (dim 0) of the tensor, reading only their bytes: one part of a fused
+        tensor (Phi-3's ``qkv_proj``) that a tensor-parallel rank holds."""
+        source = self._slice(name)
+        rows = tuple(source.get_shape())[0]
+        if not 0 <= start < stop <= rows:
+            raise CheckpointError(f"rows {start}:{stop} are out of range for {name!r} with {rows} rows")
+        return _cast(source[start:stop], dtype, device)
+
     # -- validation ----------------------------------------------------------------------
     def check(self, expected: dict[str, tuple[int, ...]], ignore_unexpected: tuple[str, ...] = ()) -> None:
         """Raise CheckpointError unless the checkpoint holds exactly ``expected`` (name -> shape).

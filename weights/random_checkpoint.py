@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from .tokenizer_builder import write_tokenizer
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+                 "Phi3ForCausalLM", "Starcoder2ForCausalLM")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 _LLAMA_2 = {
@@ -45,6 +46,14 @@ _LLAMA_3 = {
 }
 _LLAMA_31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+_PHI_3_MINI = {
+    "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+    "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072,
+    "initializer_range": 0.02, "intermediate_size": 8192, "model_type": "phi3", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "original_max_position_embeddings": 4096,
+    "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32064,
+}
 
 # config.json of each public repo, key for key (transformers_version left out).
 REAL_CONFIGS: dict[str, dict] = {
@@ -71,6 +80,23 @@ REAL_CONFIGS: dict[str, dict] = {
         "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
         "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064},
+    "phi-3-mini-4k": {  # microsoft/Phi-3-mini-4k-instruct
+        **_PHI_3_MINI, "max_position_embeddings": 4096, "rope_scaling": None, "sliding_window": 2047},
+    # microsoft/Phi-3-mini-128k-instruct. Its 48 short and 48 long factors were not reachable offline:
+    # the values below are stand-ins of the right count and shape (short near 1, long rising to ~64);
+    # the rest of the config is the repo's.
+    "phi-3-mini-128k": {
+        **_PHI_3_MINI, "max_position_embeddings": 131072, "sliding_window": 262144,
+        "rope_scaling": {"type": "longrope", "short_factor": [round(1 + 0.02 * i, 2) for i in range(48)],
+                         "long_factor": [round(1.0 + 63.0 * (i / 47) ** 2, 2) for i in range(48)]}},
+    "starcoder2-7b": {  # bigcode/starcoder2-7b
+        "architectures": ["Starcoder2ForCausalLM"], "attention_dropout": 0.1, "bos_token_id": 0,
+        "embedding_dropout": 0.1, "eos_token_id": 0, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 4608,
+        "initializer_range": 0.018042, "intermediate_size": 18432, "max_position_embeddings": 16384,
+        "mlp_type": "default", "model_type": "starcoder2", "norm_epsilon": 1e-05, "norm_type": "layer_norm",
+        "num_attention_heads": 36, "num_hidden_layers": 32, "num_key_value_heads": 4, "residual_dropout": 0.1,
+        "rope_theta": 1000000, "sliding_window": 4096, "torch_dtype": "bfloat16", "use_bias": True,
+        "use_cache": True, "vocab_size": 49152},
     # Tiny members of the same families, for CPU tests: same keys, small sizes.
     "tiny-llama": {
         **_LLAMA_2, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4,
@@ -145,10 +171,15 @@ def resolve_config(config: str | dict) -> dict:
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape for a Llama / Mistral / Qwen2 / Gemma / Gemma 2 causal LM config."""
+    """Hugging Face tensor name -> shape for a Llama / Mistral / Qwen2 / Gemma / Gemma 2 / Phi-3 / StarCoder2
+    causal LM config."""
     architecture = (config.get("architectures") or [None])[0]
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r} is not supported; expected one of {ARCHITECTURES}")
+    if architecture == "Phi3ForCausalLM":
+        return _phi3_shapes(config)
+    if architecture == "Starcoder2ForCausalLM":
+        return _starcoder2_shapes(config)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -188,6 +219,49 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _phi3_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Phi-3: Llama's tensors with q|k|v fused in ``qkv_proj`` and gate|up in ``gate_up_proj``."""
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    kv_heads, head_dim = config.get("num_key_value_heads") or heads, hidden // heads
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes.update({
+            p + "self_attn.qkv_proj.weight": ((heads + 2 * kv_heads) * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "mlp.gate_up_proj.weight": (2 * inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        })
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    return shapes
+
+
+def _starcoder2_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """StarCoder2: biased q/k/v/o and c_fc/c_proj (``use_bias``), LayerNorms with bias, tied by default."""
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    kv_heads, head_dim = config.get("num_key_value_heads") or heads, hidden // heads
+    linears = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
+               "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
+               "mlp.c_fc": (inter, hidden), "mlp.c_proj": (hidden, inter)}
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        for name, shape in linears.items():
+            shapes[p + name + ".weight"] = shape
+            if config.get("use_bias", True):
+                shapes[p + name + ".bias"] = (shape[0],)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shapes.update({p + norm + ".weight": (hidden,), p + norm + ".bias": (hidden,)})
+    shapes.update({"model.norm.weight": (hidden,), "model.norm.bias": (hidden,)})
+    if not config.get("tie_word_embeddings", True):
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    return shapes
+
+
 def _plan_shards(shapes: dict[str, tuple[int, ...]], element_bytes: int, max_shard_bytes: int) -> list[list[str]]:
     """Names grouped into shards of at most max_shard_bytes (a bigger tensor gets a shard of its own)."""
     shards, current, size = [], [], 0
@@ -223,7 +297,8 @@ def _random_tensor(name: str, shape, index: int, seed: int, dtype, device, std: 
 def write_random_checkpoint(out_dir: str | Path, config: str | dict, dtype: str = "bfloat16", seed: int = 0,
                             device: str | torch.device = "cpu", max_shard_bytes: int = 2 * 1024**3,
                             std: float = 0.02, num_layers: int | None = None) -> Path:
-    """Write config.json, generation_config.json, random safetensors weights and a tokenizer to ``out_dir``.
+    """Write config.json, generation_config.json, random safetensors weights and a tokenizer to ``out_dir``;
+    ``num_layers`` keeps only the first N layers (a big model on one GPU).
 
     One ``model.safetensors`` when the weights fit in ``max_shard_bytes``, else
     ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``.

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.models import gemma, llama
+from engine.models import gemma, llama, phi3, starcoder2
 from engine.models.config import Family, ModelConfig, ModelConfigError, read_config_json
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, starcoder2.FAMILY)
 MODEL_REGISTRY: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 
 

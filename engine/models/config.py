@@ -9,13 +9,15 @@ the 5.x one (``rope_parameters``, ``dtype``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+ROPE_TYPE_ALIASES = {"su": "longrope"}     # Phi-3's first checkpoints call longrope "su"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -32,6 +34,11 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
     extends_context: bool = False        # set by --rope-scaling/--rope-factor: the context grows by ``factor``
+    # longrope (Phi-3): per-frequency divisors for sequences within / beyond the original context,
+    # and the factor cos and sin are multiplied by
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -132,18 +139,44 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
     merged = {**params, **scaling}
     theta = float(raw.get("rope_theta") or merged.get("rope_theta") or 10000.0)
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in ROPE_TYPES:
         raise ModelConfigError(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    original = merged.get("original_max_position_embeddings")
-    return RopeConfig(
+    partial = float(raw.get("partial_rotary_factor") or merged.get("partial_rotary_factor") or 1.0)
+    if partial != 1.0:
+        raise ModelConfigError(f"partial_rotary_factor={partial} is not supported (the rotary kernel rotates the "
+                               f"whole head); only models that rotate every head dimension can be served")
+    original = merged.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    rope = RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
+        factor=float(merged.get("factor") or 1.0),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(original) if original else None,
         extends_context=bool(merged.get("extends_context", False)),
     )
+    return _with_longrope(rope, merged, raw) if rope_type == "longrope" else rope
+
+
+def _with_longrope(rope: RopeConfig, merged: dict[str, Any], raw: dict[str, Any]) -> RopeConfig:
+    """The short and long factors and the cos/sin factor, as transformers' ``_compute_longrope_parameters``:
+    without ``factor`` the context ratio ``max_position_embeddings / original`` stands in, and without
+    ``attention_factor`` it is ``sqrt(1 + ln(factor) / ln(original))`` (1 when factor <= 1)."""
+    original = rope.original_max_position_embeddings
+    if not original or "short_factor" not in merged or "long_factor" not in merged:
+        raise ModelConfigError("longrope rope scaling needs short_factor, long_factor and "
+                               "original_max_position_embeddings in config.json")
+    head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"]))
+    short, long = tuple(map(float, merged["short_factor"])), tuple(map(float, merged["long_factor"]))
+    if len(short) != head_dim // 2 or len(long) != head_dim // 2:
+        raise ModelConfigError(f"longrope short_factor and long_factor need head_dim / 2 = {head_dim // 2} values "
+                               f"each; config.json has {len(short)} and {len(long)}")
+    factor = float(merged.get("factor") or int(raw.get("max_position_embeddings", 2048)) / original)
+    attention = merged.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return replace(rope, factor=factor, short_factor=short, long_factor=long, attention_factor=float(attention))
 
 
 def as_tuple(value: Any) -> tuple[int, ...]:

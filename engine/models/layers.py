@@ -9,10 +9,12 @@ all-reduce; vocab: rows split by token id):
 | block | holds | forward |
 | --- | --- | --- |
 | ``Linear`` | column-parallel or replicated weight (parts fused, e.g. q|k|v) | ``x @ w.T + b`` |
-| ``RowParallelLinear`` | the input-column slice | ``all_reduce(x @ w.T)`` |
+| ``RowParallelLinear`` | the input-column slice (+ the whole bias) | ``all_reduce(x @ w.T) (+ b)`` |
 | ``VocabParallelEmbedding`` | this shard's token rows | rows of the ids it holds, all-reduced |
 | ``LMHead`` | this shard's vocabulary rows | float32 logits, columns gathered |
 | ``GatedMLP`` | gate|up fused, down | ``down(act(gate) * up)`` (SiLU or GeLU-tanh) |
+| ``GeluMLP`` | up (c_fc), down (c_proj), biased | ``down(gelu(up))`` |
+| ``LayerNorm`` | weight, bias, eps (replicated) | LayerNorm, or the residual add + LayerNorm |
 | ``Rotary`` | the cos/sin table | the table and positions the rotary kernel reads |
 | ``Attention`` | qkv (fused), o, score mods | rotary + KV store, prefill or decode attention over the cache (with the layer's sliding window / soft-cap / ALiBi), o |
 """
@@ -24,7 +26,7 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.parallel import TensorParallel
-from engine.models.rope import build_cos_sin_cache, cos_sin_rows, dynamic_inv_freq
+from engine.models.rope import build_cos_sin_cache, build_longrope_cache, cos_sin_rows, dynamic_inv_freq
 from kernels.score_mods import ScoreMods
 
 
@@ -44,12 +46,17 @@ class Linear:
 
 @dataclass
 class RowParallelLinear:
-    """This shard's input columns; the partial products are summed over the shards."""
+    """This shard's input columns; the partial products are summed over the shards, then the
+    (whole, replicated) bias is added once."""
     weight: torch.Tensor
     tp: TensorParallel
+    bias: torch.Tensor | None = None
 
     def __call__(self, ops, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(ops.linear(x, self.weight))
+        if self.tp.world_size == 1:
+            return ops.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(ops.linear(x, self.weight))
+        return out if self.bias is None else out.add_(self.bias)
 
 
 @dataclass
@@ -90,6 +97,32 @@ class GatedMLP:
         return self.down(ops, ops.act_and_mul(self.gate_up(ops, x), self.activation))
 
 
+@dataclass
+class GeluMLP:
+    """The non-gated MLP (StarCoder2, Bloom): ``down(gelu(up(x)))``, up column- and down row-parallel."""
+    up: Linear                    # [intermediate / shards, hidden] (+ bias)
+    down: RowParallelLinear
+    approximate: str              # torch's GeLU form: "tanh" or "none"
+
+    def __call__(self, ops, x: torch.Tensor) -> torch.Tensor:
+        return self.down(ops, ops.gelu(self.up(ops, x), self.approximate))
+
+
+@dataclass
+class LayerNorm:
+    """LayerNorm with weight and bias (replicated on every shard)."""
+    weight: torch.Tensor          # [hidden]
+    bias: torch.Tensor            # [hidden]
+    eps: float
+
+    def __call__(self, ops, x: torch.Tensor) -> torch.Tensor:
+        return ops.layernorm(x, self.weight, self.bias, self.eps)
+
+    def add(self, ops, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += x`` in place; returns the norm of the new residual."""
+        return ops.add_layernorm(x, residual, self.weight, self.bias, self.eps)
+
+
 class Rotary:
     """The cos/sin rows the rotary kernel reads for a batch's new tokens.
 
@@ -100,20 +133,31 @@ class Rotary:
     base of its whole length, a decoded token at position p the base for p + 1 tokens, and
     keys already cached keep their rotation. With chunked prefill the base follows each
     chunk's end (what transformers computes when fed the same chunks).
+
+    ``longrope`` (Phi-3) follows the same per-step rule with two fixed tables: a new token of a
+    row whose sequence at the end of this step is longer than ``original_max_position_embeddings``
+    reads the long-factor table, else the short-factor one (transformers picks the set by the
+    forward pass's sequence length); both carry the attention factor.
     """
 
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
         self.config, self.dtype = config, dtype
-        self.table = build_cos_sin_cache(config, max_positions, dtype, device)
+        self.longrope = config.rope.rope_type == "longrope"
+        self.max_positions = max_positions
+        self.table = (build_longrope_cache(config, max_positions, dtype, device) if self.longrope
+                      else build_cos_sin_cache(config, max_positions, dtype, device))
         self.dynamic = config.rope.rope_type == "dynamic"
 
     def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(table, index of each new token's row in it)."""
-        if not self.dynamic:
+        if not self.dynamic and not self.longrope:
             return self.table, batch.positions
         tokens = batch.positions.shape[0]
         seq_len = batch.seq_len if batch.is_decode else torch.repeat_interleave(
             batch.seq_len, batch.q_len, output_size=tokens)
+        if self.longrope:
+            long = seq_len > self.config.rope.original_max_position_embeddings
+            return self.table, batch.positions + long.to(batch.positions.dtype) * self.max_positions
         trained = self.config.max_position_embeddings
         inv_freq = dynamic_inv_freq(self.config, seq_len.clamp(min=trained).to(torch.float32))
         rows = cos_sin_rows(batch.positions, inv_freq.to(batch.positions.device), self.dtype)

@@ -147,8 +147,12 @@ class LlamaFamilyModel:
         tensors = {}
         slices = self.weight_slices()
         for name in checkpoint.progress(list(slices), desc=f"Loading weights (shard {self.tp.rank})"):
-            tensors[name] = read(checkpoint, name, slices[name], self.dtype, self.device)
+            tensors[name] = self._read(checkpoint, name, slices[name])
         self._assemble(tensors)
+
+    def _read(self, checkpoint, name: str, piece: Slice) -> torch.Tensor:
+        """This shard's ``piece`` of one tensor (a family with fused checkpoint tensors reads their parts)."""
+        return read(checkpoint, name, piece, self.dtype, self.device)
 
     def _assemble(self, t: dict[str, torch.Tensor]) -> None:
         c, tp = self.config, self.tp

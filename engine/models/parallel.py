@@ -92,3 +92,20 @@ def read(checkpoint, name: str, piece: Slice, dtype, device) -> torch.Tensor:
     if piece.dim is None:
         return checkpoint.read(name, dtype=dtype, device=device)
     return checkpoint.read_slice(name, piece.dim, piece.part, piece.parts, dtype=dtype, device=device)
+
+
+def read_fused(checkpoint, name: str, part_rows: list[int], slices: list[Slice], dtype, device) -> torch.Tensor:
+    """This rank's rows of a checkpoint tensor that fuses parts along dim 0 (Phi-3's ``qkv_proj`` =
+    q | k | v, ``gate_up_proj`` = gate | up): part i has ``part_rows[i]`` rows and the rank holds its
+    ``slices[i]`` of them; the pieces come back concatenated in part order. (An equal split of the
+    fused rows would hand rank 0 only q rows.)"""
+    pieces, offset = [], 0
+    for rows, piece in zip(part_rows, slices):
+        if piece.dim is None:
+            start, stop = offset, offset + rows
+        else:
+            step = rows // piece.parts
+            start, stop = offset + piece.part * step, offset + (piece.part + 1) * step
+        pieces.append(checkpoint.read_rows(name, start, stop, dtype=dtype, device=device))
+        offset += rows
+    return torch.cat(pieces)

@@ -39,11 +39,34 @@ def dynamic_inv_freq(config: ModelConfig, seq_lens: torch.Tensor) -> torch.Tenso
     return 1.0 / (base[:, None] ** exponents[None, :])
 
 
-def cos_sin_rows(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cos_sin_rows(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 scale: float = 1.0) -> torch.Tensor:
     """[len(positions), head_dim] rows ``cat(cos, sin)`` of ``p * inv_freq`` (inv_freq [head_dim/2], or
-    one row per position), rounded through ``dtype`` as transformers casts them."""
+    one row per position), times ``scale`` (longrope's attention factor), rounded through ``dtype``
+    as transformers casts them."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype).to(torch.float32)
+    rows = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    if scale != 1.0:
+        rows = rows * scale
+    return rows.to(dtype).to(torch.float32)
+
+
+def longrope_inv_freq(config: ModelConfig, long: bool) -> torch.Tensor:
+    """Phi-3's longrope: each base frequency divided by its short (within the original context) or
+    long factor, in float32 as transformers' ``1 / (factors * base ** (2i / dim))``."""
+    rope, dim = config.rope, config.head_dim
+    factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (factors * rope.theta**exponents)
+
+
+def build_longrope_cache(config: ModelConfig, num_positions: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[2 * num_positions, head_dim]: the short-factor rows of every position, then the long-factor
+    rows, both scaled by the attention factor (row ``p + num_positions`` is position p, long)."""
+    positions = torch.arange(num_positions, dtype=torch.float32)
+    scale = config.rope.attention_factor
+    tables = [cos_sin_rows(positions, longrope_inv_freq(config, long), dtype, scale) for long in (False, True)]
+    return torch.cat(tables).to(device)
 
 
 def inv_freq_for(config: ModelConfig) -> torch.Tensor:

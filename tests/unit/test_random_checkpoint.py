@@ -270,3 +270,32 @@ def test_layer_override_and_the_engine_expects_the_written_shapes(name):
     assert family.checkpoint_shapes(family.parse_config(config)) == tensor_shapes(config)
     with pytest.raises(ValueError, match="num_layers must be in 1"):
         with_num_layers(REAL_CONFIGS[name], 0)
+# -- Phi-3 and StarCoder2 (fused tensors; biases and LayerNorms), shrunk from the real configs -------
+
+SHRUNK = {
+    "phi-3-mini-128k": dict(hidden_size=192, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+                            vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0),  # head_dim 96: 48 factors
+    "starcoder2-7b": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          vocab_size=512),
+}
+
+
+@pytest.mark.parametrize("name", list(SHRUNK))
+def test_phi3_and_starcoder2_checkpoints_load_in_transformers_and_in_the_engine(name, tmp_path):
+    from engine.models import check_checkpoint, load_model_config
+    config = {**REAL_CONFIGS[name], **SHRUNK[name]}
+    path = write_random_checkpoint(tmp_path, config, dtype="float32", num_layers=2, max_shard_bytes=256 * 1024)
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 2
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype=torch.float32)
+    assert {key: list(value) for key, value in info.items()} == {
+        "missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    ours = load_model_config(path)
+    with open_checkpoint(path) as checkpoint:
+        check_checkpoint(checkpoint, ours)
+    assert ours.architecture == config["architectures"][0] and ours.num_layers == 2
+
+
+def test_phi3_mini_has_the_model_cards_parameter_count():
+    assert _params("phi-3-mini-4k") == _params("phi-3-mini-128k") == 3_821_079_552
+    assert REAL_CONFIGS["phi-3-mini-4k"]["sliding_window"] == 2047
+    assert len(REAL_CONFIGS["phi-3-mini-128k"]["rope_scaling"]["long_factor"]) == 3072 // 32 // 2

@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.models import load_model_config
-from engine.models.llama import LlamaFamilyModel
+from engine.models import build_model, load_model_config
 from engine.ops import KernelOps
 from engine.models.parallel import ShardingError, TensorParallel
 from tests.e2e.server import free_port
@@ -23,10 +22,11 @@ def generate(path, num_shards):
     return {i: [(e.token_id, round(e.logprob, 3)) for e in events] for i, events in out.items()}
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "gemma2", "phi3", "starcoder2"])
 def test_two_shards_give_the_same_tokens_as_one(family, tmp_path):
     """llama: MHA; llama3: GQA with as many KV heads as shards; qwen2: 1 KV head (replicated) + biases;
-    gemma2: sliding window and soft-caps per shard, the final soft-cap on the gathered logits."""
+    gemma2: sliding window and soft-caps per shard, the final soft-cap on the gathered logits;
+    phi3: fused qkv_proj / gate_up_proj sliced per part; starcoder2: row-parallel biases added once."""
     path = save_tiny_model(family, tmp_path / family)
     assert generate(path, 2) == generate(path, 1)
 
@@ -54,14 +54,14 @@ class CountingCheckpoint:
 
 def load_rank(path, rank, world):
     config = load_model_config(path)
-    model = LlamaFamilyModel(config, KernelOps.create("torch"), torch.float32, "cpu", 64, TensorParallel(rank, world))
+    model = build_model(config, KernelOps.create("torch"), torch.float32, "cpu", 64, TensorParallel(rank, world))
     with open_checkpoint(path) as checkpoint:
         counting = CountingCheckpoint(checkpoint)
         model.load_weights(counting)
     return model, counting
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])
 def test_shards_concatenate_to_the_full_weights_and_read_only_their_slices(family, tmp_path):
     path = save_tiny_model(family, tmp_path / family)
     full, full_count = load_rank(path, 0, 1)
@@ -90,6 +90,23 @@ def test_shards_concatenate_to_the_full_weights_and_read_only_their_slices(famil
     # only norms are read whole; every rank reads about half of the weights
     assert all("norm" in name for name in ca.full_reads + cb.full_reads)
     assert ca.elements < 0.62 * full_count.elements and cb.elements < 0.62 * full_count.elements
+
+
+def test_phi3_fused_tensors_give_each_rank_its_q_k_v_heads_and_gate_up_parts(tmp_path):
+    """The fused checkpoint rows q | k | v and gate | up: rank r holds q heads 2r, 2r+1, KV head r,
+    and half r of gate and of up (an equal split of the fused rows would give rank 0 only q)."""
+    path = save_tiny_model("phi3", tmp_path / "phi3")       # 4 q heads, 2 KV heads, head_dim 16
+    with open_checkpoint(path) as checkpoint:
+        qkv = checkpoint.read("model.layers.1.self_attn.qkv_proj.weight")
+        gate_up = checkpoint.read("model.layers.1.mlp.gate_up_proj.weight")
+    q, k, v = qkv.split([64, 32, 32])
+    gate, up = gate_up.chunk(2)
+    for rank in range(2):
+        layer = load_rank(path, rank, 2)[0].layers[1]
+        expected_qkv = torch.cat([q[32 * rank: 32 * rank + 32], k[16 * rank: 16 * rank + 16],
+                                  v[16 * rank: 16 * rank + 16]])
+        assert torch.equal(layer.attention.qkv.weight, expected_qkv)
+        assert torch.equal(layer.mlp.gate_up.weight, torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]]))
 
 
 def test_a_model_that_does_not_divide_is_refused(tmp_path):
