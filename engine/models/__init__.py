@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.models import llama
+from engine.models import llama, mixtral, qwen2_moe, qwen3, qwen3_moe
 from engine.models.config import Family, ModelConfig, ModelConfigError, read_config_json
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY,)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)
 MODEL_REGISTRY: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 
 

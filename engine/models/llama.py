@@ -59,8 +59,10 @@ def parse_config(raw: dict[str, Any]) -> LlamaConfig:
     )
 
 
-def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of this family must hold, with its full shape."""
+def checkpoint_shapes(c: LlamaConfig, mlp_shapes=None) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this family must hold, with its full shape; ``mlp_shapes(c,
+    layer, prefix)`` names a layer's MLP tensors (families with other MLPs pass theirs)."""
+    mlp_shapes = mlp_shapes or dense_mlp_shapes
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
@@ -74,12 +76,17 @@ def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (c.num_heads * c.head_dim,)
             shapes[p + "self_attn.k_proj.bias"] = (c.num_kv_heads * c.head_dim,)
             shapes[p + "self_attn.v_proj.bias"] = (c.num_kv_heads * c.head_dim,)
-        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+        shapes.update(mlp_shapes(c, i, p))
         shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
         shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
     return shapes
+
+
+def dense_mlp_shapes(c: LlamaConfig, layer: int, p: str, prefix: str = "mlp.", inter: int | None = None):
+    """The gated MLP's gate/up/down (``prefix`` and ``inter`` for other MLPs of the same form)."""
+    inter = inter or c.intermediate_size
+    return {p + prefix + "gate_proj.weight": (inter, c.hidden_size), p + prefix + "up_proj.weight": (inter, c.hidden_size),
+            p + prefix + "down_proj.weight": (c.hidden_size, inter)}
 
 
 @dataclass
@@ -87,7 +94,7 @@ class DecoderLayer:
     input_norm: torch.Tensor    # [hidden]
     attention: Attention
     post_norm: torch.Tensor     # [hidden]
-    mlp: GatedMLP
+    mlp: GatedMLP               # or any block called as mlp(ops, hidden) (e.g. moe.SparseMoE)
 
 
 class LlamaFamilyModel:
@@ -142,15 +149,21 @@ class LlamaFamilyModel:
         self.layers = [self._layer(t, f"model.layers.{i}.") for i in range(c.num_layers)]
 
     def _layer(self, t: dict[str, torch.Tensor], p: str) -> DecoderLayer:
+        attention, mlp = self._attention(t, p), self._mlp(t, p)
+        return DecoderLayer(t.pop(p + "input_layernorm.weight"), attention,
+                            t.pop(p + "post_attention_layernorm.weight"), mlp)
+
+    def _attention(self, t: dict[str, torch.Tensor], p: str) -> Attention:
         c, tp = self.config, self.tp
         qkv = Linear.fused([t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"],
                            [t.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if c.qkv_bias else None)
-        attention = Attention(qkv, RowParallelLinear(t.pop(p + "self_attn.o_proj.weight"), tp), self.num_heads,
-                              self.num_kv_heads, c.head_dim, c.head_dim**-0.5)
-        gate_up = Linear.fused([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
-        mlp = GatedMLP(gate_up, RowParallelLinear(t.pop(p + "mlp.down_proj.weight"), tp))
-        return DecoderLayer(t.pop(p + "input_layernorm.weight"), attention,
-                            t.pop(p + "post_attention_layernorm.weight"), mlp)
+        return Attention(qkv, RowParallelLinear(t.pop(p + "self_attn.o_proj.weight"), tp), self.num_heads,
+                         self.num_kv_heads, c.head_dim, c.head_dim**-0.5)
+
+    def _mlp(self, t: dict[str, torch.Tensor], p: str, prefix: str = "mlp."):
+        """The gated MLP under ``p + prefix`` (families with other MLPs override this)."""
+        gate_up = Linear.fused([t.pop(p + prefix + "gate_proj.weight"), t.pop(p + prefix + "up_proj.weight")])
+        return GatedMLP(gate_up, RowParallelLinear(t.pop(p + prefix + "down_proj.weight"), self.tp))
 
     # ---- forward -------------------------------------------------------------------
 

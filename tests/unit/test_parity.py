@@ -66,9 +66,11 @@ def test_greedy_tokens_and_logprobs_match_transformers(family, tmp_path):
     engine.allocator.check_integrity()
 
 
-def test_triton_kernels_under_the_interpreter_match_transformers(tmp_path):
-    """End to end with every Triton kernel (TRITON_INTERPRET=1 on the CPU)."""
-    path = save_tiny_model("llama3", tmp_path / "llama3")
+@pytest.mark.parametrize("family", ["llama3", "mixtral"])
+def test_triton_kernels_under_the_interpreter_match_transformers(family, tmp_path):
+    """End to end with every Triton kernel (TRITON_INTERPRET=1 on the CPU); the MoE family
+    (Mixtral) through the fused MoE kernel."""
+    path = save_tiny_model(family, tmp_path / family)
     hf = load_hf(path).to(DEVICE)
     engine = Engine(EngineConfig(model_dir=str(path), device=DEVICE, kernel_backend="triton", num_slots=512,
                                  dtype="float32", max_requests=8, max_prefill_tokens=24))
