@@ -67,7 +67,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     each block; the used length (a 1-element tensor). Sizes depend only on T, k, E."""
     flat = topk_ids.flatten().to(torch.int64)
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # counted by scatter_add, not bincount (which reads the max id on the host: no graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)

@@ -84,3 +84,18 @@ def test_bad_moe_configs_are_refused_clearly(tmp_path):
         family_for("Qwen3MoeForCausalLM").parse_config(raw)
     with pytest.raises(ValueError, match="--num-layers 49 must be between 1 and the model's num_hidden_layers=48"):
         write_random_checkpoint(tmp_path, "qwen3-30b-a3b", num_layers=49)
+
+
+@pytest.mark.parametrize("name,active,total", [("mixtral-8x7b", 12.9, 46.7), ("qwen1.5-moe-a2.7b", 2.7, 14.3),
+                                               ("qwen3-30b-a3b", 3.3, 30.5)])
+def test_the_bench_floor_counts_the_published_active_parameters(name, active, total):
+    """bench.moe_bench's floor reads the chosen experts only: with the embedding counted as the
+    model cards count it, the active and total parameters are the published ones (billions)."""
+    from bench.moe_bench import active_weight_bytes
+
+    raw = REAL_CONFIGS[name]
+    config = family_for(raw["architectures"][0]).parse_config(raw)
+    ours_active, ours_total = active_weight_bytes(config, element_bytes=1)
+    embedding = config.vocab_size * config.hidden_size
+    assert (ours_active + embedding) / 1e9 == pytest.approx(active, abs=0.05)
+    assert ours_total / 1e9 == pytest.approx(total, abs=0.05)
