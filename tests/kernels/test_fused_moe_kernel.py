@@ -62,3 +62,14 @@ def test_fused_moe_rejects_mismatched_shapes(device):
         fused_moe(x, w_gate_up, w_down[:, :, :5], weights, ids)
     with pytest.raises(ValueError, match="must both be"):
         fused_moe(x, w_gate_up, w_down, weights[:1], ids[:1])
+
+
+def test_only_the_chosen_experts_weights_are_read(device):
+    """Experts no token chose hold NaN: the output stays finite and equal to the reference
+    (a block reads its own expert's weights only; at decode, only the chosen experts')."""
+    x, w_gate_up, w_down, weights, ids = moe_inputs(device, torch.float32, 1, 8, 2)
+    unused = [e for e in range(8) if e not in ids.tolist()[0]]
+    w_gate_up[unused], w_down[unused] = float("nan"), float("nan")
+    out = fused_moe(x, w_gate_up, w_down, weights, ids)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, fused_moe_ref(x, w_gate_up, w_down, weights, ids), atol=1e-5, rtol=1e-5)
