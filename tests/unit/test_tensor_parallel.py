@@ -23,10 +23,11 @@ def generate(path, num_shards):
     return {i: [(e.token_id, round(e.logprob, 3)) for e in events] for i, events in out.items()}
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "mixtral", "qwen2_moe"])
 def test_two_shards_give_the_same_tokens_as_one(family, tmp_path):
     """llama: MHA; llama3: GQA with as many KV heads as shards; qwen2: 1 KV head (replicated) + biases;
-    mixtral: each expert sliced like the gated MLP, the router replicated."""
+    mixtral: each expert sliced like the gated MLP, the router replicated; qwen2_moe: the shared
+    expert's partial output summed with the experts' by one all-reduce, a dense layer."""
     path = save_tiny_model(family, tmp_path / family)
     assert generate(path, 2) == generate(path, 1)
 
