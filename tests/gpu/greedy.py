@@ -37,9 +37,10 @@ def prompts(vocab_size: int = 32000) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def transformers_greedy(model_dir: str, dtype: torch.dtype, all_prompts: list[list[int]]) -> list[Greedy]:
+def transformers_greedy(model_dir: str, dtype: torch.dtype, all_prompts: list[list[int]], **load) -> list[Greedy]:
+    """``load``: more ``from_pretrained`` arguments (e.g. ``experts_implementation``)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="cuda",
-                                                               attn_implementation="sdpa")
+                                                               attn_implementation="sdpa", **load)
     runs = []
     for prompt in all_prompts:
         out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS, do_sample=False,
