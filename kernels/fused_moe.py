@@ -6,8 +6,9 @@ The T * k (token, choice) pairs are sorted by expert and each expert's run is pa
 multiple of ``BLOCK_M`` (``align_by_expert``): a block of ``BLOCK_M`` sorted pairs belongs to
 one expert, so one launch covers all experts (grid: blocks x output columns), and a block
 reads only its expert's weights: at decode, only the chosen experts' bytes are read. The
-padded layout has a fixed upper bound (T * k + E * (BLOCK_M - 1) rows), so nothing waits
-on the host and CUDA graphs can capture it; blocks past the used length return at once.
+padded layout has a fixed upper bound, T * k + min(E, T * k) * (BLOCK_M - 1) rows (at decode a
+few blocks, not one per expert), so nothing waits on the host and CUDA graphs can capture it;
+blocks past the used length return at once.
 
 Launch 1: gate|up of every pair ([T*k, 2I]); the existing ``silu_and_mul`` kernel; launch 2:
 down of every pair, scaled by its router weight ([T*k, H]); the k rows of a token are then
@@ -75,7 +76,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     by_expert = flat[order]
     first = torch.cumsum(counts, 0) - counts
     dest = (padded_end - padded)[by_expert] + torch.arange(pairs, device=flat.device) - first[by_expert]
-    capacity = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+    # each expert that has pairs (at most min(E, pairs) of them) pads its run by < block_m rows
+    capacity = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
     sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
     sorted_ids[dest] = order.to(torch.int32)
     block_start = torch.arange(0, capacity, block_m, device=flat.device)

@@ -53,7 +53,9 @@ def test_align_groups_pairs_by_expert_in_padded_blocks(device):
     assert used.item() == 12                                   # experts 0, 2, 3: one 4-row block each
     assert sorted_ids[:12].tolist() == [1, 4, 6, 6, 0, 2, 5, 6, 3, 6, 6, 6]
     assert block_expert[:3].tolist() == [0, 2, 3]
-    assert sorted_ids.numel() == 20 and torch.all(sorted_ids[12:] == 6)
+    assert sorted_ids.numel() == 20 and torch.all(sorted_ids[12:] == 6)     # 6 + min(4, 6) * 3 -> 20
+    one = align_by_expert(torch.tensor([[5, 1]], device=device), 128, 16)[0]
+    assert one.numel() == 32                                   # 2 pairs: 2 + 2 * 15, not one block per expert
 
 
 def test_fused_moe_rejects_mismatched_shapes(device):
