@@ -85,17 +85,31 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
+def _tiles(block_m: int, n: int, k: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_stages). On a GPU, 16-row blocks (decode: weight-bandwidth bound)
+    take the skinny GEMM's measured decode tile for M <= 16 (32 weight rows x 256 columns, 4
+    stages: many programs, long contiguous loads); 64-row blocks (prompts) a 128 x 64 tile.
+    Not yet swept for this kernel (bench.moe_bench reports the result against the floor).
+    The interpreter takes small tiles (fast tests)."""
+    if not on_gpu:
+        return min(max(triton.next_power_of_2(n), 16), 64), min(max(triton.next_power_of_2(k), 16), 64), 1
+    if block_m == 16:
+        return 32, min(max(triton.next_power_of_2(k), 16), 256), 4
+    return min(max(triton.next_power_of_2(n), 16), 128), min(max(triton.next_power_of_2(k), 16), 64), 3
+
+
 def _grouped_gemm(a, w, out, align, num_pairs: int, a_row_div: int, weights, block_m: int) -> None:
     sorted_ids, block_expert, used = align
     n, k = w.shape[1], w.shape[2]
-    block_n = 64 if n >= 64 else max(triton.next_power_of_2(n), 16)
-    block_k = 64 if k >= 64 else max(triton.next_power_of_2(k), 16)
+    block_n, block_k, num_stages = _tiles(block_m, n, k, a.is_cuda)
+    if a.dtype == torch.float32:
+        num_stages = min(num_stages, 2)        # float32 tiles are twice the bytes: stay within shared memory
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, out, sorted_ids, block_expert, used, weights if weights is not None else out,
         num_pairs, n, k, a_row_div, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         MUL_WEIGHT=weights is not None, IEEE=upcast_dots(a),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=num_stages)
 
 
 def _check(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
