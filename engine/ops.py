@@ -15,7 +15,8 @@ import os
 import torch
 
 from engine.worker.kv_cache import KVLayer
-from kernels import decode_attention, fused_moe, penalties, prefill_attention, rmsnorm, rotary, silu_and_mul, skinny_gemm
+from kernels import (decode_attention, fused_moe, penalties, prefill_attention, rmsnorm, rotary, silu_and_mul,
+                     skinny_gemm)
 
 BACKENDS = ("triton", "torch")
 

@@ -69,7 +69,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     flat = topk_ids.flatten().to(torch.int64)
     pairs = flat.numel()
     # counted by scatter_add, not bincount (which reads the max id on the host: no graph capture)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)

@@ -85,8 +85,9 @@ def checkpoint_shapes(c: LlamaConfig, mlp_shapes=None) -> dict[str, tuple[int, .
 def dense_mlp_shapes(c: LlamaConfig, layer: int, p: str, prefix: str = "mlp.", inter: int | None = None):
     """The gated MLP's gate/up/down (``prefix`` and ``inter`` for other MLPs of the same form)."""
     inter = inter or c.intermediate_size
-    return {p + prefix + "gate_proj.weight": (inter, c.hidden_size), p + prefix + "up_proj.weight": (inter, c.hidden_size),
-            p + prefix + "down_proj.weight": (c.hidden_size, inter)}
+    h = c.hidden_size
+    return {p + prefix + "gate_proj.weight": (inter, h), p + prefix + "up_proj.weight": (inter, h),
+            p + prefix + "down_proj.weight": (h, inter)}
 
 
 @dataclass

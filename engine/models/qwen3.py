@@ -14,7 +14,8 @@ import torch
 
 from engine.models.config import Family, ModelConfigError, shared_fields
 from engine.models.layers import Attention, QKNormAttention
-from engine.models.llama import IGNORED_CHECKPOINT_NAMES, LlamaConfig, LlamaFamilyModel, checkpoint_shapes as llama_shapes
+from engine.models.llama import IGNORED_CHECKPOINT_NAMES, LlamaConfig, LlamaFamilyModel
+from engine.models.llama import checkpoint_shapes as llama_shapes
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 

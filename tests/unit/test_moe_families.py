@@ -52,10 +52,13 @@ def test_the_real_configs_parse_to_their_routing_rules():
         return family_for(raw["architectures"][0]).parse_config(raw)
 
     mixtral, qwen2, qwen3 = parse("mixtral-8x7b"), parse("qwen1.5-moe-a2.7b"), parse("qwen3-30b-a3b")
-    assert (mixtral.num_experts, mixtral.top_k, mixtral.norm_topk_prob, mixtral.moe_intermediate_size) == (8, 2, True, 14336)
-    assert (qwen2.num_experts, qwen2.top_k, qwen2.norm_topk_prob, qwen2.shared_expert_intermediate_size) == (60, 4, False, 5632)
+    assert (mixtral.num_experts, mixtral.top_k, mixtral.norm_topk_prob) == (8, 2, True)
+    assert mixtral.moe_intermediate_size == 14336 and not mixtral.round_router_weights
+    assert (qwen2.num_experts, qwen2.top_k, qwen2.norm_topk_prob) == (60, 4, False)
+    assert qwen2.shared_expert_intermediate_size == 5632 and qwen2.round_router_weights
     assert qwen2.qkv_bias and qwen2.sliding_window is None and qwen2.dense_layers == ()
-    assert (qwen3.num_experts, qwen3.top_k, qwen3.norm_topk_prob, qwen3.qk_norm, qwen3.head_dim) == (128, 8, True, True, 128)
+    assert (qwen3.num_experts, qwen3.top_k, qwen3.norm_topk_prob) == (128, 8, True)
+    assert qwen3.qk_norm and qwen3.head_dim == 128
     assert parse("qwen3-8b").head_dim == 128
 
 
