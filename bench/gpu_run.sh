@@ -2,7 +2,8 @@
 # GPU checks and benchmarks in one go (run from the repo root on the GPU machine).
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, kernels, parity7b, profile, bench (default), serving, ablation,
 #                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant,
-#                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense
+#                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
+#                                         moe
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -207,6 +208,22 @@ for stage in $stages; do
           | tee -a "$OUT/dense.log" | grep -v -E "it/s|s/it" | tail -12
       done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
+    moe)
+      # Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, Qwen3-8B (layers reduced, tests/gpu/test_moe_parity.py
+      # MODELS), one at a time (the disk holds one): float32 greedy parity with transformers (4 prompts x 32
+      # tokens), then bench.moe_bench (bf16 batch-1 decode and 256 requests beside transformers, batch-1
+      # decode as a fraction of the active-bytes floor); each checkpoint is deleted after its runs.
+      MOE_DIR=${MOE_DIR:-/tmp/moe}; mkdir -p "$MOE_DIR"; rc=0
+      for name in ${MOE_MODELS:-mixtral-8x7b qwen1.5-moe-a2.7b qwen3-30b-a3b qwen3-8b}; do
+        MOE_DIR=$MOE_DIR python3 -m pytest -q -s -p no:cacheprovider \
+          "tests/gpu/test_moe_parity.py::test_float32_greedy_tokens_equal_transformers[$name]" 2>&1 \
+          | tee -a "$OUT/moe.log" | grep -v -E "it/s|s/it" | tail -8
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        python3 -m bench.moe_bench --model-dir "$MOE_DIR/$name"-*l --json "$OUT/moe_$name.json" 2>&1 \
+          | tee -a "$OUT/moe.log" | grep -E "bandwidth|tokens/s|floor|capacity" | tail -8
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        rm -rf "$MOE_DIR/$name"-*l
+      done ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"
 done

@@ -15,7 +15,8 @@ import os
 import torch
 
 from engine.worker.kv_cache import KVLayer
-from kernels import decode_attention, gelu, layernorm, penalties, prefill_attention, rmsnorm, rotary, silu_and_mul, skinny_gemm
+from kernels import (decode_attention, fused_moe, gelu, layernorm, penalties, prefill_attention, rmsnorm, rotary,
+                     silu_and_mul, skinny_gemm)
 
 BACKENDS = ("triton", "torch")
 
@@ -86,6 +87,10 @@ class TritonOps(KernelOps):
         """F.linear semantics; small decode batches take the skinny GEMM."""
         return skinny_gemm.linear(x, weight, bias)
 
+    def fused_moe(self, x, w_gate_up, w_down, topk_weights, topk_ids):
+        """Each token through its top-k experts, router-weighted and summed (one launch per projection)."""
+        return fused_moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+
 
 class TorchOps(KernelOps):
     backend = "torch"
@@ -127,3 +132,6 @@ class TorchOps(KernelOps):
 
     def linear(self, x, weight, bias=None):
         return skinny_gemm.skinny_gemm_ref(x, weight, bias)
+
+    def fused_moe(self, x, w_gate_up, w_down, topk_weights, topk_ids):
+        return fused_moe.fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids)

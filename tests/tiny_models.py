@@ -47,6 +47,16 @@ FAMILIES = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, use_bias=True, norm_epsilon=1e-5,
         hidden_act="gelu_pytorch_tanh", sliding_window=8, tie_word_embeddings=True, pad_token_id=0)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2,
+                                                             num_local_experts=8, num_experts_per_tok=2)),
+    # top-4 of 8 without renormalisation, the shared expert, layer 1 dense (mlp_only_layers)
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=4,
+        moe_intermediate_size=48, shared_expert_intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=True)),
 }
 
 

@@ -28,6 +28,8 @@ from .tokenizer_builder import write_tokenizer
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
                  "Phi3ForCausalLM", "Starcoder2ForCausalLM")
+# Families whose names and shapes come from the engine's family module (its checkpoint_shapes).
+FAMILY_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 _LLAMA_2 = {
@@ -97,6 +99,42 @@ REAL_CONFIGS: dict[str, dict] = {
         "num_attention_heads": 36, "num_hidden_layers": 32, "num_key_value_heads": 4, "residual_dropout": 0.1,
         "rope_theta": 1000000, "sliding_window": 4096, "torch_dtype": "bfloat16", "use_bias": True,
         "use_cache": True, "vocab_size": 49152},
+    "mixtral-8x7b": {  # mistralai/Mixtral-8x7B-v0.1 (46.7B: --num-layers 4..8 fits one 80 GB GPU)
+        "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
+        "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 32000},
+    "qwen1.5-moe-a2.7b": {  # Qwen/Qwen1.5-MoE-A2.7B (q/k/v biases implied; 60 experts, top-4, shared expert)
+        "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+        "decoder_sparse_step": 1, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 5632, "max_position_embeddings": 8192,
+        "max_window_layers": 21, "model_type": "qwen2_moe", "moe_intermediate_size": 1408, "norm_topk_prob": False,
+        "num_attention_heads": 16, "num_experts": 60, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+        "num_key_value_heads": 16, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 5632, "sliding_window": 32768,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+        "vocab_size": 151936},
+    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B (128 experts, top-8, renormalised; q/k norms)
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+        "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+        "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936},
+    "qwen3-8b": {  # Qwen/Qwen3-8B (head_dim 128 from the config; q/k norms)
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 40960,
+        "max_window_layers": 36, "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 36,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936},
     # Tiny members of the same families, for CPU tests: same keys, small sizes.
     "tiny-llama": {
         **_LLAMA_2, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4,
@@ -144,7 +182,8 @@ REAL_CONFIGS.update({
 
 
 def with_num_layers(config: dict, num_layers: int | None) -> dict:
-    """The config with its first ``num_layers`` layers (so a big model fits one GPU); None keeps them all."""
+    """The config with its first ``num_layers`` layers (a big model cut to fit one GPU); None keeps them all.
+    The per-layer fields follow (``layer_types``, Qwen's ``mlp_only_layers`` and ``max_window_layers``)."""
     if num_layers is None:
         return config
     if not 1 <= num_layers <= config["num_hidden_layers"]:
@@ -152,6 +191,10 @@ def with_num_layers(config: dict, num_layers: int | None) -> dict:
     config = {**config, "num_hidden_layers": num_layers}
     if config.get("layer_types"):
         config["layer_types"] = config["layer_types"][:num_layers]
+    if config.get("mlp_only_layers"):
+        config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < num_layers]
+    if "max_window_layers" in config:
+        config["max_window_layers"] = min(config["max_window_layers"], num_layers)
     return config
 
 
@@ -172,10 +215,16 @@ def resolve_config(config: str | dict) -> dict:
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape for a Llama / Mistral / Qwen2 / Gemma / Gemma 2 / Phi-3 / StarCoder2
-    causal LM config."""
+    causal LM config; the families of ``FAMILY_ARCHITECTURES`` name theirs through the engine's family module."""
     architecture = (config.get("architectures") or [None])[0]
+    if architecture in FAMILY_ARCHITECTURES:
+        from engine.models import family_for
+
+        family = family_for(architecture)
+        return family.checkpoint_shapes(family.parse_config(config))
     if architecture not in ARCHITECTURES:
-        raise ValueError(f"architecture {architecture!r} is not supported; expected one of {ARCHITECTURES}")
+        raise ValueError(f"architecture {architecture!r} is not supported; expected one of "
+                         f"{ARCHITECTURES + FAMILY_ARCHITECTURES}")
     if architecture == "Phi3ForCausalLM":
         return _phi3_shapes(config)
     if architecture == "Starcoder2ForCausalLM":
@@ -297,11 +346,11 @@ def _random_tensor(name: str, shape, index: int, seed: int, dtype, device, std: 
 def write_random_checkpoint(out_dir: str | Path, config: str | dict, dtype: str = "bfloat16", seed: int = 0,
                             device: str | torch.device = "cpu", max_shard_bytes: int = 2 * 1024**3,
                             std: float = 0.02, num_layers: int | None = None) -> Path:
-    """Write config.json, generation_config.json, random safetensors weights and a tokenizer to ``out_dir``;
-    ``num_layers`` keeps only the first N layers (a big model on one GPU).
+    """Write config.json, generation_config.json, random safetensors weights and a tokenizer to ``out_dir``.
 
     One ``model.safetensors`` when the weights fit in ``max_shard_bytes``, else
     ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``.
+    ``num_layers`` keeps only the model's first layers.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(_DTYPES)}")
@@ -363,7 +412,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
                         help="largest shard file in bytes; more weights are split into shards + index "
                              "(default: 2 GiB)")
     parser.add_argument("--num-layers", type=int, default=None,
-                        help="keep only the first N layers (a big model on one GPU; default: all)")
+                        help="keep only the first N decoder layers (a big model cut to fit one GPU; "
+                             "default: all of the config's)")
     parser.add_argument("--list", action="store_true", help="print the known config names and exit")
     args = parser.parse_args(argv)
     if not args.list and (not args.config or not args.out):

@@ -7,7 +7,7 @@ model family keeps them:
 | -------------------------------------- | ------------------------------------------------------- | --------- |
 | sentencepiece style (``bos_token_id`` < 256: Llama-2, Mistral) | ``<unk>``=0, ``<s>``=bos, ``</s>``=eos | yes |
 | Llama-3 (``bos_token_id`` >= 256, not qwen2) | ``<|begin_of_text|>``=bos ... up to vocab_size - 1 (3.1 names when ``rope_scaling`` is llama3) | yes |
-| Qwen2 (``model_type`` == "qwen2")       | ``<|endoftext|>``=eos, ``<|im_start|>``, ``<|im_end|>``, then ``<|reserved_N|>`` to vocab_size - 1 | no |
+| Qwen (``model_type`` qwen2, qwen2_moe, qwen3, qwen3_moe) | ``<|endoftext|>``=eos, ``<|im_start|>``, ``<|im_end|>``, then ``<|reserved_N|>`` to vocab_size - 1 | no |
 
 The other ids are regular tokens: the 256 byte-level symbols, then merges generated in
 a fixed order (common English / Python pieces, then letter strings breadth first), so
@@ -105,11 +105,12 @@ def special_tokens_for(config: dict) -> dict:
     """The family's special tokens: ``{"specials": {id: text}, "bos", "eos", "unk", "add_bos", "style"}``."""
     vocab_size = int(config["vocab_size"])
     bos_ids, eos_ids = _ids(config.get("bos_token_id")), _ids(config.get("eos_token_id"))
-    if config.get("model_type") == "qwen2":
-        base = (eos_ids or bos_ids)[0]
+    if str(config.get("model_type", "")).startswith("qwen"):  # qwen2, qwen2_moe, qwen3, qwen3_moe
+        base = min(bos_ids + eos_ids)                         # Qwen3's eos is <|im_end|> = base + 2
         specials = {base: "<|endoftext|>", base + 1: "<|im_start|>", base + 2: "<|im_end|>"}
         specials.update({i: f"<|reserved_{i - base - 3}|>" for i in range(base + 3, vocab_size)})
-        return dict(style="qwen2", specials=specials, bos=None, eos="<|endoftext|>", unk=None, add_bos=False)
+        return dict(style="qwen2", specials=specials, bos=None, eos=specials[(eos_ids or [base])[0]], unk=None,
+                    add_bos=False)
     bos = bos_ids[0] if bos_ids else 1
     if bos < 256:
         specials = {0: "<unk>", bos: "<s>"}

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.models import gemma, llama, phi3, starcoder2
+from engine.models import gemma, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe, starcoder2
 from engine.models.config import Family, ModelConfig, ModelConfigError, read_config_json
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, starcoder2.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, starcoder2.FAMILY, mixtral.FAMILY,
+                                qwen2_moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)
 MODEL_REGISTRY: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 
 

@@ -17,6 +17,7 @@ all-reduce; vocab: rows split by token id):
 | ``LayerNorm`` | weight, bias, eps (replicated) | LayerNorm, or the residual add + LayerNorm |
 | ``Rotary`` | the cos/sin table | the table and positions the rotary kernel reads |
 | ``Attention`` | qkv (fused), o, score mods | rotary + KV store, prefill or decode attention over the cache (with the layer's sliding window / soft-cap / ALiBi), o |
+| ``QKNormAttention`` | as ``Attention``, + q/k norms | per-head RMSNorm of q and k before rotary (Qwen3) |
 """
 from __future__ import annotations
 
@@ -178,11 +179,8 @@ class Attention:
     mods: ScoreMods | None = None  # this layer's sliding window / logit soft-cap / ALiBi (this shard's heads)
 
     def __call__(self, ops, hidden, batch, kv, req_to_token, rotary: tuple[torch.Tensor, torch.Tensor]):
-        qkv = self.qkv(ops, hidden)
-        tokens, q_size, kv_size = qkv.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim)
-        v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(ops, hidden)
+        tokens, q_size = q.shape[0], self.num_heads * self.head_dim
         table, positions = rotary
         ops.rotary_store_kv(q, k, v, positions, table, kv, batch.out_slots)
         if batch.is_decode:
@@ -193,3 +191,27 @@ class Attention:
                                         batch.seq_len, self.sm_scale, batch.max_q_len, shared=batch.shared_prefix,
                                         max_seq_len=batch.max_seq_len, mods=self.mods)
         return self.o(ops, out.reshape(tokens, q_size))
+
+    def project_qkv(self, ops, hidden) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, D], k and v [T, kv_heads, D] of the new tokens, before rotary."""
+        qkv = self.qkv(ops, hidden)
+        tokens, q_size, kv_size = qkv.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+
+@dataclass
+class QKNormAttention(Attention):
+    """Qwen3's attention: each head's q and k RMS-normed over the head dim before rotary."""
+    q_norm: torch.Tensor | None = None    # [head_dim]
+    k_norm: torch.Tensor | None = None    # [head_dim]
+    eps: float = 1e-6
+
+    def project_qkv(self, ops, hidden) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project_qkv(ops, hidden)
+        tokens, d = q.shape[0], self.head_dim
+        q = ops.rmsnorm(q.reshape(-1, d), self.q_norm, self.eps).view(tokens, self.num_heads, d)
+        k = ops.rmsnorm(k.reshape(-1, d), self.k_norm, self.eps).view(tokens, self.num_kv_heads, d)
+        return q, k, v

@@ -55,16 +55,23 @@ def parse_config(raw: dict[str, Any]) -> LlamaConfig:
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported; only 'silu' is")
     is_qwen2 = raw["architectures"][0] == "Qwen2ForCausalLM"
-    sliding = raw.get("sliding_window") if (not is_qwen2 or raw.get("use_sliding_window")) else None
-    shared = shared_fields(raw)
     return LlamaConfig(
-        **{**shared, "sliding_window": int(sliding) if sliding else None},
-        sliding_layers=_sliding_layers(raw, shared["num_layers"], is_qwen2) if sliding else (),
+        **{**shared_fields(raw), **window_fields(raw, is_qwen2)},
         intermediate_size=int(raw["intermediate_size"]),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", is_qwen2)),
         qkv_bias=bool(raw.get("attention_bias", False)) or is_qwen2,
     )
+
+
+def window_fields(raw: dict[str, Any], is_qwen: bool) -> dict[str, Any]:
+    """``sliding_window`` and ``sliding_layers`` (Llama-family configs): Qwen's window applies only with
+    ``use_sliding_window``; Mistral's and Mixtral's whenever ``sliding_window`` is set."""
+    sliding = raw.get("sliding_window") if (not is_qwen or raw.get("use_sliding_window")) else None
+    if not sliding:
+        return {"sliding_window": None, "sliding_layers": ()}
+    return {"sliding_window": int(sliding),
+            "sliding_layers": _sliding_layers(raw, int(raw["num_hidden_layers"]), is_qwen)}
 
 
 def _sliding_layers(raw: dict[str, Any], num_layers: int, is_qwen2: bool) -> tuple[bool, ...]:
@@ -76,8 +83,10 @@ def _sliding_layers(raw: dict[str, Any], num_layers: int, is_qwen2: bool) -> tup
     return config_sliding_layers(raw, num_layers, lambda i: i >= first)
 
 
-def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of this family must hold, with its full shape."""
+def checkpoint_shapes(c: LlamaConfig, mlp_shapes=None) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this family must hold, with its full shape; ``mlp_shapes(c,
+    layer, prefix)`` names a layer's MLP tensors (families with other MLPs pass theirs)."""
+    mlp_shapes = mlp_shapes or dense_mlp_shapes
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
@@ -91,12 +100,18 @@ def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (c.num_heads * c.head_dim,)
             shapes[p + "self_attn.k_proj.bias"] = (c.num_kv_heads * c.head_dim,)
             shapes[p + "self_attn.v_proj.bias"] = (c.num_kv_heads * c.head_dim,)
-        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+        shapes.update(mlp_shapes(c, i, p))
         shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
         shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
     return shapes
+
+
+def dense_mlp_shapes(c: LlamaConfig, layer: int, p: str, prefix: str = "mlp.", inter: int | None = None):
+    """The gated MLP's gate/up/down (``prefix`` and ``inter`` for other MLPs of the same form)."""
+    inter = inter or c.intermediate_size
+    h = c.hidden_size
+    return {p + prefix + "gate_proj.weight": (inter, h), p + prefix + "up_proj.weight": (inter, h),
+            p + prefix + "down_proj.weight": (h, inter)}
 
 
 @dataclass
@@ -104,7 +119,7 @@ class DecoderLayer:
     input_norm: torch.Tensor    # [hidden]
     attention: Attention
     post_norm: torch.Tensor     # [hidden]
-    mlp: GatedMLP
+    mlp: GatedMLP               # or any block called as mlp(ops, hidden) (e.g. moe.SparseMoE)
 
 
 class LlamaFamilyModel:
@@ -163,16 +178,26 @@ class LlamaFamilyModel:
         self.layers = [self._layer(t, f"model.layers.{i}.") for i in range(c.num_layers)]
 
     def _layer(self, t: dict[str, torch.Tensor], p: str) -> DecoderLayer:
+        attention, mlp = self._attention(t, p), self._mlp(t, p)
+        return DecoderLayer(t.pop(p + "input_layernorm.weight"), attention,
+                            t.pop(p + "post_attention_layernorm.weight"), mlp)
+
+    def _attention(self, t: dict[str, torch.Tensor], p: str) -> Attention:
         c, tp = self.config, self.tp
         qkv = Linear.fused([t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"],
                            [t.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if c.qkv_bias else None)
-        attention = Attention(qkv, RowParallelLinear(t.pop(p + "self_attn.o_proj.weight"), tp), self.num_heads,
-                              self.num_kv_heads, c.head_dim, c.head_dim**-0.5,
-                              ScoreMods(window=window) if (window := c.layer_window(int(p.split(".")[2]))) else None)
-        gate_up = Linear.fused([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
-        mlp = GatedMLP(gate_up, RowParallelLinear(t.pop(p + "mlp.down_proj.weight"), tp))
-        return DecoderLayer(t.pop(p + "input_layernorm.weight"), attention,
-                            t.pop(p + "post_attention_layernorm.weight"), mlp)
+        return Attention(qkv, RowParallelLinear(t.pop(p + "self_attn.o_proj.weight"), tp), self.num_heads,
+                         self.num_kv_heads, c.head_dim, c.head_dim**-0.5, self._mods(p))
+
+    def _mods(self, p: str) -> ScoreMods | None:
+        """The layer's score mods: its sliding window, if it slides."""
+        window = self.config.layer_window(int(p.split(".")[2]))
+        return ScoreMods(window=window) if window else None
+
+    def _mlp(self, t: dict[str, torch.Tensor], p: str, prefix: str = "mlp."):
+        """The gated MLP under ``p + prefix`` (families with other MLPs override this)."""
+        gate_up = Linear.fused([t.pop(p + prefix + "gate_proj.weight"), t.pop(p + prefix + "up_proj.weight")])
+        return GatedMLP(gate_up, RowParallelLinear(t.pop(p + prefix + "down_proj.weight"), self.tp))
 
     # ---- forward -------------------------------------------------------------------
 

@@ -24,7 +24,6 @@ from engine.models.layers import Attention, GatedMLP, Linear, RowParallelLinear
 from engine.models.llama import DecoderLayer, LlamaConfig, LlamaFamilyModel
 from engine.models.parallel import FULL, Slice, read_fused
 from engine.worker.kv_cache import KV_SCALE_PATTERNS
-from kernels.score_mods import ScoreMods
 
 ARCHITECTURES = ("Phi3ForCausalLM",)
 IGNORED_CHECKPOINT_NAMES = (r"rotary_emb\.inv_freq$", *KV_SCALE_PATTERNS)   # KV scales: the worker reads them
@@ -97,8 +96,7 @@ class Phi3Model(LlamaFamilyModel):
         c, tp = self.config, self.tp
         attention = Attention(Linear(t.pop(p + "self_attn.qkv_proj.weight")),
                               RowParallelLinear(t.pop(p + "self_attn.o_proj.weight"), tp), self.num_heads,
-                              self.num_kv_heads, c.head_dim, c.head_dim**-0.5,
-                              ScoreMods(window=window) if (window := c.layer_window(int(p.split(".")[2]))) else None)
+                              self.num_kv_heads, c.head_dim, c.head_dim**-0.5, self._mods(p))
         mlp = GatedMLP(Linear(t.pop(p + "mlp.gate_up_proj.weight")),
                        RowParallelLinear(t.pop(p + "mlp.down_proj.weight"), tp))
         return DecoderLayer(t.pop(p + "input_layernorm.weight"), attention,

@@ -39,9 +39,11 @@ def prompts(vocab_size: int = 32000) -> list[list[int]]:
 
 
 def transformers_greedy(model_dir: str, dtype: torch.dtype, all_prompts: list[list[int]],
-                        new_tokens: int = NEW_TOKENS) -> list[Greedy]:
+                        new_tokens: int = NEW_TOKENS, **load) -> list[Greedy]:
+    """``load``: more ``from_pretrained`` arguments (e.g. ``experts_implementation``)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="cuda",
-                                                               attn_implementation=attention_implementation(model_dir))
+                                                               attn_implementation=attention_implementation(model_dir),
+                                                               **load)
     runs = []
     for prompt in all_prompts:
         out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=new_tokens, do_sample=False,

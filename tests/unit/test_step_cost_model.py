@@ -32,10 +32,10 @@ def test_the_worker_hands_the_prefill_attention_the_longest_sequence(tmp_path, m
     original = ops_module.TorchOps.prefill_attention
 
     def recording(self, q, kv, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale, max_q_len, shared=None,
-                  max_seq_len=None):
+                  max_seq_len=None, **rest):
         seen.append((max_seq_len, int(seq_len.max())))
         return original(self, q, kv, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale, max_q_len,
-                        shared=shared, max_seq_len=max_seq_len)
+                        shared=shared, max_seq_len=max_seq_len, **rest)
 
     monkeypatch.setattr(ops_module.TorchOps, "prefill_attention", recording)
     engine = Engine(EngineConfig(model_dir=str(path), device="cpu", kernel_backend="torch", num_slots=512,
@@ -45,3 +45,17 @@ def test_the_worker_hands_the_prefill_attention_the_longest_sequence(tmp_path, m
     engine.generate([GenerationRequest(i, p, 2, stop_token_ids=[]) for i, p in enumerate(prompts)])
     assert seen and all(host == device for host, device in seen)
     assert max(host for host, _ in seen) >= 40               # the 40-token prompt's later chunks
+
+
+def test_a_moe_tokens_matmuls_count_its_chosen_experts_only():
+    """Mixtral-8x7B: a token's matmuls use 2 of 8 experts (attention span of the ~0.2B weights
+    per layer it uses, not the 1.4B all experts hold); a decode step reads all of them."""
+    from engine.models import family_for
+    from weights.random_checkpoint import REAL_CONFIGS
+
+    raw = REAL_CONFIGS["mixtral-8x7b"]
+    span, kv = step_cost_model(family_for(raw["architectures"][0]).parse_config(raw))
+    per_layer_used = 4096 * (2 * 4096 + 2 * 1024) + 2 * 3 * 14336 * 4096 + 8 * 4096   # attention, 2 experts, router
+    assert abs(span - int(ATTENTION_EFFICIENCY * per_layer_used / (2 * 32 * 128))) <= 1
+    per_layer_all = per_layer_used + 6 * 3 * 14336 * 4096
+    assert kv == (32 * per_layer_all + 32000 * 4096) // (2 * 32 * 8 * 128)   # all experts' bytes, 8 KV heads

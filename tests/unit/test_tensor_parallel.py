@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.models import build_model, load_model_config
+from engine.models import build_model, family_for, load_model_config
+from engine.models.llama import LlamaFamilyModel
 from engine.ops import KernelOps
 from engine.models.parallel import ShardingError, TensorParallel
 from tests.e2e.server import free_port
@@ -22,11 +23,14 @@ def generate(path, num_shards):
     return {i: [(e.token_id, round(e.logprob, 3)) for e in events] for i, events in out.items()}
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "gemma2", "phi3", "starcoder2"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "gemma2", "phi3", "starcoder2", "mixtral",
+                                    "qwen2_moe"])
 def test_two_shards_give_the_same_tokens_as_one(family, tmp_path):
     """llama: MHA; llama3: GQA with as many KV heads as shards; qwen2: 1 KV head (replicated) + biases;
     gemma2: sliding window and soft-caps per shard, the final soft-cap on the gathered logits;
-    phi3: fused qkv_proj / gate_up_proj sliced per part; starcoder2: row-parallel biases added once."""
+    phi3: fused qkv_proj / gate_up_proj sliced per part; starcoder2: row-parallel biases added once;
+    mixtral: each expert sliced like the gated MLP, the router replicated; qwen2_moe: the shared
+    expert's partial output summed with the experts' by one all-reduce, a dense layer."""
     path = save_tiny_model(family, tmp_path / family)
     assert generate(path, 2) == generate(path, 1)
 
@@ -113,3 +117,30 @@ def test_a_model_that_does_not_divide_is_refused(tmp_path):
     path = save_tiny_model("llama", tmp_path / "llama")   # 4 heads
     with pytest.raises(ShardingError, match="num_attention_heads=4 does not divide over --num-shard 3"):
         TensorParallel(0, 3).check(load_model_config(path))
+
+
+def test_experts_are_sliced_like_the_gated_mlp_and_the_router_replicated(tmp_path):
+    """Mixtral on two shards: each expert's gate/up rows and down columns concatenate to the
+    full expert; the router is whole on both; each rank reads about half of the weights."""
+    path = save_tiny_model("mixtral", tmp_path / "mixtral")
+    config = load_model_config(path)
+    family = family_for(config.architecture)
+
+    def load(rank, world):
+        model = family.model(config, KernelOps.create("torch"), torch.float32, "cpu", 64, TensorParallel(rank, world))
+        with open_checkpoint(path) as checkpoint:
+            counting = CountingCheckpoint(checkpoint)
+            model.load_weights(counting)
+        return model, counting
+
+    (full, full_count), (a, ca), (b, cb) = load(0, 1), load(0, 2), load(1, 2)
+    inter = config.moe_intermediate_size // 2
+    for la, lb, lf in zip(a.layers, b.layers, full.layers):
+        ma, mb, mf = la.mlp, lb.mlp, lf.mlp
+        assert torch.equal(ma.router, mf.router) and torch.equal(mb.router, mf.router)
+        gate = torch.cat([ma.w_gate_up[:, :inter], mb.w_gate_up[:, :inter]], dim=1)
+        up = torch.cat([ma.w_gate_up[:, inter:], mb.w_gate_up[:, inter:]], dim=1)
+        assert torch.equal(torch.cat([gate, up], dim=1), mf.w_gate_up)
+        assert torch.equal(torch.cat([ma.w_down, mb.w_down], dim=2), mf.w_down)
+    assert all("norm" in name or name.endswith(".gate.weight") for name in ca.full_reads + cb.full_reads)
+    assert ca.elements < 0.62 * full_count.elements and cb.elements < 0.62 * full_count.elements

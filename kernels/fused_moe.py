@@ -1,0 +1,161 @@
+"""Fused mixture-of-experts MLP: every token's top-k experts in one grouped GEMM per projection.
+
+    out[t] = sum_j  w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = ids[t, j]
+
+The T * k (token, choice) pairs are sorted by expert and each expert's run is padded to a
+multiple of ``BLOCK_M`` (``align_by_expert``): a block of ``BLOCK_M`` sorted pairs belongs to
+one expert, so one launch covers all experts (grid: blocks x output columns), and a block
+reads only its expert's weights: at decode, only the chosen experts' bytes are read. The
+padded layout has a fixed upper bound, T * k + min(E, T * k) * (BLOCK_M - 1) rows (at decode a
+few blocks, not one per expert), so nothing waits on the host and CUDA graphs can capture it;
+blocks past the used length return at once.
+
+Launch 1: gate|up of every pair ([T*k, 2I]); the existing ``silu_and_mul`` kernel; launch 2:
+down of every pair, scaled by its router weight ([T*k, H]); the k rows of a token are then
+summed. Float32 inputs use exact (IEEE) dot products, like the other GEMM kernels.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_tensor, upcast_dots
+from .silu_and_mul import silu_and_mul, silu_and_mul_ref
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, used_ptr, weights_ptr,
+    num_pairs, n, k, a_row_div,
+    stride_a, stride_we, stride_wn, stride_out,
+    MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: fp32 dots (no TF32; the interpreter lacks bf16 dots)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[pair] = a[pair // a_row_div] @ w[expert].T (* weights[pair]) for one block of pairs."""
+    block = tl.program_id(0)
+    if block * BLOCK_M >= tl.load(used_ptr):
+        return
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + rows).to(tl.int64)
+    valid = pairs < num_pairs
+    a_rows = pairs // a_row_div
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None],
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    if MUL_WEIGHT:
+        # round the product to the dtype first, as transformers (expert output, then * weight)
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    tl.store(out_ptr + pairs[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """(sorted_ids, block_expert, used): pair indices (token * k + j) grouped by expert, each
+    expert's run padded to a multiple of ``block_m`` with the sentinel T * k; the expert of
+    each block; the used length (a 1-element tensor). Sizes depend only on T, k, E."""
+    flat = topk_ids.flatten().to(torch.int64)
+    pairs = flat.numel()
+    # counted by scatter_add, not bincount (which reads the max id on the host: no graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    first = torch.cumsum(counts, 0) - counts
+    dest = (padded_end - padded)[by_expert] + torch.arange(pairs, device=flat.device) - first[by_expert]
+    # each expert that has pairs (at most min(E, pairs) of them) pads its run by < block_m rows
+    capacity = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_start = torch.arange(0, capacity, block_m, device=flat.device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).clamp(max=num_experts - 1)
+    return sorted_ids, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
+
+
+def _tiles(block_m: int, n: int, k: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_stages). On a GPU, 16-row blocks (decode: weight-bandwidth bound)
+    take the skinny GEMM's measured decode tile for M <= 16 (32 weight rows x 256 columns, 4
+    stages: many programs, long contiguous loads); 64-row blocks (prompts) a 128 x 64 tile.
+    Not yet swept for this kernel (bench.moe_bench reports the result against the floor).
+    The interpreter takes small tiles (fast tests)."""
+    if not on_gpu:
+        return min(max(triton.next_power_of_2(n), 16), 64), min(max(triton.next_power_of_2(k), 16), 64), 1
+    if block_m == 16:
+        return 32, min(max(triton.next_power_of_2(k), 16), 256), 4
+    return min(max(triton.next_power_of_2(n), 16), 128), min(max(triton.next_power_of_2(k), 16), 64), 3
+
+
+def _grouped_gemm(a, w, out, align, num_pairs: int, a_row_div: int, weights, block_m: int) -> None:
+    sorted_ids, block_expert, used = align
+    n, k = w.shape[1], w.shape[2]
+    block_n, block_k, num_stages = _tiles(block_m, n, k, a.is_cuda)
+    if a.dtype == torch.float32:
+        num_stages = min(num_stages, 2)        # float32 tiles are twice the bytes: stay within shared memory
+    grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, w, out, sorted_ids, block_expert, used, weights if weights is not None else out,
+        num_pairs, n, k, a_row_div, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        MUL_WEIGHT=weights is not None, IEEE=upcast_dots(a),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=num_stages)
+
+
+def _check(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
+    check_tensor("x", x, 2)
+    check_tensor("w_gate_up", w_gate_up, 3)
+    check_tensor("w_down", w_down, 3)
+    experts, two_inter, hidden = w_gate_up.shape
+    if x.shape[1] != hidden or w_down.shape != (experts, hidden, two_inter // 2):
+        raise ValueError(f"fused_moe shapes disagree: x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)}, "
+                         f"w_down {tuple(w_down.shape)} (expected [E, 2I, H] and [E, H, I])")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T={x.shape[0]}, k]")
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I];
+    topk_weights [T, k] float32, topk_ids [T, k] -> [T, H] in x's dtype."""
+    _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    tokens, top_k = topk_ids.shape
+    experts, two_inter, hidden = w_gate_up.shape
+    out = torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    x = x.contiguous()
+    pairs = tokens * top_k
+    block_m = 16 if pairs <= 4 * experts else 64
+    align = align_by_expert(topk_ids, experts, block_m)
+    gate_up = torch.empty((pairs, two_inter), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w_gate_up, gate_up, align, pairs, top_k, None, block_m)
+    act = silu_and_mul(gate_up)
+    down = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w_down, down, align, pairs, 1, topk_weights.contiguous().float(), block_m)
+    return down.view(tokens, top_k, hidden).sum(dim=1)
+
+
+def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """The same, one expert at a time (transformers' loop)."""
+    _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    out = torch.zeros_like(x)
+    for expert in torch.unique(topk_ids).tolist():
+        token, slot = torch.where(topk_ids == expert)
+        act = silu_and_mul_ref(x[token] @ w_gate_up[expert].T)
+        y = (act @ w_down[expert].T) * topk_weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
