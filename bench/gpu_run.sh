@@ -190,6 +190,7 @@ for stage in $stages; do
          PYTHONPATH=/tmp/site:$PWD python3 -m bench.prefill_attention_bench --seq-lens 4096,32768 --sweep-lens "" \
           --json "$OUT/llama_prefill_$tag.json" 2>&1 | tee -a "$OUT/llama_attn_$tag.log" | tail -6)
         rc=$?
+      done ;;
     dense)
       # Phi-3-mini-4k / -128k and StarCoder2-7B (DENSE_LAYERS layers, default 8): float32 greedy parity
       # with transformers, then bf16 batch-1 decode and the 256-request throughput beside transformers
@@ -207,7 +208,6 @@ for stage in $stages; do
         python3 -m bench.engine_bench --model-dir /tmp/dense-$name --json "$OUT/dense_$name.json" 2>&1 \
           | tee -a "$OUT/dense.log" | grep -v -E "it/s|s/it" | tail -12
       done ;;
-    *) echo "unknown stage $stage"; rc=2 ;;
     moe)
       # Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, Qwen3-8B (layers reduced, tests/gpu/test_moe_parity.py
       # MODELS), one at a time (the disk holds one): float32 greedy parity with transformers (4 prompts x 32
@@ -224,6 +224,7 @@ for stage in $stages; do
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         rm -rf "$MOE_DIR/$name"-*l
       done ;;
+    *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"
 done

@@ -111,7 +111,8 @@ def _decode_split_kernel(
     tl.store(mid_lse_ptr + lse_offs, lse, mask=h_mask)
 
 
-@triton.jit
+# The split counts are not specialised: every count shares one compiled kernel (no compile mid-serving)
+@triton.jit(do_not_specialize=["num_splits", "total_splits"])
 def _decode_merge_kernel(
     mid_out_ptr, mid_lse_ptr, out_ptr, b_first_ptr,
     stride_mid_batch, stride_mid_head, stride_mid_split, stride_lse_batch, stride_lse_head,

@@ -66,7 +66,9 @@ from .decode_attention import _decode_merge_kernel
 from .score_mods import ScoreMods
 
 
-@triton.jit
+# One compiled kernel for every split count (the worker's warm-up compiles each variant once, so none
+# compiles while requests wait: engine.worker.model_worker)
+@triton.jit(do_not_specialize=["num_splits"])
 def _prefill_attention_kernel(
     q_ptr, kv_ptr, req_to_token_ptr, out_ptr,
     b_req_row_ptr, b_q_start_ptr, b_q_len_ptr, b_seq_len_ptr,
@@ -263,6 +265,7 @@ CUDA_LAUNCHES_FP32 = {64: PrefillLaunch(32, 32, 8, 1), 128: PrefillLaunch(64, 64
 CPU_LAUNCH = PrefillLaunch(32, 32, 4, 1)     # the interpreter: small tiles keep the tests fast
 MAX_SPLITS = 32
 MIN_SPLIT_KEYS = 1024   # a split walks at least this many keys (its partial result costs a merge)
+MERGE_BLOCK_S = triton.next_power_of_2(MAX_SPLITS)   # one merge kernel for every split count
 
 
 def prefill_launch(head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
@@ -373,7 +376,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
     if splits > 1:
         _decode_merge_kernel[(tokens, q_heads)](
             split_out, split_lse, out, b_seq_len, *split_strides, out.stride(0), out.stride(1), head_dim, splits,
-            splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, SHARED=False, num_warps=4,
+            splits, BLOCK_S=MERGE_BLOCK_S, BLOCK_D=block_d, SHARED=False, num_warps=4,
             **launch_options(q),
         )
     return out

@@ -51,7 +51,8 @@ def default_launch(device: torch.device) -> tuple[int, int, int, int]:
     return SHARED_LAUNCH if device.type == "cuda" else SHARED_LAUNCH_CPU
 
 
-@triton.jit
+# Row and split counts are not specialised: one compiled kernel serves every step
+@triton.jit(do_not_specialize=["batch", "num_splits", "first_split"])
 def _shared_prefix_kernel(
     q_ptr, kv_ptr, req_to_token_ptr, b_first_ptr, source_ptr, mid_out_ptr, mid_lse_ptr,
     scale_log2, batch,

@@ -22,6 +22,7 @@ from engine.transfer import to_device
 from engine.worker.cuda_graphs import PaddedDecoder
 from engine.worker.forward_batch import SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs
 from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
+from kernels.prefill_attention import MIN_SPLIT_KEYS
 from weights.checkpoint import open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class ModelWorker:
         self.last_tokens = torch.zeros(config.max_requests + 1, dtype=torch.int64, device=config.device)
         num_slots = self._size_slots()
         self.kv_cache = self._new_cache(num_slots)
+        if self.device.type == "cuda" and self.ops.backend == "triton":
+            self._compile_attention_variants()
         if self.device.type == "cuda":
             graphs = config.cuda_graphs
             # The torch references index with host integers, which a graph capture cannot hold.
@@ -172,6 +175,33 @@ class ModelWorker:
         self.kv_cache = None
         torch.cuda.empty_cache()
         return peak
+
+    def _compile_attention_variants(self) -> None:
+        """Run once each prefill-attention variant that serving reaches beyond the warm-up's plain prompts
+        (prompt chunks behind a shared prefix; keys split over a long context; both), so that Triton
+        compiles them at startup: compiled mid-serving, under a burst's tokenization load, each cost
+        seconds of every waiting request's time to first token."""
+        long_len = min(2 * MIN_SPLIT_KEYS, self.config.max_seq_len - 16, self.num_slots - 64)
+        if self.config.max_requests > SHARED_PREFIX_MIN_ROWS:
+            self._warm_shared_prefix(16)
+            if long_len >= 2 * MIN_SPLIT_KEYS:
+                self._warm_shared_prefix(long_len)
+        if long_len >= 2 * MIN_SPLIT_KEYS:
+            self._warm_shared_prefix(long_len, members=1)
+
+    def _warm_shared_prefix(self, prefix_len: int, members: int = SHARED_PREFIX_MIN_ROWS) -> None:
+        """A prompt of ``prefix_len`` tokens, then ``members`` requests that reuse its slots (as the prefix
+        cache maps them) with a 4-token chunk each: one cascade group from ``SHARED_PREFIX_MIN_ROWS`` rows."""
+        params = SamplingParams()
+        owner = StepRow(request_id=-1, row=0, start_pos=0, input_ids=[1] * prefix_len, slots=list(range(prefix_len)),
+                        sample=True, params=params)
+        self.execute(Step(rows=[owner]))
+        shared = prefix_len if members >= SHARED_PREFIX_MIN_ROWS else 0
+        rows = [StepRow(request_id=-2 - i, row=1 + i, start_pos=prefix_len, input_ids=[1] * 4,
+                        slots=list(range(prefix_len + 4 * i, prefix_len + 4 * i + 4)), sample=True, params=params,
+                        prefix_slots=list(range(prefix_len)), shared_prefix_len=shared) for i in range(members)]
+        self.execute(Step(rows=rows))
+        self.execute(Step(rows=[], released=[r.request_id for r in [owner, *rows]]))
 
     # ---- one step ------------------------------------------------------------------
 
