@@ -435,9 +435,11 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     if args.list:
         for name, config in REAL_CONFIGS.items():
+            layers = config.get("num_hidden_layers") or config["n_layer"]            # Bloom: n_layer, n_head
+            heads = config.get("num_attention_heads") or config["n_head"]
             print(f"{name:18s} {config['architectures'][0]:20s} hidden={config['hidden_size']} "
-                  f"layers={config['num_hidden_layers']} heads={config['num_attention_heads']}/"
-                  f"{config.get('num_key_value_heads')} vocab={config['vocab_size']}")
+                  f"layers={layers} heads={heads}/{config.get('num_key_value_heads', heads)} "
+                  f"vocab={config['vocab_size']}")
         return 0
     path = write_random_checkpoint(args.out, args.config, dtype=args.dtype, seed=args.seed, device=args.device,
                                    max_shard_bytes=args.max_shard_bytes, std=args.std, num_layers=args.num_layers)
