@@ -136,3 +136,33 @@ def test_rope_scaling_from_the_command_line_is_refused(tmp_path):
     path = save_tiny_model("bloom", tmp_path / "bloom")
     with pytest.raises(ModelConfigError, match="--rope-scaling"):
         load_model_config(path, rope_scaling=("linear", 2.0))
+
+
+def test_requests_behind_a_cached_prefix_match_transformers_with_the_triton_kernels(tmp_path):
+    """Nine requests behind one 70-token prefix: the prefix cache hands the later eight its unrotated K/V
+    slots, the router groups them as sharing it, and the attention kernels (under the interpreter) attend
+    without the shared-prefix path (ALiBi needs each row's positions); every token is transformers'."""
+    path = save_tiny_model("bloom", tmp_path / "bloom")
+    hf = load_hf(path)
+    engine = Engine(EngineConfig(model_dir=str(path), device="cpu", kernel_backend="triton", num_slots=1024,
+                                 dtype="float32", max_requests=10, max_prefill_tokens=256))
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 384, (70,), generator=g).tolist()
+    all_prompts = [prefix + torch.randint(3, 384, (1 + i % 4,), generator=g).tolist() for i in range(9)]
+    request = lambda i: GenerationRequest(i, all_prompts[i], 4, stop_token_ids=[])  # noqa: E731
+    shared_rows = []
+    schedule = engine.router.scheduler.schedule
+
+    def recording_schedule():
+        step = schedule()
+        shared_rows.append(sum(r.shared_prefix_len > 0 for r in step.rows))
+        return step
+
+    engine.router.scheduler.schedule = recording_schedule
+    outputs = engine.generate([request(0)])               # caches the prefix
+    outputs.update(engine.generate([request(i) for i in range(1, 9)]))
+    assert max(shared_rows) == 8
+    for i, prompt in enumerate(all_prompts):
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+        assert [o.token_id for o in outputs[i]] == out[0, len(prompt):].tolist(), f"request {i}"
+    assert engine.kv_usage()[0] == 0
