@@ -166,3 +166,17 @@ def test_requests_behind_a_cached_prefix_match_transformers_with_the_triton_kern
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
         assert [o.token_id for o in outputs[i]] == out[0, len(prompt):].tolist(), f"request {i}"
     assert engine.kv_usage()[0] == 0
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3fn"])
+def test_a_quantized_kv_cache_stores_k_unrotated_in_the_kernels_as_the_references(kv, tmp_path):
+    """--kv-cache-dtype: the store kernel quantizes K without rotating it, ALiBi attention dequantizes;
+    the Triton kernels (interpreter) generate what the torch references do."""
+    path = save_tiny_model("bloom", tmp_path / "bloom")
+    out = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(EngineConfig(model_dir=str(path), device="cpu", kernel_backend=backend, num_slots=128,
+                                     dtype="float32", max_requests=4, max_prefill_tokens=16, kv_cache_dtype=kv))
+        events = engine.generate([GenerationRequest(i, p, 6, stop_token_ids=[]) for i, p in enumerate(PROMPTS)])
+        out[backend] = [[e.token_id for e in events[i]] for i in range(len(PROMPTS))]
+    assert out["triton"] == out["torch"]
