@@ -23,6 +23,11 @@ Names: transformers' ``save_pretrained`` writes ``transformer.h.0...``; bigscien
 Context: config.json has no ``max_position_embeddings`` (ALiBi has no trained position table);
 the limit is ``DEFAULT_CONTEXT``, the one TGI's launcher uses for such configs, unless config.json
 names one. ``--rope-scaling`` does not apply (no rotary embedding) and is refused.
+
+The KV cache holds K as projected (the rotary/store kernel without a cos/sin table), so cached prefixes
+are reused as for any model; the attention kernels skip the shared-prefix (cascade) path under ALiBi,
+which needs each row's positions. ``--kv-cache-dtype``: int8 as for every model; fp8's per-tensor scales
+are 1.0 (no Bloom checkpoint carries any).
 """
 from __future__ import annotations
 
@@ -197,8 +202,8 @@ class BloomModel:
         weight, bias = self._linear(t, p + "self_attention.query_key_value")
         qkv = Linear(interleaved_to_qkv(weight, heads, c.head_dim), interleaved_to_qkv(bias, heads, c.head_dim))
         dense_weight, dense_bias = self._linear(t, p + "self_attention.dense")
-        attention = Attention(qkv, RowParallelLinear(dense_weight, tp, dense_bias), heads, heads, c.head_dim, c.head_dim**-0.5,
-                              ScoreMods(alibi_slopes=self.alibi_slopes))
+        attention = Attention(qkv, RowParallelLinear(dense_weight, tp, dense_bias), heads, heads, c.head_dim,
+                              c.head_dim**-0.5, ScoreMods(alibi_slopes=self.alibi_slopes))
         up = Linear(*self._linear(t, p + "mlp.dense_h_to_4h"))
         down_weight, down_bias = self._linear(t, p + "mlp.dense_4h_to_h")
         mlp = GeluMLP(up, RowParallelLinear(down_weight, tp, down_bias), "tanh")

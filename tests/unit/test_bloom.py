@@ -180,3 +180,12 @@ def test_a_quantized_kv_cache_stores_k_unrotated_in_the_kernels_as_the_reference
         events = engine.generate([GenerationRequest(i, p, 6, stop_token_ids=[]) for i, p in enumerate(PROMPTS)])
         out[backend] = [[e.token_id for e in events[i]] for i in range(len(PROMPTS))]
     assert out["triton"] == out["torch"]
+
+
+def test_an_untied_lm_head_is_read_from_the_checkpoint(tmp_path):
+    path = save_tiny_model("bloom", tmp_path / "bloom", tie_word_embeddings=False)
+    with open_checkpoint(path) as checkpoint:
+        assert "lm_head.weight" in checkpoint
+    model = load(path)
+    assert not model.config.tie_word_embeddings and model.lm_head.weight is not model.embed_tokens.weight
+    assert greedy(path) == hf_greedy(path)
