@@ -92,14 +92,13 @@ def _rotary_store_kv_kernel(
         pos = tl.load(positions_ptr + token).to(tl.int64)
         cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=offs_d < half, other=0.0)[None, :]
         sin = tl.load(cache_ptr + pos * stride_cache + half + offs_d, mask=offs_d < half, other=0.0)[None, :]
-    else:                                           # positions and the cache are not read
-        cos = tl.zeros([1, BLOCK_HALF], dtype=tl.float32)
-        sin = cos
-    if ROTARY:
         if head_block * BLOCK_H < q_heads:
             q_row = q_ptr + token * stride_q_token
             _write_heads(q_row, stride_q_head, q_row, stride_q_head, q_heads, head_block,
                           cos, sin, offs_d, half, BLOCK_H, True)
+    else:                       # no rotation: positions, the cache and q are not read (cos/sin unused)
+        cos = tl.zeros([1, BLOCK_HALF], dtype=tl.float32)
+        sin = cos
     if head_block * BLOCK_H < kv_heads:
         slot = tl.load(slots_ptr + token).to(tl.int64)
         slot_row = kv_ptr + slot * stride_kv_slot
