@@ -3,7 +3,7 @@
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, kernels, parity7b, profile, bench (default), serving, ablation,
 #                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant,
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
-#                                         moe
+#                                         moe, bloom
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -224,6 +224,21 @@ for stage in $stages; do
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         rm -rf "$MOE_DIR/$name"-*l
       done ;;
+    bloom)
+      # Bloom-7b1 (BLOOM_LAYERS of its 30 layers, default 8 to keep the stage near 2 minutes; 30, the whole
+      # model, fits one H100): float32 greedy parity with transformers (4 prompts x 64 tokens; ALiBi inside both
+      # attention kernels, K stored unrotated), then bf16 batch-1 decode and the 256-request throughput beside
+      # transformers (eager attention: its Bloom has no SDPA path)
+      layers=${BLOOM_LAYERS:-8}; dir=/tmp/bloom-7b1-${layers}l; rc=0
+      [ -f "$dir/config.json" ] || timeout 300 python3 -m weights.random_checkpoint --config bloom-7b1 --out "$dir" \
+        --dtype bfloat16 --device cuda --num-layers "$layers" 2>&1 | tail -1
+      DENSE_DIRS="bloom-7b1=$dir" timeout 420 python3 -m pytest -q -s -p no:cacheprovider \
+        "tests/gpu/test_dense_families.py::test_float32_greedy_tokens_equal_transformers[bloom-7b1]" 2>&1 \
+        | tee "$OUT/bloom.log" | grep -v -E "it/s|s/it" | tail -12
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      timeout 420 python3 -m bench.engine_bench --model-dir "$dir" --json "$OUT/bloom_bench.json" 2>&1 \
+        | tee -a "$OUT/bloom.log" | grep -v -E "it/s|s/it" | tail -12
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"

@@ -12,8 +12,9 @@ import torch
 from .workloads import Workload
 
 
-# transformers' attention for these is eager only (SDPA cannot soft-cap the scores)
-EAGER_ONLY = ("Gemma2ForCausalLM",)
+# transformers' attention for these is eager only (Gemma 2: SDPA cannot soft-cap the scores; Bloom: its
+# ALiBi attention has no SDPA path, from_pretrained refuses attn_implementation="sdpa")
+EAGER_ONLY = ("Gemma2ForCausalLM", "BloomForCausalLM")
 
 
 def attention_implementation(model_dir: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,8 +120,8 @@ def step_cost_model(model_config: ModelConfig) -> tuple[int, int]:
     them: a decode batch's rows choose many experts)."""
     c = model_config
     shapes = family_for(c.architecture).checkpoint_shapes(c)
-    matrices = {name: math.prod(shape) for name, shape in shapes.items()
-                if name.startswith("model.layers.") and len(shape) == 2}
+    matrices = {name: math.prod(shape) for name, shape in shapes.items()      # a layer's: its name has the index
+                if re.search(r"\.\d+\.", name) and len(shape) == 2}
     layer_weights = sum(matrices.values())
     # a token's matmuls use only its top_k of the num_experts experts (mixture-of-experts families)
     expert_share = getattr(c, "top_k", 1) / max(getattr(c, "num_experts", 1), 1)

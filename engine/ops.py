@@ -49,7 +49,7 @@ class TritonOps(KernelOps):
         return rmsnorm.add_rmsnorm(x, residual, weight, eps)
 
     def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, kv: KVLayer, slots) -> None:
-        """Rotate q in place; rotated k and v into their slots of the KV cache."""
+        """Rotate q in place; rotated k and v into their slots of the KV cache (no cos_sin_cache: no rotation)."""
         rotary.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,

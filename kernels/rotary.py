@@ -6,6 +6,9 @@ For every new token ``t`` of a step:
 - ``kv_layer[slots[t], :Hk] = rotate(k[t])`` and ``kv_layer[slots[t], Hk:] = v[t]``
   (``k`` itself is left as it was: attention reads K from the cache).
 
+Without a ``cos_sin_cache`` (models with no rotary embedding: Bloom's ALiBi) the same kernel only
+stores: q is left as it is and K is written unrotated (the ``ROTARY`` constexpr).
+
 ``cos_sin_cache[p] = cat(cos(p * inv_freq) * scale, sin(p * inv_freq) * scale)`` is built
 by the caller for every rope variant; the kernel only gathers row ``positions[t]``.
 With ``x1 = x[..., :D/2]`` and ``x2 = x[..., D/2:]``:
@@ -78,25 +81,30 @@ def _rotary_store_kv_kernel(
     q_heads, kv_heads, half,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
+    ROTARY: tl.constexpr = True,
 ):
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_HALF)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=offs_d < half, other=0.0)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_cache + half + offs_d, mask=offs_d < half, other=0.0)[None, :]
-    if head_block * BLOCK_H < q_heads:
-        q_row = q_ptr + token * stride_q_token
-        _write_heads(q_row, stride_q_head, q_row, stride_q_head, q_heads, head_block,
-                      cos, sin, offs_d, half, BLOCK_H, True)
+    if ROTARY:
+        pos = tl.load(positions_ptr + token).to(tl.int64)
+        cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=offs_d < half, other=0.0)[None, :]
+        sin = tl.load(cache_ptr + pos * stride_cache + half + offs_d, mask=offs_d < half, other=0.0)[None, :]
+        if head_block * BLOCK_H < q_heads:
+            q_row = q_ptr + token * stride_q_token
+            _write_heads(q_row, stride_q_head, q_row, stride_q_head, q_heads, head_block,
+                          cos, sin, offs_d, half, BLOCK_H, True)
+    else:                       # no rotation: positions, the cache and q are not read (cos/sin unused)
+        cos = tl.zeros([1, BLOCK_HALF], dtype=tl.float32)
+        sin = cos
     if head_block * BLOCK_H < kv_heads:
         slot = tl.load(slots_ptr + token).to(tl.int64)
         slot_row = kv_ptr + slot * stride_kv_slot
         k_scales = scales_ptr + slot * stride_scale_slot
         _write_heads(k_ptr + token * stride_k_token, stride_k_head, slot_row, stride_kv_head, kv_heads, head_block,
-                      cos, sin, offs_d, half, BLOCK_H, True, k_scales, stride_scale_head, KV_SCALES)
+                      cos, sin, offs_d, half, BLOCK_H, ROTARY, k_scales, stride_scale_head, KV_SCALES)
         _write_heads(v_ptr + token * stride_v_token, stride_v_head, slot_row + kv_heads * stride_kv_head,
                       stride_kv_head, kv_heads, head_block, cos, sin, offs_d, half, BLOCK_H, False,
                       k_scales + v_scale_offset, stride_scale_head, KV_SCALES)
@@ -107,7 +115,7 @@ def _check(q, k, v, positions, cos_sin_cache, kv_layer, slots, kv_scales) -> Non
     device = q.device
     tokens, _, head_dim = q.shape
     if head_dim % 2:
-        raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
+        raise ValueError(f"head_dim must be even (the kernel moves each head in two halves), got {head_dim}")
     check_tensor("k", k, 3, device=device)
     check_shape("k", k, (tokens, None, head_dim))
     check_tensor("v", v, 3, device=device)
@@ -117,35 +125,44 @@ def _check(q, k, v, positions, cos_sin_cache, kv_layer, slots, kv_scales) -> Non
     check_kv(kv_layer, kv_scales, q.dtype)
     for name, t in (("k", k), ("v", v)):
         check_same_dtype(name, t, q.dtype)
-    check_tensor("positions", positions, 1, dtypes=INDEX_DTYPES, device=device)
-    check_shape("positions", positions, (tokens,))
     check_tensor("slots", slots, 1, dtypes=INDEX_DTYPES, device=device)
     check_shape("slots", slots, (tokens,))
+    for name, t in (("q", q), ("k", k), ("v", v), ("kv_layer", kv_layer)):
+        check_last_dim_contiguous(name, t)
+    if cos_sin_cache is None:
+        if positions is not None:
+            raise ValueError("positions given without a cos_sin_cache: pass both to rotate, neither to only store")
+        return
+    check_tensor("positions", positions, 1, dtypes=INDEX_DTYPES, device=device)
+    check_shape("positions", positions, (tokens,))
     check_tensor("cos_sin_cache", cos_sin_cache, 2, dtypes=(torch.float32,), device=device)
     check_shape("cos_sin_cache", cos_sin_cache, (None, head_dim))
-    for name, t in (("q", q), ("k", k), ("v", v), ("kv_layer", kv_layer), ("cos_sin_cache", cos_sin_cache)):
-        check_last_dim_contiguous(name, t)
+    check_last_dim_contiguous("cos_sin_cache", cos_sin_cache)
 
 
-def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    cos_sin_cache: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor,
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
+                    cos_sin_cache: torch.Tensor | None, kv_layer: torch.Tensor, slots: torch.Tensor,
                     kv_scales: torch.Tensor | None = None) -> None:
     """Rotate q [T, Hq, D] in place; write rotated k and v [T, Hk, D] into kv_layer [S+1, 2*Hk, D] at ``slots``,
-    quantized when the cache is (``kv_scales``, ``kernels._kv_quant``: int8's scales written, fp8's read)."""
+    quantized when the cache is (``kv_scales``, ``kernels._kv_quant``: int8's scales written, fp8's read).
+    ``positions`` and ``cos_sin_cache`` None: no rotation (q untouched, k stored as it is)."""
     _check(q, k, v, positions, cos_sin_cache, kv_layer, slots, kv_scales)
+    rotary = cos_sin_cache is not None
     tokens, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if tokens == 0:
         return
     block_half = triton.next_power_of_2(head_dim // 2)
-    block_h = min(triton.next_power_of_2(max(q_heads, kv_heads)), max(1, 512 // block_half))  # 8 heads of 128 a program
-    grid = (tokens, triton.cdiv(max(q_heads, kv_heads), block_h))
+    heads = max(q_heads, kv_heads) if rotary else kv_heads           # the heads a token's programs write
+    block_h = min(triton.next_power_of_2(heads), max(1, 512 // block_half))  # 8 heads of 128 a program
+    grid = (tokens, triton.cdiv(heads, block_h))
     _rotary_store_kv_kernel[grid](
-        q, k, v, positions, slots, cos_sin_cache, kv_layer,
+        q, k, v, positions if rotary else slots, slots, cos_sin_cache if rotary else q, kv_layer,   # unread stand-ins
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos_sin_cache.stride(0), kv_layer.stride(0), kv_layer.stride(1),
+        cos_sin_cache.stride(0) if rotary else 0, kv_layer.stride(0), kv_layer.stride(1),
         q_heads, kv_heads, head_dim // 2,
         BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4, **launch_options(q), **scale_args(kv_layer, kv_scales),
+        ROTARY=rotary,
     )
 
 
@@ -158,17 +175,22 @@ def rotate_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def rotary_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                        cos_sin_cache: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor,
+def rotary_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
+                        cos_sin_cache: torch.Tensor | None, kv_layer: torch.Tensor, slots: torch.Tensor,
                         kv_scales: torch.Tensor | None = None) -> None:
     kv_heads = k.shape[1]
     slots = slots.long()
-    q.copy_(rotate_ref(q, positions, cos_sin_cache))
+
+    def rotate(x):
+        return x if cos_sin_cache is None else rotate_ref(x, positions, cos_sin_cache)
+
+    if cos_sin_cache is not None:
+        q.copy_(rotate(q))
     if kv_scales is None:
-        kv_layer[slots, :kv_heads] = rotate_ref(k, positions, cos_sin_cache)
+        kv_layer[slots, :kv_heads] = rotate(k)
         kv_layer[slots, kv_heads:] = v
         return
-    for half, x, per_tensor in ((slice(None, kv_heads), rotate_ref(k.float(), positions, cos_sin_cache), 0),
+    for half, x, per_tensor in ((slice(None, kv_heads), rotate(k.float()), 0),
                                 (slice(kv_heads, None), v, 1)):
         values, scales = quantize_ref(x, kv_layer.dtype, kv_scales[per_tensor] if kv_scales.dim() == 1 else None)
         kv_layer[slots, half] = values

@@ -47,6 +47,10 @@ FAMILIES = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, use_bias=True, norm_epsilon=1e-5,
         hidden_act="gelu_pytorch_tanh", sliding_window=8, tie_word_embeddings=True, pad_token_id=0)),
+    # 6 heads: not a power of two, so the ALiBi slopes take the odd steps of the next power's sequence
+    # (and each of 2 shards holds 3 heads' slopes, sliced from the list for all 6); no rotary embedding
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=96, n_head=6, layer_norm_epsilon=1e-5,
+                                                       pad_token_id=0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2,
                                                              num_local_experts=8, num_experts_per_tok=2)),
     # top-4 of 8 without renormalisation, the shared expert, layer 1 dense (mlp_only_layers)

@@ -485,10 +485,12 @@ class _Parser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         from engine.models import supported_architectures
+        from engine.models.bloom import DEFAULT_CONTEXT
 
         return (super().format_help() + "\nSupported architectures (config.json `architectures`): "
-                f"{', '.join(supported_architectures())}. Quantized checkpoints: none yet (unquantized weights "
-                f"only).\n")
+                f"{', '.join(supported_architectures())}. BloomForCausalLM (ALiBi, no max_position_embeddings in "
+                f"config.json) serves a {DEFAULT_CONTEXT}-token context, TGI's default for such configs. Quantized "
+                f"checkpoints: none yet (unquantized weights only).\n")
 
 
 def check_port_free(host: str, port: int) -> None:

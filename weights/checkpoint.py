@@ -11,7 +11,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -118,6 +118,7 @@ class Checkpoint:
                             f"expected each tensor in one file: add a {INDEX_FILE} or remove the extra file")
                     weight_map[name] = file
         self._weight_map = weight_map
+        self._stored_names: dict[str, str] = {}       # name -> name in the file, where ``renamed`` changed it
 
     # -- handles -----------------------------------------------------------------------
     def _handle(self, file: str):
@@ -140,7 +141,21 @@ class Checkpoint:
                                   f"it holds {len(self._weight_map)} tensors (see Checkpoint.names())") from None
 
     def _slice(self, name: str):
-        return self._handle(self._file_of(name)).get_slice(name)
+        return self._handle(self._file_of(name)).get_slice(self._stored_names.get(name, name))
+
+    def renamed(self, rename: Callable[[str], str]) -> "Checkpoint":
+        """The same tensors (same open files) under ``rename(name)``: one naming for checkpoints that spell a
+        model's names two ways (Bloom's with and without transformers' ``transformer.`` prefix)."""
+        weight_map, stored = {}, {}
+        for name, file in self._weight_map.items():
+            new = rename(name)
+            if new in weight_map:
+                raise CheckpointError(f"tensors {stored[new]!r} and {name!r} in {self.model_dir} are both named "
+                                      f"{new!r}: the checkpoint holds one tensor twice; remove one of them")
+            weight_map[new], stored[new] = file, self._stored_names.get(name, name)
+        view = Checkpoint(self.model_dir, weight_map)
+        view._handles, view._stored_names = self._handles, stored
+        return view
 
     # -- metadata ----------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -162,7 +177,7 @@ class Checkpoint:
     # -- reading -----------------------------------------------------------------------
     def read(self, name: str, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
         """The full tensor, cast to ``dtype`` and moved to ``device`` when given."""
-        tensor = self._handle(self._file_of(name)).get_tensor(name)
+        tensor = self._handle(self._file_of(name)).get_tensor(self._stored_names.get(name, name))
         return _cast(tensor, dtype, device)
 
     def read_slice(self, name: str, dim: int, part: int, num_parts: int,

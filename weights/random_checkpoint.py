@@ -29,7 +29,8 @@ from .tokenizer_builder import write_tokenizer
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
                  "Phi3ForCausalLM", "Starcoder2ForCausalLM")
 # Families whose names and shapes come from the engine's family module (its checkpoint_shapes).
-FAMILY_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+FAMILY_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                        "BloomForCausalLM")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 _LLAMA_2 = {
@@ -135,6 +136,14 @@ REAL_CONFIGS: dict[str, dict] = {
         "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
         "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
         "use_sliding_window": False, "vocab_size": 151936},
+    "bloom-7b1": {  # bigscience/bloom-7b1 (no max_position_embeddings: ALiBi; names without transformer.)
+        "apply_residual_connection_post_layernorm": False, "architectures": ["BloomForCausalLM"],
+        "attention_dropout": 0.0, "attention_softmax_in_fp32": True, "bias_dropout_fusion": True, "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_dropout": 0.0, "hidden_size": 4096, "initializer_range": 0.02,
+        "layer_norm_epsilon": 1e-05, "masked_softmax_fusion": True, "model_type": "bloom", "n_head": 32,
+        "n_inner": None, "n_layer": 30, "offset_alibi": 100, "pad_token_id": 3, "pretraining_tp": 1,
+        "skip_bias_add": True, "skip_bias_add_qkv": False, "slow_but_exact": False, "torch_dtype": "float16",
+        "unk_token_id": 0, "use_cache": True, "vocab_size": 250880},
     # Tiny members of the same families, for CPU tests: same keys, small sizes.
     "tiny-llama": {
         **_LLAMA_2, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4,
@@ -186,9 +195,10 @@ def with_num_layers(config: dict, num_layers: int | None) -> dict:
     The per-layer fields follow (``layer_types``, Qwen's ``mlp_only_layers`` and ``max_window_layers``)."""
     if num_layers is None:
         return config
-    if not 1 <= num_layers <= config["num_hidden_layers"]:
-        raise ValueError(f"num_layers must be in 1..{config['num_hidden_layers']}, got {num_layers}")
-    config = {**config, "num_hidden_layers": num_layers}
+    key = "n_layer" if "n_layer" in config else "num_hidden_layers"        # Bloom's spelling, else the usual
+    if not 1 <= num_layers <= config[key]:
+        raise ValueError(f"num_layers must be in 1..{config[key]}, got {num_layers}")
+    config = {**config, key: num_layers}
     if config.get("layer_types"):
         config["layer_types"] = config["layer_types"][:num_layers]
     if config.get("mlp_only_layers"):
@@ -335,7 +345,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _random_tensor(name: str, shape, index: int, seed: int, dtype, device, std: float) -> torch.Tensor:
     """normal(0, std) matrices, ones for norms, normal(0, std) biases; seeded per tensor."""
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "ln_f.weight")):
         return torch.ones(shape, dtype=dtype, device=device)
     generator = torch.Generator(device=device)
     generator.manual_seed(seed * 1_000_003 + index)
@@ -425,9 +435,11 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     if args.list:
         for name, config in REAL_CONFIGS.items():
+            layers = config.get("num_hidden_layers") or config["n_layer"]            # Bloom: n_layer, n_head
+            heads = config.get("num_attention_heads") or config["n_head"]
             print(f"{name:18s} {config['architectures'][0]:20s} hidden={config['hidden_size']} "
-                  f"layers={config['num_hidden_layers']} heads={config['num_attention_heads']}/"
-                  f"{config.get('num_key_value_heads')} vocab={config['vocab_size']}")
+                  f"layers={layers} heads={heads}/{config.get('num_key_value_heads', heads)} "
+                  f"vocab={config['vocab_size']}")
         return 0
     path = write_random_checkpoint(args.out, args.config, dtype=args.dtype, seed=args.seed, device=args.device,
                                    max_shard_bytes=args.max_shard_bytes, std=args.std, num_layers=args.num_layers)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.models import gemma, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe, starcoder2
+from engine.models import bloom, gemma, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe, starcoder2
 from engine.models.config import Family, ModelConfig, ModelConfigError, read_config_json
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, starcoder2.FAMILY, mixtral.FAMILY,
-                                qwen2_moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)
+                                qwen2_moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, bloom.FAMILY)
 MODEL_REGISTRY: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 
 
@@ -49,4 +49,5 @@ def build_model(config: ModelConfig, ops, dtype, device, max_positions: int, tp)
 def check_checkpoint(checkpoint, config: ModelConfig) -> None:
     """Every tensor the family needs, with its full shape, and nothing unexpected (headers only)."""
     family = family_for(config.architecture)
-    checkpoint.check(family.checkpoint_shapes(config), ignore_unexpected=family.ignored_names)
+    view = family.view(checkpoint) if family.view is not None else checkpoint
+    view.check(family.checkpoint_shapes(config), ignore_unexpected=family.ignored_names)

@@ -80,12 +80,15 @@ class Family:
     """What a family module registers (``engine.models.FAMILIES``): the ``architectures``
     (config.json ``architectures[0]``) it serves, its config parser, its model class
     (``model(config, ops, dtype, device, max_positions, tp)``), its checkpoint's names and
-    full shapes, and the checkpoint names it ignores (regular expressions)."""
+    full shapes, the checkpoint names it ignores (regular expressions), and ``view``: the checkpoint
+    under the names ``checkpoint_shapes`` uses, where checkpoints spell them more than one way
+    (Bloom's with or without ``transformer.``; None: as stored)."""
     architectures: tuple[str, ...]
     parse_config: Callable[[dict[str, Any]], ModelConfig]
     model: type
     checkpoint_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
     ignored_names: tuple[str, ...] = ()
+    view: Callable[[Any], Any] | None = None
 
 
 def read_config_json(model_dir: str | Path, rope_scaling: tuple[str, float] | None = None) -> dict[str, Any]:

@@ -178,10 +178,12 @@ class Attention:
     sm_scale: float
     mods: ScoreMods | None = None  # this layer's sliding window / logit soft-cap / ALiBi (this shard's heads)
 
-    def __call__(self, ops, hidden, batch, kv, req_to_token, rotary: tuple[torch.Tensor, torch.Tensor]):
+    def __call__(self, ops, hidden, batch, kv, req_to_token, rotary: tuple[torch.Tensor, torch.Tensor] | None):
+        """``rotary``: ``Rotary``'s (table, rows); None for a model without rotary embedding (Bloom's ALiBi):
+        K is stored as projected."""
         q, k, v = self.project_qkv(ops, hidden)
         tokens, q_size = q.shape[0], self.num_heads * self.head_dim
-        table, positions = rotary
+        table, positions = rotary if rotary is not None else (None, None)
         ops.rotary_store_kv(q, k, v, positions, table, kv, batch.out_slots)
         if batch.is_decode:
             out = ops.decode_attention(q, kv, req_to_token, batch.req_rows, batch.seq_len, self.sm_scale,

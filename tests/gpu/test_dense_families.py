@@ -1,10 +1,12 @@
-"""Phi-3 and StarCoder2 on one GPU: random real-config checkpoints against transformers.
+"""Phi-3, StarCoder2 and Bloom on one GPU: random real-config checkpoints against transformers.
 
 float32 on both sides, greedy tokens identical on 4 prompts (tests/gpu/greedy.py: 7 to 300
 tokens, 64 new tokens each). Phi-3-mini-128k also gets a 4,200-token prompt, beyond its 4,096
 original context, so the long longrope factors and the attention factor are proven at real
 shape (prefilled in one step, as transformers does: see tests/unit/test_phi3_longrope.py for why).
-The checkpoints come from bench/gpu_run.sh's ``dense`` stage (DENSE_DIRS="name=dir ...").
+The checkpoints come from bench/gpu_run.sh's ``dense`` stage (DENSE_DIRS="name=dir ..."), Bloom-7b1's
+from its ``bloom`` stage (ALiBi in both attention kernels, K stored unrotated; a test needs only its own
+checkpoint in DENSE_DIRS).
 """
 import os
 
@@ -14,7 +16,7 @@ import torch
 from tests.gpu.greedy import describe, engine_greedy, max_logprob_gap, prompts, transformers_greedy
 
 FP32_LOGPROB_TOL = 2e-3
-NAMES = ["phi-3-mini-4k", "phi-3-mini-128k", "starcoder2-7b"]
+NAMES = ["phi-3-mini-4k", "phi-3-mini-128k", "starcoder2-7b", "bloom-7b1"]
 
 
 def checkpoint_dir(name: str) -> str:

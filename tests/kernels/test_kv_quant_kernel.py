@@ -72,6 +72,27 @@ def test_rotary_store_quantizes_as_the_reference(device, kv_dtype, tokens, q_hea
     assert ((v - v_in.float()).abs() <= v_in.float().abs().amax(-1, keepdim=True) * rel + 1e-6).all()
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_the_store_without_rotation_quantizes_k_unrotated(device, kv_dtype):
+    """No cos_sin_cache (Bloom): K quantized as it is, with the same scales as the reference; q untouched."""
+    tokens, q_heads, kv_heads, head_dim = 6, 6, 6, 16
+    qkv, _, slots, _, _ = make_case(tokens, q_heads, kv_heads, head_dim, MODEL_DTYPE, device)
+    qkv = qkv * 4
+    kv_layer = torch.zeros((slots.max().item() + 3, 2 * kv_heads, head_dim), dtype=kv_dtype, device=device)
+    scales = empty_scales(kv_dtype, kv_layer.shape[0], kv_heads, device)
+    expected_kv, expected_scales, original = kv_layer.clone(), scales.clone(), qkv.clone()
+    rotary_store_kv_ref(*split_qkv(original.clone(), q_heads, kv_heads, head_dim), None, None, expected_kv, slots,
+                        expected_scales)
+    rotary_store_kv(*split_qkv(qkv, q_heads, kv_heads, head_dim), None, None, kv_layer, slots, scales)
+    assert torch.equal(qkv, original)
+    torch.testing.assert_close(scales, expected_scales, equal_nan=True)
+    assert torch.equal(kv_layer[slots.long()].float(), expected_kv[slots.long()].float())
+    k, _ = gather_kv_ref(kv_layer, scales, slots.long())                  # dequantized: close to k, unrotated
+    _, k_in, _ = split_qkv(qkv, q_heads, kv_heads, head_dim)
+    rel = 2 / 254 if kv_dtype == torch.int8 else 2.0 ** -FP8_FORMATS[kv_dtype][1]
+    assert ((k - k_in.float()).abs() <= k_in.float().abs().amax(-1, keepdim=True) * rel + 1e-6).all()
+
+
 def limit_values(kv_dtype) -> torch.Tensor:
     """Values at the format's limits: every finite fp8 value, the midpoints between neighbours (ties round
     to even), values past the largest (clamped), subnormals; for int8 rows whose amax hits 127 exactly and

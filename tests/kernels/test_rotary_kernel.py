@@ -95,3 +95,26 @@ def test_rotary_store_kv_rejects_bad_arguments(device):
         rotary_store_kv(q, k, v[:3], positions, cache, kv_layer, slots)
     with pytest.raises(ValueError, match="head_dim must be even"):
         rotary_store_kv(q[..., :15], k[..., :15], v[..., :15], positions, cache[:, :15], kv_layer[..., :15], slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(1, 6, 6, 16), (7, 8, 2, 32), (4, 3, 3, 128)])
+def test_without_a_cos_sin_cache_only_k_and_v_are_stored_exactly(device, dtype, tokens, q_heads, kv_heads, head_dim):
+    """Models without rotary embedding (Bloom's ALiBi): q stays as it is, K and V land in their slots bit for bit."""
+    qkv, kv_layer, slots, _, _ = make_case(tokens, q_heads, kv_heads, head_dim, dtype, device)
+    original, expected_kv = qkv.clone(), kv_layer.clone()
+    rotary_store_kv_ref(*split_qkv(original.clone(), q_heads, kv_heads, head_dim), None, None, expected_kv, slots)
+    rotary_store_kv(*split_qkv(qkv, q_heads, kv_heads, head_dim), None, None, kv_layer, slots)
+    assert torch.equal(qkv, original)                                                       # q not rotated
+    _, k, v = split_qkv(qkv, q_heads, kv_heads, head_dim)
+    assert torch.equal(kv_layer[slots.long(), :kv_heads], k) and torch.equal(kv_layer[slots.long(), kv_heads:], v)
+    torch.testing.assert_close(kv_layer, expected_kv, atol=0, rtol=0, equal_nan=True)
+    untouched = torch.ones(kv_layer.shape[0], dtype=torch.bool, device=device)
+    untouched[slots.long()] = False
+    assert kv_layer[untouched].isnan().all()
+
+
+def test_positions_without_a_cache_are_refused(device):
+    qkv, kv_layer, slots, positions, _ = make_case(4, 2, 1, 16, torch.float32, device)
+    with pytest.raises(ValueError, match="positions given without a cos_sin_cache"):
+        rotary_store_kv(*split_qkv(qkv, 2, 1, 16), positions, None, kv_layer, slots)

@@ -212,6 +212,7 @@ def test_help_explains_every_flag_its_default_and_its_variable(monkeypatch):
     assert "a HOSTNAME equal to this machine's name is ignored" in text
     assert "Supported architectures (config.json `architectures`): LlamaForCausalLM, MistralForCausalLM" in text
     assert "Quantized checkpoints: none yet" in text
+    assert "BloomForCausalLM (ALiBi, no max_position_embeddings in config.json) serves a 4096-token context" in text
 
 
 def test_help_exits_cleanly(capsys):

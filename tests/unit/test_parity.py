@@ -66,10 +66,11 @@ def test_greedy_tokens_and_logprobs_match_transformers(family, tmp_path):
     engine.allocator.check_integrity()
 
 
-@pytest.mark.parametrize("family", ["llama3", "gemma2", "mixtral"])
+@pytest.mark.parametrize("family", ["llama3", "gemma2", "mixtral", "bloom"])
 def test_triton_kernels_under_the_interpreter_match_transformers(tmp_path, family):
     """End to end with every Triton kernel (TRITON_INTERPRET=1 on the CPU); gemma2: window, soft-caps,
-    GeLU-tanh in the kernels; mixtral: the fused MoE kernel."""
+    GeLU-tanh in the kernels; mixtral: the fused MoE kernel; bloom: ALiBi in both attention kernels, K stored
+    unrotated by the rotary/store kernel, LayerNorm and GeLU kernels."""
     path = save_tiny_model(family, tmp_path / family)
     hf = load_hf(path).to(DEVICE)
     engine = Engine(EngineConfig(model_dir=str(path), device=DEVICE, kernel_backend="triton", num_slots=512,

@@ -220,6 +220,9 @@ def _params(name):
                         intermediate_size=14336, num_hidden_layers=42, query_pre_attn_scalar=256,
                         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096,
                         architectures=["Gemma2ForCausalLM"]), 9_241_705_984),
+    ("bloom-7b1", dict(hidden_size=4096, n_head=32, n_layer=30, vocab_size=250880, layer_norm_epsilon=1e-5,
+                       architectures=["BloomForCausalLM"], apply_residual_connection_post_layernorm=False),
+     7_069_016_064),
 ])
 def test_real_configs_have_the_known_numbers(name, known, params):
     config = REAL_CONFIGS[name]
@@ -231,7 +234,7 @@ def test_real_configs_have_the_known_numbers(name, known, params):
 def test_every_config_is_a_valid_transformers_config(name):
     config = transformers.AutoConfig.for_model(**REAL_CONFIGS[name])
     head_dim = config.hidden_size // config.num_attention_heads
-    assert config.num_attention_heads % config.num_key_value_heads == 0
+    assert config.num_attention_heads % getattr(config, "num_key_value_heads", config.num_attention_heads) == 0
     if name.startswith("tiny"):
         assert head_dim in (16, 32) and 256 <= config.vocab_size <= 1024
         assert config.max_position_embeddings == 2048

@@ -24,13 +24,14 @@ def generate(path, num_shards):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "gemma2", "phi3", "starcoder2", "mixtral",
-                                    "qwen2_moe"])
+                                    "qwen2_moe", "bloom"])
 def test_two_shards_give_the_same_tokens_as_one(family, tmp_path):
     """llama: MHA; llama3: GQA with as many KV heads as shards; qwen2: 1 KV head (replicated) + biases;
     gemma2: sliding window and soft-caps per shard, the final soft-cap on the gathered logits;
     phi3: fused qkv_proj / gate_up_proj sliced per part; starcoder2: row-parallel biases added once;
     mixtral: each expert sliced like the gated MLP, the router replicated; qwen2_moe: the shared
-    expert's partial output summed with the experts' by one all-reduce, a dense layer."""
+    expert's partial output summed with the experts' by one all-reduce, a dense layer; bloom: interleaved
+    query_key_value split by whole heads, each shard's 3 of the 6 heads' ALiBi slopes."""
     path = save_tiny_model(family, tmp_path / family)
     assert generate(path, 2) == generate(path, 1)
 
