@@ -58,6 +58,8 @@ class EngineConfig:
     watermark_delta: float = 2.0
     prefix_caching: bool = True           # reuse cached prompt prefixes' KV (engine.router.prefix_cache)
     kv_cache_dtype: str | None = None     # int8 | fp8_e4m3fn | fp8_e5m2 (engine.worker.kv_cache); None: dtype
+    quantize: str | None = None           # --quantize: fp8 quantizes a float checkpoint at load; gptq / awq /
+                                          # compressed-tensors must match its quantization_config (read anyway)
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class EnginePlan:
 
 def plan_engine(config: EngineConfig) -> EnginePlan:
     """Decide every engine setting once; ValueError (with what to change) on any that cannot work."""
-    model_config = load_model_config(config.model_dir, rope_scaling=config.rope_scaling)
+    model_config = load_model_config(config.model_dir, rope_scaling=config.rope_scaling, quantize=config.quantize)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     num_shards = resolve_shards(config.num_shards, device)
     TensorParallel(0, num_shards).check(model_config)

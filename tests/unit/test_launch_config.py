@@ -33,7 +33,7 @@ SAMPLES = {
 }
 # Fields that are errors whenever set, with what the error says.
 UNSUPPORTED = {"trust_remote_code": ("true", "--trust-remote-code is not supported"),
-               "quantize": ("gptq", "--quantize is not supported yet"),
+               "quantize": ("eetq", "--quantize eetq is not supported; supported: gptq and awq"),
                "speculate": ("2", "--speculate is not supported yet"),
                "lora_adapters": ("org/adapter", "--lora-adapters is not supported yet"),
                "weights_cache_override": ("/w", "--weights-cache-override is not supported")}

@@ -1,0 +1,217 @@
+"""4-bit dequantizing GEMM: ``out = x @ dequant(weight).T + bias`` with GPTQ-packed weights.
+
+The weight ([N out, K in]) is an ``Int4Weight`` in the engine's one 4-bit layout (GPTQ's packing;
+AWQ checkpoints are repacked to it at load, ``engine.models.quantized``):
+
+| tensor | shape | holds |
+| --- | --- | --- |
+| qweight | int32 [K / 8, N] | nibble ``i`` (bits ``4i .. 4i+3``) of word ``[p, n]`` is ``q[8p + i, n]`` in 0..15 |
+| scales, zeros | [G, N], x's dtype | per group and column: ``w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]`` |
+| g_idx | int32 [K] or None | the group of row k (GPTQ act-order); None: ``k // group_size`` |
+
+Program ``(m, n, s)`` owns rows ``[m * BLOCK_M, ...)`` of x, the ``BLOCK_N`` output columns from
+``n * BLOCK_N`` and the ``s``-th of ``SPLIT_K`` chunks of K, walked in ``BLOCK_K``-row tiles: it reads
+each packed word once (``[BLOCK_K / 8, BLOCK_N]`` int32, coalesced along N), unpacks the eight nibbles
+by shifts into a ``[BLOCK_K, BLOCK_N]`` tile, applies zeros and scales in float32 (one scale row per
+tile when a tile lies in one group, else gathered per row) and multiplies:
+
+- decode, one row (``BLOCK_M = 1``): FMA into a float32 ``[BLOCK_K, BLOCK_N]`` accumulator, reduced over
+  K once after the loop; split K where the column blocks leave SMs idle (weight reads dominate);
+- several rows: ``tl.dot`` (x padded to 16 rows for small batches; prefill in 64-row tiles).
+
+Several splits store float32 partials that ``skinny_gemm``'s reduce kernel sums in split order (no
+atomics: bit-reproducible). ``int4_gemm_ref`` dequantizes to float32 and multiplies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_last_dim_contiguous, check_same_dtype, check_shape, check_tensor, upcast_dots
+from ._rounding import round_to
+from .skinny_gemm import REDUCE_BLOCK, _split_k_reduce_kernel, default_split_k, device_sms
+
+PACK = 8
+
+
+@dataclass
+class Int4Weight:
+    """A 4-bit linear weight [N, K] (see the module's table)."""
+    qweight: torch.Tensor             # int32 [K / 8, N]
+    scales: torch.Tensor              # [G, N]
+    zeros: torch.Tensor               # [G, N]
+    g_idx: torch.Tensor | None        # int32 [K], or None: row k is in group k // group_size
+    group_size: int                   # rows per group when g_idx is None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[1], self.qweight.shape[0] * PACK
+
+
+class Int4Config(NamedTuple):
+    block_m: int      # 1: the FMA path; >= 16: the dot path
+    block_n: int
+    block_k: int      # a multiple of 16
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _dequantized_tile(qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
+                      HAS_G_IDX: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The float32 weight tile [BLOCK_K, BLOCK_N] of rows ``k0 ..`` (rows past K read as q = 0)."""
+    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + cols[None, :], mask=(words < K // 8)[:, None],
+                     other=0, eviction_policy="evict_first")
+    shifts = tl.arange(0, 8) * 4
+    q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N]).to(tl.float32)
+    if GROUP_PER_TILE:
+        group = k0 // group_size
+        s = tl.load(scales_ptr + group * N + cols).to(tl.float32)[None, :]
+        z = tl.load(zeros_ptr + group * N + cols).to(tl.float32)[None, :]
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        if HAS_G_IDX:
+            group = tl.load(g_idx_ptr + k, mask=k < K, other=0)
+        else:
+            group = tl.minimum(k, K - 1) // group_size
+        offsets = group[:, None].to(tl.int64) * N + cols[None, :]
+        s = tl.load(scales_ptr + offsets).to(tl.float32)
+        z = tl.load(zeros_ptr + offsets).to(tl.float32)
+    return (q - z) * s
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemm_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
+    M, N, K, k_per_split, group_size, stride_xm, stride_om, stride_split,
+    HAS_G_IDX: tl.constexpr, GROUP_PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    cols = offs_n % N                 # past-the-end columns re-read valid ones (no N mask on the weight loads)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k0 = k_begin
+    while k0 < k_end:     # a while loop: the CPU interpreter cannot take runtime `range` bounds
+        w = _dequantized_tile(qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
+                              HAS_G_IDX, GROUP_PER_TILE, BLOCK_K, BLOCK_N)
+        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+        if BLOCK_M == 1:
+            acc += w * tl.reshape(x.to(tl.float32), [BLOCK_K, 1])
+        elif UPCAST:  # IEEE fp32 dots (the interpreter's half-precision dot is not exact)
+            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc)
+        k0 += BLOCK_K
+    if BLOCK_M == 1:
+        result = tl.reshape(tl.sum(acc, axis=0), [1, BLOCK_N])
+    else:
+        result = acc
+    out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        tl.store(out_ptr + pid_k * stride_split + out_offs, result, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, round_to(result, out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _config(M: int, N: int, K: int, num_sms: int) -> Int4Config:
+    """One row: FMA 64 x 128 tiles, split K to fill the SMs; up to 16 rows: 16-row dots; prefill: 64 x 128."""
+    if M == 1:
+        block_m, block_n, block_k, warps, stages = 1, 64, 128, 4, 1
+    elif M <= 16:
+        block_m, block_n, block_k, warps, stages = 16, 64, 64, 4, 1
+    else:
+        return Int4Config(64, 128, 64, 1, 4, 1)
+    return Int4Config(block_m, block_n, block_k, default_split_k(N, K, block_n, block_k, num_sms), warps, stages)
+
+
+def _check(x, weight: Int4Weight, bias) -> None:
+    check_tensor("x", x, 2)
+    check_last_dim_contiguous("x", x)
+    n, k = weight.shape
+    check_shape("x", x, (None, k))
+    check_tensor("qweight", weight.qweight, 2, dtypes=(torch.int32,), device=x.device)
+    for name in ("scales", "zeros"):
+        t = getattr(weight, name)
+        check_tensor(name, t, 2, device=x.device)
+        check_same_dtype(name, t, x.dtype)
+        check_shape(name, t, (None, n))
+    if weight.g_idx is not None:
+        check_tensor("g_idx", weight.g_idx, 1, dtypes=(torch.int32,), device=x.device)
+        check_shape("g_idx", weight.g_idx, (k,))
+    elif weight.scales.shape[0] * weight.group_size < k:
+        raise ValueError(f"{weight.scales.shape[0]} groups of {weight.group_size} rows do not cover K = {k}")
+    if bias is not None:
+        check_tensor("bias", bias, 1, device=x.device)
+        check_shape("bias", bias, (n,))
+
+
+def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None,
+              config: Int4Config | tuple | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(weight).T (+ bias [N]) -> new [M, N] in x's dtype, accumulated in float32."""
+    _check(x, weight, bias)
+    M, K = x.shape
+    N = weight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    cfg = Int4Config(*config) if config is not None else _config(M, N, K, device_sms(x.device))
+    k_tiles = triton.cdiv(K, cfg.block_k)
+    tiles_per_split = triton.cdiv(k_tiles, cfg.split_k)
+    splits, k_per_split = triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * cfg.block_k
+    partial = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    group_size = weight.group_size if weight.g_idx is None else K
+    bias_arg = bias if bias is not None else out
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
+    _int4_gemm_kernel[grid](
+        x, weight.qweight, weight.scales, weight.zeros, weight.g_idx if weight.g_idx is not None else weight.qweight,
+        bias_arg, partial, M, N, K, k_per_split, group_size, x.stride(0), partial.stride(-2),
+        partial.stride(0) if splits > 1 else 0,
+        HAS_G_IDX=weight.g_idx is not None,
+        GROUP_PER_TILE=weight.g_idx is None and (group_size % cfg.block_k == 0 or group_size >= K),
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), WHILE_LOOP=not x.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        _split_k_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
+            partial, bias_arg, out, N, partial.stride(0), partial.stride(1), out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=splits, BLOCK=REDUCE_BLOCK, PDL=False, num_warps=4)
+    return out
+
+
+def int4_dequantize(weight: Int4Weight) -> torch.Tensor:
+    """The float32 weight [N, K]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=weight.qweight.device)
+    q = ((weight.qweight.unsqueeze(1) >> shifts[None, :, None]) & 0xF).reshape(-1, weight.qweight.shape[1])
+    k = q.shape[0]
+    group = (weight.g_idx.long() if weight.g_idx is not None
+             else torch.arange(k, device=q.device) // weight.group_size)
+    return ((q.float() - weight.zeros.float()[group]) * weight.scales.float()[group]).T
+
+
+def int4_gemm_ref(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None,
+                  config: Int4Config | tuple | None = None) -> torch.Tensor:
+    out = x.float() @ int4_dequantize(weight).T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
