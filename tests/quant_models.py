@@ -68,14 +68,21 @@ def save_quantized_pair(fmt: str, path: Path, family: str = "llama", seed: int =
     return quantized, twin
 
 
-def fake_quantize_activations(model) -> None:
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def fake_quantize_activations(model, num_shards: int = 1) -> None:
     """Make transformers' float32 model quantize the input of every decoder linear layer per token to FP8 and
-    back, as our FP8 GEMM does (the reference maths of an FP8 checkpoint with dynamic activation scales)."""
-    def hook(module, args):
-        x = args[0]
-        x_fp8, scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
-        return ((x_fp8.float() * scale[:, None]).reshape(x.shape).to(x.dtype),)
+    back, as our FP8 GEMM does (the reference maths of an FP8 checkpoint with dynamic activation scales). On
+    ``num_shards`` shards a row-parallel layer (o, down) quantizes each shard's input columns on their own."""
+    def fake_quantize(x, parts):
+        chunks = []
+        for chunk in x.reshape(-1, x.shape[-1]).chunk(parts, dim=1):
+            x_fp8, scale = quantize_per_token(chunk)
+            chunks.append(x_fp8.float() * scale[:, None])
+        return torch.cat(chunks, dim=1).reshape(x.shape).to(x.dtype)
 
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
-            module.register_forward_pre_hook(hook)
+            parts = num_shards if name.rsplit(".", 1)[-1] in ROW_PARALLEL else 1
+            module.register_forward_pre_hook(lambda m, args, parts=parts: (fake_quantize(args[0], parts),))
