@@ -35,9 +35,12 @@ FORMATS = {
 
 def save_quantized_pair(fmt: str, path: Path, family: str = "llama", seed: int = 0,
                         tokenizer: bool = False) -> tuple[Path, Path]:
-    """(quantized checkpoint dir, dequantized float32 twin dir) under ``path``."""
+    """(quantized checkpoint dir, dequantized float32 twin dir) under ``path``; the float model they come
+    from is in ``path / "float"`` (with ``tokenizer``, all three get one)."""
     q = FORMATS[fmt]
     base = save_tiny_model(family, path / "float", seed)
+    if tokenizer:
+        save_tiny_tokenizer(base)
     quantized, twin = path / fmt, path / (fmt + "_dequantized")
     generator = torch.Generator().manual_seed(seed)
     tensors = load_file(str(base / "model.safetensors"))
