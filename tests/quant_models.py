@@ -61,7 +61,7 @@ def save_quantized_pair(fmt: str, path: Path, family: str = "llama", seed: int =
     config = json.loads((base / "config.json").read_text())
     for directory, weights, quantization in ((quantized, packed, config_json(q)), (twin, dense, None)):
         directory.mkdir(parents=True)
-        save_file({n: t.contiguous().clone() for n, t in weights.items()}, str(directory / "model.safetensors"),
+        save_file({n: t.contiguous() for n, t in weights.items()}, str(directory / "model.safetensors"),
                   metadata={"format": "pt"})
         written = {**config, "quantization_config": quantization} if quantization else config
         (directory / "config.json").write_text(json.dumps(written, indent=2))

@@ -2,11 +2,13 @@
 
 A quantized checkpoint replaces a linear layer's ``<module>.weight`` [N out, K in] by:
 
-| format | tensors (dtype, shape) | value of weight[n, k] |
+| format | tensors (dtype, shape) | weight[n, k] |
 | --- | --- | --- |
-| GPTQ (AutoGPTQ / GPTQModel) | qweight (i32, [K/8, N]), qzeros (i32, [G, N/8]), scales (f16, [G, N]), g_idx (i32, [K]) | ``(q - z) * s`` of group ``g_idx[k]`` |
-| AWQ GEMM | qweight (i32, [K, N/8]), qzeros (i32, [G, N/8]), scales (f16, [G, N]) | ``(q - z) * s`` of group ``k // group_size`` |
-| FP8 (``fp8``, compressed-tensors) | weight (f8e4m3, [N, K]), weight_scale (f32, [] / [1] per tensor or [N, 1] per channel) | ``w * s`` |
+| GPTQ | qweight (i32 [K/8, N]), qzeros (i32 [G, N/8]), scales (f16 [G, N]), g_idx (i32 [K]) | (q-z)*s, g = g_idx[k] |
+| AWQ GEMM | qweight (i32 [K, N/8]), qzeros (i32 [G, N/8]), scales (f16 [G, N]) | (q - z) * s, group k // group_size |
+| FP8 | weight (f8e4m3 [N, K]), weight_scale (f32: [] or [1] per tensor, [N, 1] per channel) | w * s |
+
+(GPTQ as AutoGPTQ / GPTQModel write it; FP8 as ``quant_method: fp8`` or compressed-tensors' float8.)
 
 Eight 4-bit values are packed into one int32, value ``i`` of a pack at bits ``4 * i``:
 
@@ -285,7 +287,7 @@ def quantize_linear(weight: torch.Tensor, q: QuantConfig, scale_dtype=torch.floa
         return {"qweight": pack_int4(values.T, 1, AWQ_ORDER), "qzeros": pack_int4(zeros, 1, AWQ_ORDER),
                 "scales": scales}
     return {"qweight": pack_int4(values.T, 0), "qzeros": pack_int4(zeros - q.zero_offset, 1), "scales": scales,
-            "g_idx": g_idx}
+            "g_idx": g_idx.clone()}     # its own copy: layers that share g_idx are saved side by side
 
 
 def fp8_quantize(weight: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

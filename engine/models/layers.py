@@ -8,7 +8,7 @@ all-reduce; vocab: rows split by token id):
 
 | block | holds | forward |
 | --- | --- | --- |
-| ``Linear`` | column-parallel or replicated weight (parts fused, e.g. q|k|v; dense, 4-bit or FP8) | ``x @ w.T + b`` |
+| ``Linear`` | column-parallel or replicated weight (parts fused, e.g. q|k|v); dense, 4-bit or FP8 | ``x @ w.T + b`` |
 | ``RowParallelLinear`` | the input-column slice (+ the whole bias) | ``all_reduce(x @ w.T) (+ b)`` |
 | ``VocabParallelEmbedding`` | this shard's token rows | rows of the ids it holds, all-reduced |
 | ``LMHead`` | this shard's vocabulary rows | float32 logits, columns gathered |
