@@ -12,12 +12,14 @@ AWQ checkpoints are repacked to it at load, ``engine.models.quantized``):
 Program ``(m, n, s)`` owns rows ``[m * BLOCK_M, ...)`` of x, the ``BLOCK_N`` output columns from
 ``n * BLOCK_N`` and the ``s``-th of ``SPLIT_K`` chunks of K, walked in ``BLOCK_K``-row tiles: it reads
 each packed word once (``[BLOCK_K / 8, BLOCK_N]`` int32, coalesced along N), unpacks the eight nibbles
-by shifts into a ``[BLOCK_K, BLOCK_N]`` tile, applies zeros and scales in float32 (one scale row per
-tile when a tile lies in one group, else gathered per row) and multiplies:
+by shifts into a ``[BLOCK_K, BLOCK_N]`` tile and multiplies:
 
-- decode, one row (``BLOCK_M = 1``): FMA into a float32 ``[BLOCK_K, BLOCK_N]`` accumulator, reduced over
-  K once after the loop; split K where the column blocks leave SMs idle (weight reads dominate);
-- several rows: ``tl.dot`` (x padded to 16 rows for small batches; prefill in 64-row tiles).
+- decode, one row (``BLOCK_M = 1``): FMA products reduced over each tile's K; several rows: ``tl.dot``
+  (x padded to 16 rows for small batches; prefill in 64-row tiles);
+- a tile inside one group (``GROUP_PER_TILE``: no g_idx, BLOCK_K dividing the group) multiplies the raw
+  values and applies the group's zero and scale to the product, ``(x @ q - sum(x) * z) * s``; other
+  tiles gather each row's group and dequantize first;
+- decode splits K so that the SMs get about four programs each (the weight reads dominate).
 
 Several splits store float32 partials that ``skinny_gemm``'s reduce kernel sums in split order (no
 atomics: bit-reproducible). ``int4_gemm_ref`` dequantizes to float32 and multiplies.
@@ -33,7 +35,7 @@ import triton.language as tl
 
 from ._checks import check_last_dim_contiguous, check_same_dtype, check_shape, check_tensor, upcast_dots
 from ._rounding import round_to
-from .skinny_gemm import REDUCE_BLOCK, _split_k_reduce_kernel, default_split_k, device_sms
+from .skinny_gemm import MAX_SPLIT_K, REDUCE_BLOCK, _split_k_reduce_kernel, device_sms
 
 PACK = 8
 
@@ -62,29 +64,49 @@ class Int4Config(NamedTuple):
 
 
 @triton.jit
-def _dequantized_tile(qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
-                      HAS_G_IDX: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The float32 weight tile [BLOCK_K, BLOCK_N] of rows ``k0 ..`` (rows past K read as q = 0)."""
+def _unpacked_tile(qw_ptr, k0, N, K, cols, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """q [BLOCK_K, BLOCK_N] (0..15, float32) of rows ``k0 ..``: each packed word read once (rows past K: 0)."""
     words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + cols[None, :], mask=(words < K // 8)[:, None],
                      other=0, eviction_policy="evict_first")
     shifts = tl.arange(0, 8) * 4
-    q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N]).to(tl.float32)
+    return tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N]).to(tl.float32)
+
+
+@triton.jit
+def _times(x, w, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] @ w [BLOCK_K, BLOCK_N] (float32) in float32: FMA for one row, else a dot."""
+    if BLOCK_M == 1:
+        return tl.sum(w * tl.reshape(x.to(tl.float32), [BLOCK_K, 1]), axis=0)[None, :]
+    if UPCAST:  # IEEE fp32 dots (the interpreter's half-precision dot is not exact)
+        return tl.dot(x.to(tl.float32), w, input_precision="ieee")
+    return tl.dot(x, w.to(x.dtype))
+
+
+@triton.jit
+def _tile_product(x, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
+                  HAS_G_IDX: tl.constexpr, GROUP_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """x tile [BLOCK_M, BLOCK_K] @ the dequantized weight tile of rows ``k0 ..`` -> float32 [BLOCK_M, BLOCK_N].
+
+    A tile inside one group multiplies the raw 4-bit values and applies that group's zero and scale to
+    the product, ``(x @ q - sum(x) * z) * s`` (no per-element dequantization); otherwise each row's
+    group is gathered and the tile dequantized first."""
+    q = _unpacked_tile(qw_ptr, k0, N, K, cols, BLOCK_K, BLOCK_N)
     if GROUP_PER_TILE:
         group = k0 // group_size
         s = tl.load(scales_ptr + group * N + cols).to(tl.float32)[None, :]
         z = tl.load(zeros_ptr + group * N + cols).to(tl.float32)[None, :]
+        x_sum = tl.sum(x.to(tl.float32), axis=1)[:, None]
+        return (_times(x, q, BLOCK_M, BLOCK_K, UPCAST) - x_sum * z) * s
+    k = k0 + tl.arange(0, BLOCK_K)
+    if HAS_G_IDX:
+        group = tl.load(g_idx_ptr + k, mask=k < K, other=0)
     else:
-        k = k0 + tl.arange(0, BLOCK_K)
-        if HAS_G_IDX:
-            group = tl.load(g_idx_ptr + k, mask=k < K, other=0)
-        else:
-            group = tl.minimum(k, K - 1) // group_size
-        offsets = group[:, None].to(tl.int64) * N + cols[None, :]
-        s = tl.load(scales_ptr + offsets).to(tl.float32)
-        z = tl.load(zeros_ptr + offsets).to(tl.float32)
-    return (q - z) * s
+        group = tl.minimum(k, K - 1) // group_size
+    offsets = group[:, None].to(tl.int64) * N + cols[None, :]
+    w = (q - tl.load(zeros_ptr + offsets).to(tl.float32)) * tl.load(scales_ptr + offsets).to(tl.float32)
+    return _times(x, w, BLOCK_M, BLOCK_K, UPCAST)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -93,7 +115,7 @@ def _int4_gemm_kernel(
     M, N, K, k_per_split, group_size, stride_xm, stride_om, stride_split,
     HAS_G_IDX: tl.constexpr, GROUP_PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    WHILE_LOOP: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -104,45 +126,48 @@ def _int4_gemm_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k0 = k_begin
-    while k0 < k_end:     # a while loop: the CPU interpreter cannot take runtime `range` bounds
-        w = _dequantized_tile(qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
-                              HAS_G_IDX, GROUP_PER_TILE, BLOCK_K, BLOCK_N)
-        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
-        if BLOCK_M == 1:
-            acc += w * tl.reshape(x.to(tl.float32), [BLOCK_K, 1])
-        elif UPCAST:  # IEEE fp32 dots (the interpreter's half-precision dot is not exact)
-            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w.to(x.dtype), acc)
-        k0 += BLOCK_K
-    if BLOCK_M == 1:
-        result = tl.reshape(tl.sum(acc, axis=0), [1, BLOCK_N])
-    else:
-        result = acc
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
+        k0 = k_begin
+        while k0 < k_end:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+            acc += _tile_product(x, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
+                                 HAS_G_IDX, GROUP_PER_TILE, BLOCK_M, BLOCK_K, BLOCK_N, UPCAST)
+            k0 += BLOCK_K
+    else:           # pipelined weight loads on the GPU
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+            acc += _tile_product(x, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
+                                 HAS_G_IDX, GROUP_PER_TILE, BLOCK_M, BLOCK_K, BLOCK_N, UPCAST)
     out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
-        tl.store(out_ptr + pid_k * stride_split + out_offs, result, mask=out_mask)
+        tl.store(out_ptr + pid_k * stride_split + out_offs, acc, mask=out_mask)
     else:
         if HAS_BIAS:
-            result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, round_to(result, out_ptr.dtype.element_ty), mask=out_mask)
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, round_to(acc, out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def decode_split_k(N: int, K: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """Splits of K that give the SMs about 4 programs each (weight reads in flight), each split >= 4 tiles."""
+    n_blocks, k_tiles = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
+    split = 1
+    while n_blocks * split < 4 * num_sms and split * 2 <= MAX_SPLIT_K and k_tiles // (split * 2) >= 4:
+        split *= 2
+    return split
 
 
 def _config(M: int, N: int, K: int, num_sms: int) -> Int4Config:
-    """One row: FMA 64 x 128 tiles, split K to fill the SMs; up to 16 rows: 16-row dots; prefill: 64 x 128."""
+    """Not tuned on a GPU yet (first guesses): one row: FMA on [128, 64] tiles (a group of 128 a tile); up to
+    16 rows: 16-row dots; both split K for enough programs. Prefill: 64 x 128 tiles, K in 64s."""
     if M == 1:
-        block_m, block_n, block_k, warps, stages = 1, 64, 128, 4, 1
+        block_m, block_n, block_k = 1, 64, 128
     elif M <= 16:
-        block_m, block_n, block_k, warps, stages = 16, 64, 64, 4, 1
+        block_m, block_n, block_k = 16, 64, 128
     else:
-        return Int4Config(64, 128, 64, 1, 4, 1)
-    return Int4Config(block_m, block_n, block_k, default_split_k(N, K, block_n, block_k, num_sms), warps, stages)
+        return Int4Config(64, 128, 64, 1, 4, 3)
+    return Int4Config(block_m, block_n, block_k, decode_split_k(N, K, block_n, block_k, num_sms), 4, 3)
 
 
 def _check(x, weight: Int4Weight, bias) -> None:
@@ -190,7 +215,7 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
         HAS_G_IDX=weight.g_idx is not None,
         GROUP_PER_TILE=weight.g_idx is None and (group_size % cfg.block_k == 0 or group_size >= K),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), WHILE_LOOP=not x.is_cuda,
+        BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), NUM_STAGES=cfg.num_stages, WHILE_LOOP=not x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _split_k_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](

@@ -61,7 +61,7 @@ def test_prefill_tiles_match_reference(device):
 
 def test_default_configs_split_decode_and_tile_prefill():
     one, few, many = _config(1, 4096, 4096, 132), _config(8, 4096, 4096, 132), _config(512, 4096, 4096, 132)
-    assert one.block_m == 1 and one.split_k > 1       # 64 column blocks leave SMs idle: split K
+    assert one.block_m == 1 and one.split_k == 8      # 64 column blocks x 8 splits: about 4 programs an SM
     assert few.block_m == 16 and many.block_m == 64 and many.split_k == 1
 
 
