@@ -84,6 +84,10 @@ def _read_int4(checkpoint, module: str, piece: Slice, q: QuantConfig, dtype, dev
 
 
 def _read_fp8(checkpoint, module: str, piece: Slice, q: QuantConfig, device) -> Fp8Weight:
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"FP8 weights need FP8 tensor cores (compute capability 8.9+: Ada, Hopper), "
+                         f"{torch.cuda.get_device_name(device)} has none: serve a GPTQ / AWQ or float checkpoint")
     if q.at_load:    # --quantize fp8: a float checkpoint, quantized per output channel here
         weight, scale = fp8_quantize(_read(checkpoint, module + ".weight", piece, device, torch.float32))
         return Fp8Weight(weight, scale)

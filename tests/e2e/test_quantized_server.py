@@ -1,7 +1,7 @@
 """Quantized models through the launched server: greedy tokens equal transformers' on the dequantized model.
 
 A GPTQ act-order checkpoint on two shards (gloo: packed columns and whole groups sliced by the real
-launcher), an AWQ one on one shard, and a float checkpoint served with ``--quantize fp8`` (its reference:
+launcher) and a float checkpoint served with ``--quantize fp8`` (its reference:
 the per-channel FP8 weights dequantized, activations rounded to FP8 per token as the FP8 GEMM does).
 """
 import pytest
@@ -17,7 +17,6 @@ PROMPTS = ["hello world", "def main(): return 0"]
 NEW_TOKENS = 12
 CASES = {   # name: (format written, served directory, launcher flags)
     "gptq_two_shards": ("gptq_act_order", "quantized", ["--num-shard", "2", "--master-port", "PORT"]),
-    "awq": ("awq_g16", "quantized", []),
     "quantize_fp8": ("fp8_channel", "float", ["--quantize", "fp8"]),
 }
 

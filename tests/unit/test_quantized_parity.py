@@ -78,9 +78,10 @@ def test_triton_kernels_under_the_interpreter_match_transformers(fmt, tmp_path):
         assert [e.token_id for e in outputs[request.request_id]] == expected.tolist(), fmt
 
 
-@pytest.mark.parametrize("fmt", ["gptq_act_order", "gptq_g16", "awq_g16", "fp8_tensor"])
+@pytest.mark.parametrize("fmt", ["gptq_act_order", "awq_g16", "fp8_tensor"])
 def test_two_shards_match_transformers(fmt, tmp_path):
-    """Column slices cut packed columns, row slices whole groups (act-order: every group's scales); FP8's
+    """Column slices cut packed columns, row slices whole groups (act-order: every group's scales, AWQ:
+    its groups' rows of scales and zeros); FP8's
     row-parallel layers scale each shard's part of a token on its own (the reference does the same)."""
     quantized, twin = save_quantized_pair(fmt, tmp_path)
     assert_matches(engine_outputs(quantized, num_shards=2), reference(twin, fmt, 2), logprob_tol(fmt))
