@@ -24,7 +24,6 @@ FORMATS = {
     # GPTQ v1 (stored zero - 1), act-order with groups of 16 (whole groups on each of 2 shards)
     "gptq_act_order": QuantConfig("gptq", group_size=16, desc_act=True, zero_offset=1),
     "gptq_g32": QuantConfig("gptq", group_size=32, zero_offset=0),          # gptq_v2, no act-order
-    "gptq_g16": QuantConfig("gptq", group_size=16, zero_offset=1),
     "gptq_per_column": QuantConfig("gptq", group_size=-1, zero_offset=1),   # one group over all rows
     "awq_g16": QuantConfig("awq", group_size=16),
     "awq_g32": QuantConfig("awq", group_size=32),

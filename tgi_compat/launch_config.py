@@ -496,7 +496,8 @@ class _Parser(argparse.ArgumentParser):
         from engine.models import supported_architectures
 
         return (super().format_help() + "\nSupported architectures (config.json `architectures`): "
-                f"{', '.join(supported_architectures())}. Quantized checkpoints (Llama, Mistral, Qwen2): GPTQ 4-bit "
+                f"{', '.join(supported_architectures())}. Quantized checkpoints (Llama, Mistral, Qwen2, Qwen3, Gemma, "
+                f"Gemma 2): GPTQ 4-bit "
                 f"(group 128 / -1, act-order), AWQ 4-bit GEMM, FP8 (fp8, compressed-tensors per-tensor or "
                 f"per-channel); --quantize fp8 quantizes a float checkpoint at load.\n")
 

@@ -17,7 +17,8 @@ from weights.quant_formats import parse_quantization, quantized_shapes
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, starcoder2.FAMILY, mixtral.FAMILY,
                                 qwen2_moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)
-QUANTIZED_FAMILIES = (llama.FAMILY,)     # families whose linear layers may be GPTQ / AWQ / FP8
+# Families whose projections may be GPTQ / AWQ / FP8 (LlamaFamilyModel._read; tests/unit/test_quantized_parity.py)
+QUANTIZED_FAMILIES = (llama.FAMILY, qwen3.FAMILY, gemma.FAMILY)
 MODEL_REGISTRY: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 
 
