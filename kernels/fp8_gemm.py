@@ -2,12 +2,12 @@
 
 The weight is an ``Fp8Weight``: float8_e4m3fn ``weight`` [N, K] and float32 ``scale`` [N] (per output
 channel; a per-tensor checkpoint scale is repeated per channel at load), ``w[n, k] = weight[n, k] *
-scale[n]``. Activations are quantized per token, dynamically: ``x_scale[m] = max_k |x[m, k]| / 448``,
-``x_fp8 = round_fp8(x / x_scale)`` (``quantize_per_token``, torch: the Triton CPU interpreter's
-float32 -> fp8 cast does not round to nearest, so both paths share this one). Program ``(m, n)`` multiplies
-its ``[BLOCK_M, BLOCK_K]`` x tiles and ``[BLOCK_N, BLOCK_K]`` weight tiles in fp8 with float32
-accumulation (products of two fp8 values are exact in float32), then applies ``x_scale[m] * scale[n]``
-and the bias once. ``fp8_gemm_ref`` is the same maths in float32 torch.
+scale[n]``. Activations are quantized per token, dynamically, inside the kernel: ``x_scale[m] =
+max_k |x[m, k]| / 448``, ``x_fp8 = round_fp8(x / x_scale)`` (``quantize_per_token`` is the same in torch).
+Program ``(m, n)`` first reads its rows of x for their scales, then multiplies its ``[BLOCK_M, BLOCK_K]``
+x tiles, quantized on the fly, and ``[BLOCK_N, BLOCK_K]`` weight tiles in fp8 with float32 accumulation
+(products of two fp8 values are exact in float32), then applies ``x_scale[m] * scale[n]`` and the bias
+once. ``fp8_gemm_ref`` is the same maths in float32 torch.
 """
 from __future__ import annotations
 
@@ -51,11 +51,46 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+@triton.jit
+def _to_fp8(v, EMULATE_CAST: tl.constexpr):
+    """float32 ``v`` (within +-448) to float8_e4m3fn, rounded to nearest even. The GPU's cast does that; the
+    CPU interpreter's drops the carry when the mantissa rounds up, so there the value is rounded by hand
+    first (normals: 3 mantissa bits; subnormals: multiples of 2^-9) and the cast is then exact."""
+    if EMULATE_CAST:
+        a = tl.abs(v)
+        bits = a.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        subnormal = (a + 16384.0) - 16384.0          # float32's spacing at 2^14 is 2^-9
+        rounded = tl.where(a >= 0.015625, normal, subnormal)
+        v = tl.where(v < 0, -rounded, rounded)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _row_amax(x_ptrs, m_mask, offs_k, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """max_k |x[m, k]| of the program's rows (float32, [BLOCK_M])."""
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    return amax
+
+
+@triton.jit
+def _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K, EMULATE_CAST: tl.constexpr):
+    """acc += fp8(x tile / x_scale) @ w tile.T at K offset ``k0``."""
+    k_ok = (k0 + offs_k) < K
+    x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    x = tl.minimum(tl.maximum(tl.math.div_rn(x, x_scale[:, None]), -448.0), 448.0)
+    w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+    return tl.dot(_to_fp8(x, EMULATE_CAST), tl.trans(w), acc)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr, EMULATE_CAST: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -64,22 +99,17 @@ def _fp8_gemm_kernel(
     m_mask, n_mask = offs_m < M, offs_n < N
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + (offs_n % N)[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    # the rows' dynamic scales (quantize_per_token's), then the fp8 products
+    x_scale = tl.maximum(tl.math.div_rn(_row_amax(x_ptrs, m_mask, offs_k, K, BLOCK_M, BLOCK_K), 448.0), 1e-12)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
         k0 = 0
         while k0 < K:
-            k_ok = (k0 + offs_k) < K
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K, EMULATE_CAST)
             k0 += BLOCK_K
     else:
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            k_ok = (k0 + offs_k) < K
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            acc = tl.dot(x, tl.trans(w), acc)
-    x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)
+            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K, EMULATE_CAST)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
@@ -119,14 +149,13 @@ def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    x_fp8, x_scale = quantize_per_token(x)
     cfg = Fp8Config(*config) if config is not None else _config(M)
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
     _fp8_gemm_kernel[grid](
-        x_fp8, x_scale, weight.weight, weight.scale, bias if bias is not None else out, out, M, N, K,
-        x_fp8.stride(0), weight.weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        x, weight.weight, weight.scale, bias if bias is not None else out, out, M, N, K,
+        x.stride(0), weight.weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        WHILE_LOOP=not x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        WHILE_LOOP=not x.is_cuda, EMULATE_CAST=not x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

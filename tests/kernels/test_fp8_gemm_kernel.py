@@ -22,6 +22,17 @@ def test_per_token_quantization_scales_each_row_to_the_fp8_range(device):
     torch.testing.assert_close(x_fp8.float() * scale[:, None], x, rtol=2**-4, atol=0)
 
 
+def test_the_kernel_rounds_activations_as_quantize_per_token(device):
+    """Through an identity weight each output is one quantized activation times its scale: bit-equal to torch's
+    round-to-nearest-even cast (values spread over many binades, subnormals and ties included)."""
+    k = 64
+    x = torch.randn(20, k, device=device) * torch.exp(torch.randn(20, k, device=device) * 3)
+    x[0, :4] = torch.tensor([448.0, 0.4989, -7.8, 1e-9])
+    identity = Fp8Weight(torch.eye(k, device=device).to(torch.float8_e4m3fn), torch.ones(k, device=device))
+    x_fp8, scale = quantize_per_token(x)
+    assert torch.equal(fp8_gemm(x, identity, config=SMALL), x_fp8.float() * scale[:, None])
+
+
 @pytest.mark.parametrize("rows,has_bias", [(1, True), (3, False), (37, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp8_gemm_matches_reference(device, dtype, rows, has_bias):
