@@ -26,8 +26,10 @@ back: the tests and ``weights.random_checkpoint`` write quantized checkpoints wi
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +49,8 @@ LINEAR_PATTERN = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
 # (the engine quantizes activations per token, dynamically), GPTQ's g_idx without act-order.
 FP8_IGNORED = (r"\.input_scale$",)
 GPTQ_IGNORED = (r"\.g_idx$",)
+# Files older GPTQ / AWQ repos keep their quantization config in (config.json without quantization_config)
+LEGACY_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 
 
 @dataclass(frozen=True)
@@ -80,9 +84,11 @@ class QuantConfig:
 
 # ---- quantization_config ----------------------------------------------------------------------
 
-def parse_quantization(raw: dict[str, Any], requested: str | None = None) -> QuantConfig | None:
-    """The checkpoint's ``quantization_config`` combined with ``--quantize`` (``requested``)."""
-    spec = raw.get("quantization_config")
+def parse_quantization(raw: dict[str, Any], requested: str | None = None,
+                       model_dir: str | Path | None = None) -> QuantConfig | None:
+    """The checkpoint's ``quantization_config`` combined with ``--quantize`` (``requested``). Without one in
+    config.json, older repos' own files in ``model_dir`` are read (``LEGACY_FILES``)."""
+    spec = raw.get("quantization_config") or (legacy_spec(Path(model_dir)) if model_dir is not None else None)
     found = _from_spec(spec) if spec else None
     method_name = spec.get("quant_method") if spec else None
     if requested is None:
@@ -101,6 +107,19 @@ def parse_quantization(raw: dict[str, Any], requested: str | None = None) -> Qua
     what = f"a {method_name} checkpoint" if spec else "a checkpoint without quantization_config"
     raise CheckpointError(f"--quantize {requested} does not match {what}: leave --quantize unset (the "
                           f"checkpoint's quantization_config is read without it) or serve a {requested} checkpoint")
+
+
+def legacy_spec(model_dir: Path) -> dict[str, Any] | None:
+    """AutoGPTQ's ``quantize_config.json`` or AutoAWQ's ``quant_config.json`` as a ``quantization_config``."""
+    for name, method in LEGACY_FILES.items():
+        path = model_dir / name
+        if path.is_file():
+            try:
+                spec = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as err:
+                raise CheckpointError(f"{path} is not valid JSON ({err}): re-download it") from err
+            return {"quant_method": method, **spec}
+    return None
 
 
 def _from_spec(spec: dict[str, Any]) -> QuantConfig:

@@ -45,7 +45,7 @@ def load_model_config(model_dir: str | Path, rope_scaling: tuple[str, float] | N
         config = family.parse_config(raw)
     except KeyError as e:
         raise ModelConfigError(f"{Path(model_dir) / 'config.json'} lacks the field {e.args[0]!r}") from e
-    quantization = parse_quantization(raw, quantize)
+    quantization = parse_quantization(raw, quantize, model_dir)
     if quantization is None:
         return config
     if family not in QUANTIZED_FAMILIES:

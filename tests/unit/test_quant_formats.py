@@ -144,3 +144,18 @@ def test_quantized_shapes_replace_only_the_decoder_linear_weights():
     assert quantized_shapes(shapes, QuantConfig("fp8", at_load=True)) == shapes
     with pytest.raises(CheckpointError, match="cannot be 4-bit packed with group_size 48"):
         quantized_shapes(shapes, QuantConfig("gptq", group_size=48))
+
+
+def test_older_repos_quantization_files_are_read_when_config_json_has_none(tmp_path):
+    import json
+
+    (tmp_path / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128, "desc_act": True}))
+    gptq = parse_quantization({}, model_dir=tmp_path)
+    assert (gptq.method, gptq.group_size, gptq.desc_act, gptq.zero_offset) == ("gptq", 128, True, 1)
+    awq_dir = tmp_path / "awq"
+    awq_dir.mkdir()
+    (awq_dir / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 64, "w_bit": 4,
+                                                           "version": "GEMM"}))
+    assert (parse_quantization({}, model_dir=awq_dir).method, parse_quantization({}, model_dir=awq_dir).group_size) \
+        == ("awq", 64)
+    assert parse_quantization({"quantization_config": AWQ}, model_dir=tmp_path).method == "awq"   # config.json wins
