@@ -118,18 +118,19 @@ def step_cost_model(model_config: ModelConfig) -> tuple[int, int]:
     and position, at ``ATTENTION_EFFICIENCY``) costs as much as its matmuls (2 FLOPs per layer
     weight the token uses: of an MoE layer, its top-k experts), and the context tokens whose KV
     (2 * kv_heads * head_dim per layer) is as large as the weights a decode step reads (all of
-    them: a decode batch's rows choose many experts)."""
+    them: a decode batch's rows choose many experts; quantized ones by their bits over 16)."""
     c = model_config
     shapes = family_for(c.architecture).checkpoint_shapes(c)
     matrices = {name: math.prod(shape) for name, shape in shapes.items()
                 if name.startswith("model.layers.") and len(shape) == 2}
-    layer_weights = sum(matrices.values())
+    q = c.quantization
+    layer_weights = sum(n * (q.bits / 16 if q is not None and q.quantizes(name) else 1) for name, n in matrices.items())
     # a token's matmuls use only its top_k of the num_experts experts (mixture-of-experts families)
     expert_share = getattr(c, "top_k", 1) / max(getattr(c, "num_experts", 1), 1)
     token_weights = sum(n * (expert_share if ".experts." in name else 1) for name, n in matrices.items())
     head = c.vocab_size * c.hidden_size
     attention_span = int(ATTENTION_EFFICIENCY * token_weights / (2 * c.num_layers * c.num_heads * c.head_dim))
-    kv_weight_tokens = (layer_weights + head) // (2 * c.num_layers * c.num_kv_heads * c.head_dim)
+    kv_weight_tokens = int((layer_weights + head) // (2 * c.num_layers * c.num_kv_heads * c.head_dim))
     return max(attention_span, 1), max(kv_weight_tokens, 1)
 
 

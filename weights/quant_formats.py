@@ -65,8 +65,9 @@ class QuantConfig:
     skip: tuple[str, ...] = ()    # module names left in the model dtype (modules_to_not_convert / ignore)
 
     @property
-    def is_int4(self) -> bool:
-        return self.method in ("gptq", "awq")
+    def bits(self) -> int:
+        """Bits of one stored weight (scales and zeros aside)."""
+        return 8 if self.method == "fp8" else 4
 
     def quantizes(self, name: str) -> bool:
         """Whether the dense checkpoint name ``name`` (``...proj.weight``) is a quantized linear layer."""
