@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ._checks import check_last_dim_contiguous, check_shape, check_tensor
 from ._rounding import round_to
+from .skinny_gemm import device_sms
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -118,12 +119,13 @@ def _fp8_gemm_kernel(
     tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _config(M: int) -> Fp8Config:
-    """Decode batches: 16-row tiles, narrow column blocks (more programs to read the weights);
-    prefill: 64 x 128 tiles."""
+def _config(M: int, N: int, num_sms: int) -> Fp8Config:
+    """Not tuned on a GPU yet (first guesses). Decode batches: 16-row tiles, narrow column blocks (more
+    programs to read the weights); more rows: 64-row tiles, 128 columns wide once they fill the SMs."""
     if M <= 16:
         return Fp8Config(16, 32, 128, 4, 4)
-    return Fp8Config(64, 128, 128, 8, 3)
+    wide = triton.cdiv(M, 64) * triton.cdiv(N, 128) >= num_sms
+    return Fp8Config(64, 128 if wide else 64, 128, 8 if wide else 4, 3)
 
 
 def _check(x, weight: Fp8Weight, bias) -> None:
@@ -149,7 +151,7 @@ def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = Fp8Config(*config) if config is not None else _config(M)
+    cfg = Fp8Config(*config) if config is not None else _config(M, N, device_sms(x.device))
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
     _fp8_gemm_kernel[grid](
         x, weight.weight, weight.scale, bias if bias is not None else out, out, M, N, K,

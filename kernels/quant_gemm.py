@@ -149,25 +149,26 @@ def _int4_gemm_kernel(
         tl.store(out_ptr + out_offs, round_to(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def decode_split_k(N: int, K: int, block_n: int, block_k: int, num_sms: int) -> int:
-    """Splits of K that give the SMs about 4 programs each (weight reads in flight), each split >= 4 tiles."""
-    n_blocks, k_tiles = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
+def fill_split_k(tiles: int, K: int, block_k: int, programs_per_sm: int, num_sms: int) -> int:
+    """Splits of K that give each SM about ``programs_per_sm`` programs (of ``tiles`` output tiles), each
+    split keeping at least 4 K tiles."""
+    k_tiles = triton.cdiv(K, block_k)
     split = 1
-    while n_blocks * split < 4 * num_sms and split * 2 <= MAX_SPLIT_K and k_tiles // (split * 2) >= 4:
+    while tiles * split < programs_per_sm * num_sms and split * 2 <= MAX_SPLIT_K and k_tiles // (split * 2) >= 4:
         split *= 2
     return split
 
 
 def _config(M: int, N: int, K: int, num_sms: int) -> Int4Config:
     """Not tuned on a GPU yet (first guesses): one row: FMA on [128, 64] tiles (a group of 128 a tile); up to
-    16 rows: 16-row dots; both split K for enough programs. Prefill: 64 x 128 tiles, K in 64s."""
-    if M == 1:
-        block_m, block_n, block_k = 1, 64, 128
-    elif M <= 16:
-        block_m, block_n, block_k = 16, 64, 128
+    16 rows: 16-row dots; both split K for about 4 programs an SM (the weight reads in flight). More rows:
+    32- or 64-row tiles of 128 columns, K in 64s, split while the tiles leave SMs idle."""
+    if M <= 16:
+        block_m, block_n, block_k, per_sm = (1 if M == 1 else 16), 64, 128, 4
     else:
-        return Int4Config(64, 128, 64, 1, 4, 3)
-    return Int4Config(block_m, block_n, block_k, decode_split_k(N, K, block_n, block_k, num_sms), 4, 3)
+        block_m, block_n, block_k, per_sm = (32 if M <= 64 else 64), 128, 64, 1
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    return Int4Config(block_m, block_n, block_k, fill_split_k(tiles, K, block_k, per_sm, num_sms), 4, 3)
 
 
 def _check(x, weight: Int4Weight, bias) -> None:

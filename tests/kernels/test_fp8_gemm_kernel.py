@@ -33,13 +33,14 @@ def test_the_kernel_rounds_activations_as_quantize_per_token(device):
     assert torch.equal(fp8_gemm(x, identity, config=SMALL), x_fp8.float() * scale[:, None])
 
 
+@pytest.mark.parametrize("config", [SMALL, None], ids=["small", "default"])
 @pytest.mark.parametrize("rows,has_bias", [(1, True), (3, False), (37, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fp8_gemm_matches_reference(device, dtype, rows, has_bias):
+def test_fp8_gemm_matches_reference(device, dtype, rows, has_bias, config):
     weight = make_weight(N, K, device)
     x = torch.randn(rows, K, device=device).to(dtype)
     bias = torch.randn(N, device=device).to(dtype) if has_bias else None
-    out = fp8_gemm(x, weight, bias, config=SMALL)
+    out = fp8_gemm(x, weight, bias, config=config)
     assert out.shape == (rows, N) and out.dtype == dtype
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(out, fp8_gemm_ref(x, weight, bias), atol=atol, rtol=rtol)

@@ -60,9 +60,12 @@ def test_prefill_tiles_match_reference(device):
 
 
 def test_default_configs_split_decode_and_tile_prefill():
-    one, few, many = _config(1, 4096, 4096, 132), _config(8, 4096, 4096, 132), _config(512, 4096, 4096, 132)
+    one, few = _config(1, 4096, 4096, 132), _config(8, 4096, 4096, 132)
+    mid, many = _config(128, 4096, 4096, 132), _config(512, 4096, 4096, 132)
     assert one.block_m == 1 and one.split_k == 8      # 64 column blocks x 8 splits: about 4 programs an SM
-    assert few.block_m == 16 and many.block_m == 64 and many.split_k == 1
+    assert few.block_m == 16
+    assert mid.block_m == 64 and mid.split_k == 4     # 2 x 32 tiles: split until the SMs are busy
+    assert many.block_m == 64 and many.split_k == 1
 
 
 def test_bad_inputs_are_clear_errors(device):
