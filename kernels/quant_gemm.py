@@ -8,6 +8,7 @@ AWQ checkpoints are repacked to it at load, ``engine.models.quantized``):
 | qweight | int32 [K / 8, N] | nibble ``i`` (bits ``4i .. 4i+3``) of word ``[p, n]`` is ``q[8p + i, n]`` in 0..15 |
 | scales, zeros | [G, N], x's dtype | per group and column: ``w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]`` |
 | g_idx | int32 [K] or None | the group of row k (GPTQ act-order); None: ``k // group_size`` |
+| perm | int32 [K] or None | the column of x that row k multiplies (act-order rows sorted by group); None: k |
 
 Program ``(m, n, s)`` owns rows ``[m * BLOCK_M, ...)`` of x, the ``BLOCK_N`` output columns from
 ``n * BLOCK_N`` and the ``s``-th of ``SPLIT_K`` chunks of K, walked in ``BLOCK_K``-row tiles: it reads
@@ -48,6 +49,7 @@ class Int4Weight:
     zeros: torch.Tensor               # [G, N]
     g_idx: torch.Tensor | None        # int32 [K], or None: row k is in group k // group_size
     group_size: int                   # rows per group when g_idx is None
+    perm: torch.Tensor | None = None  # int32 [K]: row k multiplies x[:, perm[k]]; None: x[:, k]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -109,11 +111,22 @@ def _tile_product(x, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_s
     return _times(x, w, BLOCK_M, BLOCK_K, UPCAST)
 
 
+@triton.jit
+def _x_tile(x_rows, perm_ptr, m_mask, offs_k, k0, K, HAS_PERM: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] for weight rows ``k0 ..``: columns k, or perm[k] (act-order rows sorted by group)."""
+    k = k0 + offs_k
+    mask = m_mask[:, None] & (k < K)[None, :]
+    if HAS_PERM:
+        k = tl.load(perm_ptr + k, mask=k < K, other=0)
+    return tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemm_kernel(
-    x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr, bias_ptr, out_ptr,
     M, N, K, k_per_split, group_size, stride_xm, stride_om, stride_split,
-    HAS_G_IDX: tl.constexpr, GROUP_PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):
@@ -125,18 +138,18 @@ def _int4_gemm_kernel(
     cols = offs_n % N                 # past-the-end columns re-read valid ones (no N mask on the weight loads)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
         k0 = k_begin
         while k0 < k_end:
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+            x = _x_tile(x_rows, perm_ptr, m_mask, offs_k, k0, K, HAS_PERM)
             acc += _tile_product(x, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
                                  HAS_G_IDX, GROUP_PER_TILE, BLOCK_M, BLOCK_K, BLOCK_N, UPCAST)
             k0 += BLOCK_K
     else:           # pipelined weight loads on the GPU
         for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+            x = _x_tile(x_rows, perm_ptr, m_mask, offs_k, k0, K, HAS_PERM)
             acc += _tile_product(x, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
                                  HAS_G_IDX, GROUP_PER_TILE, BLOCK_M, BLOCK_K, BLOCK_N, UPCAST)
     out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -182,10 +195,11 @@ def _check(x, weight: Int4Weight, bias) -> None:
         check_tensor(name, t, 2, device=x.device)
         check_same_dtype(name, t, x.dtype)
         check_shape(name, t, (None, n))
-    if weight.g_idx is not None:
-        check_tensor("g_idx", weight.g_idx, 1, dtypes=(torch.int32,), device=x.device)
-        check_shape("g_idx", weight.g_idx, (k,))
-    elif weight.scales.shape[0] * weight.group_size < k:
+    for name in ("g_idx", "perm"):
+        if getattr(weight, name) is not None:
+            check_tensor(name, getattr(weight, name), 1, dtypes=(torch.int32,), device=x.device)
+            check_shape(name, getattr(weight, name), (k,))
+    if weight.g_idx is None and weight.scales.shape[0] * weight.group_size < k:
         raise ValueError(f"{weight.scales.shape[0]} groups of {weight.group_size} rows do not cover K = {k}")
     if bias is not None:
         check_tensor("bias", bias, 1, device=x.device)
@@ -210,10 +224,10 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
     _int4_gemm_kernel[grid](
-        x, weight.qweight, weight.scales, weight.zeros, weight.g_idx if weight.g_idx is not None else weight.qweight,
-        bias_arg, partial, M, N, K, k_per_split, group_size, x.stride(0), partial.stride(-2),
+        x, weight.qweight, weight.scales, weight.zeros, _or(weight.g_idx, weight.qweight),
+        _or(weight.perm, weight.qweight), bias_arg, partial, M, N, K, k_per_split, group_size, x.stride(0), partial.stride(-2),
         partial.stride(0) if splits > 1 else 0,
-        HAS_G_IDX=weight.g_idx is not None,
+        HAS_G_IDX=weight.g_idx is not None, HAS_PERM=weight.perm is not None,
         GROUP_PER_TILE=weight.g_idx is None and (group_size % cfg.block_k == 0 or group_size >= K),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), NUM_STAGES=cfg.num_stages, WHILE_LOOP=not x.is_cuda,
@@ -225,8 +239,13 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
     return out
 
 
+def _or(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """The tensor, or a placeholder pointer for a kernel argument its flag says is not read."""
+    return tensor if tensor is not None else placeholder
+
+
 def int4_dequantize(weight: Int4Weight) -> torch.Tensor:
-    """The float32 weight [N, K]."""
+    """The float32 weight [N, K] in its stored row order (rows of ``perm``'s order when it is set)."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=weight.qweight.device)
     q = ((weight.qweight.unsqueeze(1) >> shifts[None, :, None]) & 0xF).reshape(-1, weight.qweight.shape[1])
     k = q.shape[0]
@@ -237,6 +256,8 @@ def int4_dequantize(weight: Int4Weight) -> torch.Tensor:
 
 def int4_gemm_ref(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None,
                   config: Int4Config | tuple | None = None) -> torch.Tensor:
+    if weight.perm is not None:
+        x = x[:, weight.perm.long()]
     out = x.float() @ int4_dequantize(weight).T
     if bias is not None:
         out += bias.float()

@@ -16,7 +16,8 @@ cuts (``weights.quant_formats`` has the layouts):
 
 A row-parallel slice must hold whole groups: ``K / shards`` a multiple of ``group_size``, else
 ``ShardingError``. AWQ is repacked to GPTQ's packing (one 4-bit layout for the kernel); zeros are
-unpacked to the model dtype. ``fuse`` joins parts of a fused layer (q|k|v, gate|up) along N.
+unpacked to the model dtype; act-order layers are sorted by group (``sorted_by_group``). ``fuse`` joins
+parts of a fused layer (q|k|v, gate|up) along N.
 """
 from __future__ import annotations
 
@@ -75,12 +76,25 @@ def _read_int4(checkpoint, module: str, piece: Slice, q: QuantConfig, dtype, dev
     if awq:
         qweight = pack_int4(unpack_int4(qweight, 1, AWQ_ORDER), 0)
     local_rows = qweight.shape[0] * PACK
-    g_idx = None
-    if q.desc_act:
-        rows = _along(piece, 0) if piece.dim == 1 else None
-        g_idx = _read(checkpoint, module + ".g_idx", rows, device, torch.int32)
     group_size = local_rows if q.group_size == -1 else q.group_size
-    return Int4Weight(qweight.contiguous(), scales.contiguous(), zeros.contiguous(), g_idx, group_size)
+    weight = Int4Weight(qweight.contiguous(), scales.contiguous(), zeros.contiguous(), None, group_size)
+    if not q.desc_act:
+        return weight
+    rows = _along(piece, 0) if piece.dim == 1 else None
+    return sorted_by_group(weight, _read(checkpoint, module + ".g_idx", rows, device, torch.int32))
+
+
+def sorted_by_group(weight: Int4Weight, g_idx: torch.Tensor) -> Int4Weight:
+    """An act-order layer with its rows sorted by group (x's columns read through ``perm`` instead): where
+    every group then holds ``group_size`` consecutive rows (one shard, or column-parallel ones) the kernel
+    takes a group's scale once per tile; a row-parallel shard's uneven groups keep the sorted g_idx."""
+    perm = torch.argsort(g_idx, stable=True)
+    sorted_groups = g_idx[perm]
+    qweight = pack_int4(unpack_int4(weight.qweight, 0)[perm], 0)
+    counts = torch.bincount(sorted_groups.long(), minlength=weight.scales.shape[0])
+    uniform = bool((counts == weight.group_size).all())
+    return Int4Weight(qweight, weight.scales, weight.zeros, None if uniform else sorted_groups.contiguous(),
+                      weight.group_size, perm.to(torch.int32))
 
 
 def _read_fp8(checkpoint, module: str, piece: Slice, q: QuantConfig, device) -> Fp8Weight:
@@ -108,10 +122,12 @@ def fuse(parts: list[LinearWeight]) -> LinearWeight:
         return torch.cat(parts, dim=0)
     if isinstance(first, Fp8Weight):
         return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
-    if first.g_idx is not None and any(not torch.equal(p.g_idx, first.g_idx) for p in parts[1:]):
-        raise ValueError("the fused parts of a GPTQ act-order layer (q/k/v or gate/up) have different g_idx; "
-                         "such a checkpoint cannot be served with fused projections")
+    for name in ("g_idx", "perm"):
+        if getattr(first, name) is not None and any(not torch.equal(getattr(p, name), getattr(first, name))
+                                                    for p in parts[1:]):
+            raise ValueError("the fused parts of a GPTQ act-order layer (q/k/v or gate/up) have different g_idx; "
+                             "such a checkpoint cannot be served with fused projections")
     if any(p.group_size != first.group_size or p.scales.shape[0] != first.scales.shape[0] for p in parts[1:]):
         raise ValueError("the fused parts of a 4-bit layer (q/k/v or gate/up) have different groups")
     return Int4Weight(torch.cat([p.qweight for p in parts], dim=1), torch.cat([p.scales for p in parts], dim=1),
-                      torch.cat([p.zeros for p in parts], dim=1), first.g_idx, first.group_size)
+                      torch.cat([p.zeros for p in parts], dim=1), first.g_idx, first.group_size, first.perm)

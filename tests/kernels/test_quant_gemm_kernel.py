@@ -77,3 +77,22 @@ def test_bad_inputs_are_clear_errors(device):
     short = Int4Weight(weight.qweight, weight.scales[:2], weight.zeros[:2], None, 32)
     with pytest.raises(ValueError, match="2 groups of 32 rows do not cover K = 96"):
         int4_gemm(torch.randn(2, K, device=device), short)
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_rows_sorted_by_group_read_x_through_perm(device, uniform):
+    """An act-order weight with its rows sorted by group and x read through ``perm`` is the same product:
+    groups of equal size take the one-scale-a-tile path (no g_idx), uneven ones keep the sorted g_idx."""
+    weight, values = make_weight(N, K, 16, torch.float32, device)
+    g = torch.Generator().manual_seed(5)
+    g_idx = (act_order_g_idx(K, 16, g) if uniform else torch.randint(0, K // 16, (K,), generator=g)).to(device)
+    act_order = Int4Weight(weight.qweight, weight.scales, weight.zeros, g_idx.to(torch.int32), 16)
+    perm = torch.argsort(g_idx, stable=True)
+    sorted_g_idx = None if uniform else g_idx[perm].to(torch.int32)
+    sorted_weight = Int4Weight(pack_int4(values[perm], 0), weight.scales, weight.zeros, sorted_g_idx, 16,
+                               perm.to(torch.int32))
+    x = torch.randn(3, K, device=device)
+    expected = int4_gemm_ref(x, act_order)
+    torch.testing.assert_close(int4_gemm_ref(x, sorted_weight), expected, atol=1e-4, rtol=1e-5)
+    for config in (CONFIGS["fma"], CONFIGS["dot"]):
+        torch.testing.assert_close(int4_gemm(x, sorted_weight, config=config), expected, atol=1e-4, rtol=1e-5)

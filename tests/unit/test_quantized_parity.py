@@ -112,6 +112,16 @@ def test_linear_layers_are_quantized_and_embeddings_and_head_stay_dense(tmp_path
     assert model.lm_head.weight.dtype == torch.float32 and model.embed_tokens.weight.dtype == torch.float32
 
 
+def test_act_order_rows_are_sorted_by_group_at_load(tmp_path):
+    """One shard: every group's rows consecutive (no g_idx left, x read through perm); a row-parallel shard
+    holds uneven parts of the groups and keeps the sorted g_idx."""
+    quantized, _ = save_quantized_pair("gptq_act_order", tmp_path)
+    qkv = load_shard(quantized, 0, 1).layers[0].attention.qkv.weight
+    assert qkv.g_idx is None and sorted(qkv.perm.tolist()) == list(range(64))
+    o = load_shard(quantized, 0, 2).layers[0].attention.o.weight
+    assert o.perm is not None and torch.equal(o.g_idx, o.g_idx.sort().values)
+
+
 def test_a_shard_that_would_split_a_group_is_a_clear_error(tmp_path):
     quantized, _ = save_quantized_pair("gptq_g32", tmp_path)      # down_proj: 160 rows, 80 a shard
     with pytest.raises(ShardingError, match="80 rows a shard, not a multiple of the quantization group_size 32"):
