@@ -225,8 +225,8 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
     _int4_gemm_kernel[grid](
         x, weight.qweight, weight.scales, weight.zeros, _or(weight.g_idx, weight.qweight),
-        _or(weight.perm, weight.qweight), bias_arg, partial, M, N, K, k_per_split, group_size, x.stride(0), partial.stride(-2),
-        partial.stride(0) if splits > 1 else 0,
+        _or(weight.perm, weight.qweight), bias_arg, partial, M, N, K, k_per_split, group_size, x.stride(0),
+        partial.stride(-2), partial.stride(0) if splits > 1 else 0,
         HAS_G_IDX=weight.g_idx is not None, HAS_PERM=weight.perm is not None,
         GROUP_PER_TILE=weight.g_idx is None and (group_size % cfg.block_k == 0 or group_size >= K),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
