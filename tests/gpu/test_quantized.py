@@ -2,7 +2,8 @@
 their references, and float32 greedy parity with transformers on a dequantized twin.
 
 - kernels: every Llama-2-7B projection shape (fused qkv, o, fused gate_up, down) at decode (1, 4, 16 rows)
-  and prefill (512 rows) sizes, GPTQ groups of 128 (with and without act-order, and one group) and FP8,
+  and prefill (512 rows) sizes, GPTQ groups of 128 (act-order gathered per row or sorted by group as
+  loaded, without act-order, one group) and FP8,
   in bfloat16 and float16, against ``int4_gemm_ref`` / ``fp8_gemm_ref``;
 - parity: a random Llama-2-7B-shaped model cut to QUANT_LAYERS layers (default 4) written as GPTQ
   (act-order), AWQ and FP8 checkpoints beside their dequantized float32 twins; our engine (Triton
@@ -14,11 +15,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.models.quantized import sorted_by_group
 from kernels.fp8_gemm import Fp8Weight, fp8_gemm, fp8_gemm_ref
 from kernels.quant_gemm import Int4Weight, int4_gemm, int4_gemm_ref
 from tests.gpu.greedy import (Greedy, _top, describe, engine_greedy, near_tie_problem, prompts, release_memory,
@@ -51,12 +54,19 @@ def assert_close(out, ref, dtype):
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("variant", ["group128", "act_order", "one_group"])
+@pytest.mark.parametrize("variant", ["group128", "act_order", "act_order_sorted", "one_group"])
 def test_int4_gemm_on_7b_shapes(name, rows, dtype, variant):
+    """act_order: g_idx gathered per row; act_order_sorted: the same weight as the loader holds it (rows sorted
+    by group, x read through perm)."""
     n, k = SHAPES[name]
-    weight = int4_weight(n, k, dtype, act_order=variant == "act_order", group=k if variant == "one_group" else 128)
+    weight = int4_weight(n, k, dtype, act_order=variant.startswith("act_order"),
+                         group=k if variant == "one_group" else 128)
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
-    assert_close(int4_gemm(x, weight), int4_gemm_ref(x, weight), dtype)
+    served = weight
+    if variant == "act_order_sorted":
+        served = sorted_by_group(replace(weight, g_idx=None), weight.g_idx)
+        assert served.g_idx is None and served.perm is not None
+    assert_close(int4_gemm(x, served), int4_gemm_ref(x, weight), dtype)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
