@@ -159,3 +159,11 @@ def test_older_repos_quantization_files_are_read_when_config_json_has_none(tmp_p
     assert (parse_quantization({}, model_dir=awq_dir).method, parse_quantization({}, model_dir=awq_dir).group_size) \
         == ("awq", 64)
     assert parse_quantization({"quantization_config": AWQ}, model_dir=tmp_path).method == "awq"   # config.json wins
+
+
+def test_the_launcher_accepts_the_quantize_values_the_loader_applies():
+    """The launcher keeps its own copy (its flag parsing imports no torch): the two must agree."""
+    from tgi_compat.launch_config import QUANTIZE_CHOICES, QUANTIZE_SUPPORTED
+    from weights.quant_formats import QUANTIZE_FLAGS
+
+    assert set(QUANTIZE_SUPPORTED) == set(QUANTIZE_FLAGS) and set(QUANTIZE_FLAGS) <= set(QUANTIZE_CHOICES)
