@@ -3,7 +3,7 @@
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, kernels, parity7b, profile, bench (default), serving, ablation,
 #                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant,
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
-#                                         moe, bloom
+#                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8)
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -239,6 +239,32 @@ for stage in $stages; do
       timeout 420 python3 -m bench.engine_bench --model-dir "$dir" --json "$OUT/bloom_bench.json" 2>&1 \
         | tee -a "$OUT/bloom.log" | grep -v -E "it/s|s/it" | tail -12
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
+    wquant_tests)
+      # Quantized checkpoints (issue 19), correctness: the 4-bit and FP8 GEMM kernel tests on the GPU and
+      # tests/gpu/test_quantized.py (kernels vs references on Llama-2-7B shapes; float32 greedy parity of
+      # GPTQ act-order / AWQ / FP8 Llama-2-7B-shaped models, QUANT_LAYERS layers, with transformers on their
+      # dequantized twins). A few minutes (estimated).
+      timeout 900 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_quant_gemm_kernel.py \
+        tests/kernels/test_fp8_gemm_kernel.py tests/gpu/test_quantized.py 2>&1 | tee "$OUT/wquant_tests.log" \
+        | grep -v -E "it/s|s/it" | tail -20
+      rc=${PIPESTATUS[0]} ;;
+    wquant)
+      # Quantized checkpoints (issue 19), speed: random Llama-2-7B GPTQ (4-bit, groups of 128), AWQ and FP8
+      # checkpoints written on the GPU, then beside the bf16 one batch-1 decode over HTTP (bench.serving_bench,
+      # 128-token prompt, 256 new tokens) for each; targets GPTQ/AWQ >= 450 tok/s, FP8 >= 330 (bf16: 196).
+      # About 4 minutes (estimated); WQUANT_WORKLOADS=batch1,batch adds the 512-request load (longer).
+      ensure_7b; rc=0
+      for fmt in gptq awq fp8; do
+        [ -f "$MODEL_7B-$fmt/config.json" ] || timeout 300 python3 -m weights.random_checkpoint --config llama-2-7b \
+          --out "$MODEL_7B-$fmt" --dtype bfloat16 --device cuda --quantize $fmt 2>&1 | tail -1
+      done
+      for model in "$MODEL_7B" "$MODEL_7B-gptq" "$MODEL_7B-awq" "$MODEL_7B-fp8"; do
+        tag=$(basename "$model")
+        timeout 600 python3 -m bench.serving_bench --model-dir "$model" --workloads "${WQUANT_WORKLOADS:-batch1}" \
+          --num-requests 512 --no-peer --json "$OUT/wquant_$tag.json" 2>&1 | tee -a "$OUT/wquant.log" \
+          | grep -E "tok/s|tokens/s" | sed "s|^|$tag: |"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"

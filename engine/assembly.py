@@ -59,6 +59,8 @@ class EngineConfig:
     watermark_delta: float = 2.0
     prefix_caching: bool = True           # reuse cached prompt prefixes' KV (engine.router.prefix_cache)
     kv_cache_dtype: str | None = None     # int8 | fp8_e4m3fn | fp8_e5m2 (engine.worker.kv_cache); None: dtype
+    quantize: str | None = None           # --quantize: fp8 quantizes a float checkpoint at load; gptq / awq /
+                                          # compressed-tensors must match its quantization_config (read anyway)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class EnginePlan:
 
 def plan_engine(config: EngineConfig) -> EnginePlan:
     """Decide every engine setting once; ValueError (with what to change) on any that cannot work."""
-    model_config = load_model_config(config.model_dir, rope_scaling=config.rope_scaling)
+    model_config = load_model_config(config.model_dir, rope_scaling=config.rope_scaling, quantize=config.quantize)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     num_shards = resolve_shards(config.num_shards, device)
     TensorParallel(0, num_shards).check(model_config)
@@ -117,18 +119,19 @@ def step_cost_model(model_config: ModelConfig) -> tuple[int, int]:
     and position, at ``ATTENTION_EFFICIENCY``) costs as much as its matmuls (2 FLOPs per layer
     weight the token uses: of an MoE layer, its top-k experts), and the context tokens whose KV
     (2 * kv_heads * head_dim per layer) is as large as the weights a decode step reads (all of
-    them: a decode batch's rows choose many experts)."""
+    them: a decode batch's rows choose many experts; quantized ones by their bits over 16)."""
     c = model_config
     shapes = family_for(c.architecture).checkpoint_shapes(c)
     matrices = {name: math.prod(shape) for name, shape in shapes.items()      # a layer's: its name has the index
                 if re.search(r"\.\d+\.", name) and len(shape) == 2}
-    layer_weights = sum(matrices.values())
+    q = c.quantization
+    layer_weights = sum(n * (q.bits / 16 if q is not None and q.quantizes(name) else 1) for name, n in matrices.items())
     # a token's matmuls use only its top_k of the num_experts experts (mixture-of-experts families)
     expert_share = getattr(c, "top_k", 1) / max(getattr(c, "num_experts", 1), 1)
     token_weights = sum(n * (expert_share if ".experts." in name else 1) for name, n in matrices.items())
     head = c.vocab_size * c.hidden_size
     attention_span = int(ATTENTION_EFFICIENCY * token_weights / (2 * c.num_layers * c.num_heads * c.head_dim))
-    kv_weight_tokens = (layer_weights + head) // (2 * c.num_layers * c.num_kv_heads * c.head_dim)
+    kv_weight_tokens = int((layer_weights + head) // (2 * c.num_layers * c.num_kv_heads * c.head_dim))
     return max(attention_span, 1), max(kv_weight_tokens, 1)
 
 

@@ -15,8 +15,8 @@ import os
 import torch
 
 from engine.worker.kv_cache import KVLayer
-from kernels import (decode_attention, fused_moe, gelu, layernorm, penalties, prefill_attention, rmsnorm, rotary,
-                     silu_and_mul, skinny_gemm)
+from kernels import (decode_attention, fp8_gemm, fused_moe, gelu, layernorm, penalties, prefill_attention,
+                     quant_gemm, rmsnorm, rotary, silu_and_mul, skinny_gemm)
 
 BACKENDS = ("triton", "torch")
 
@@ -84,7 +84,12 @@ class TritonOps(KernelOps):
         penalties.apply_penalties(logits, counts, pool_rows, repetition, frequency, presence)
 
     def linear(self, x, weight, bias=None):
-        """F.linear semantics; small decode batches take the skinny GEMM."""
+        """F.linear semantics on the weight's format: 4-bit (GPTQ / AWQ) and FP8 through their GEMMs;
+        dense: small decode batches take the skinny GEMM."""
+        if isinstance(weight, quant_gemm.Int4Weight):
+            return quant_gemm.int4_gemm(x, weight, bias)
+        if isinstance(weight, fp8_gemm.Fp8Weight):
+            return fp8_gemm.fp8_gemm(x, weight, bias)
         return skinny_gemm.linear(x, weight, bias)
 
     def fused_moe(self, x, w_gate_up, w_down, topk_weights, topk_ids):
@@ -131,6 +136,10 @@ class TorchOps(KernelOps):
         penalties.apply_penalties_ref(logits, counts, pool_rows, repetition, frequency, presence)
 
     def linear(self, x, weight, bias=None):
+        if isinstance(weight, quant_gemm.Int4Weight):
+            return quant_gemm.int4_gemm_ref(x, weight, bias)
+        if isinstance(weight, fp8_gemm.Fp8Weight):
+            return fp8_gemm.fp8_gemm_ref(x, weight, bias)
         return skinny_gemm.skinny_gemm_ref(x, weight, bias)
 
     def fused_moe(self, x, w_gate_up, w_down, topk_weights, topk_ids):

@@ -8,7 +8,8 @@ the environment: each flag can be set through its upper-snake-case variable
 and ``resolve_num_shard`` the shard count that depends on the visible GPUs.
 
 Flags of TGI that this engine does not implement are of two kinds: those that would
-change what is served or that a user relies on (``--quantize``, ``--trust-remote-code``,
+change what is served or that a user relies on (``--quantize`` other than gptq / awq / fp8 /
+compressed-tensors, ``--trust-remote-code``,
 ``--speculate``, ``--lora-adapters``, ``--weights-cache-override``) are
 errors when set; those that only concern TGI's plumbing
 (``--shard-uds-path``, ``--ngrok``, ``--prometheus-port``, ...) are accepted, and
@@ -28,6 +29,7 @@ DEMO_MODEL = str(Path(__file__).resolve().parents[1] / "weights" / "demo")
 
 QUANTIZE_CHOICES = ("awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bitsandbytes",
                     "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8")
+QUANTIZE_SUPPORTED = ("gptq", "awq", "fp8", "compressed-tensors")   # weights.quant_formats.QUANTIZE_FLAGS
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 NO_ENV = ""     # ``env=NO_ENV``: a flag that no environment variable sets
 
@@ -60,7 +62,11 @@ class LaunchConfig:
                               "extension (TGI has only the half precisions): full precision on a GPU too",
                               choices=("float16", "bfloat16", "float32"))
     trust_remote_code: bool = _flag("not supported: this engine runs its own model code, never the hub's", False)
-    quantize: str | None = _flag("not supported yet: the weights run in --dtype", choices=QUANTIZE_CHOICES)
+    quantize: str | None = _flag("quantized linear layers. A checkpoint's quantization_config (GPTQ or AWQ 4-bit, "
+                                 "FP8 or compressed-tensors float8) is read without this flag; fp8 quantizes a "
+                                 "float16/bfloat16 checkpoint at load (per-channel weight scales, per-token "
+                                 "activation scales); gptq, awq and compressed-tensors must match the checkpoint. "
+                                 "Default: the checkpoint's", choices=QUANTIZE_CHOICES)
     speculate: int | None = _flag("speculative tokens per step; not supported yet (0 or unset only)", minimum=0)
     kv_cache_dtype: str | None = _flag("KV cache dtype: fp8_e4m3fn or fp8_e5m2 (per-tensor scales from the "
                                        "checkpoint's k_scale/v_scale or kv_scale, else 1.0) or int8 (our extension, "
@@ -202,7 +208,6 @@ class LaunchConfig:
 
 _UNSUPPORTED = {
     "trust_remote_code": "--trust-remote-code is not supported: this engine runs its own model code",
-    "quantize": "--quantize is not supported yet: the weights run in --dtype; use an unquantized checkpoint",
     "speculate": "--speculate is not supported yet: leave it unset",
     "lora_adapters": "--lora-adapters is not supported yet: merge the adapter into the weights",
     "weights_cache_override": "--weights-cache-override is not supported: point --model-id at a local directory",
@@ -229,6 +234,10 @@ def _check(c: LaunchConfig) -> None:
     for name, message in _UNSUPPORTED.items():
         if getattr(c, name) not in (_default(name), None, False):
             raise LaunchError(message)
+    if c.quantize is not None and c.quantize not in QUANTIZE_SUPPORTED:
+        raise LaunchError(f"--quantize {c.quantize} is not supported; supported: gptq and awq (4-bit checkpoints), "
+                          f"fp8 (an FP8 checkpoint, or a float16/bfloat16 one quantized at load), "
+                          f"compressed-tensors (float8 checkpoints); a quantized checkpoint needs no flag")
     for f in fields(c):
         value = getattr(c, f.name)
         if value is not None and not isinstance(value, (bool, tuple, str)):
@@ -490,7 +499,9 @@ class _Parser(argparse.ArgumentParser):
         return (super().format_help() + "\nSupported architectures (config.json `architectures`): "
                 f"{', '.join(supported_architectures())}. BloomForCausalLM (ALiBi, no max_position_embeddings in "
                 f"config.json) serves a {DEFAULT_CONTEXT}-token context, TGI's default for such configs. Quantized "
-                f"checkpoints: none yet (unquantized weights only).\n")
+                f"checkpoints (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2): GPTQ 4-bit "
+                f"(group 128 / -1, act-order), AWQ 4-bit GEMM, FP8 (fp8, compressed-tensors per-tensor or "
+                f"per-channel); --quantize fp8 quantizes a float checkpoint at load.\n")
 
 
 def check_port_free(host: str, port: int) -> None:

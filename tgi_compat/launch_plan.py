@@ -46,7 +46,7 @@ def plan_server(config: LaunchConfig) -> ServerPlan:
     log.info("resolving the weights of %s%s", config.model_id, " (offline: the hub cache only)" if offline else "")
     model_dir = str(resolve_model(config.model_id, config.revision, config.huggingface_hub_cache, config.hf_token,
                                   offline=offline))
-    model_config = load_model_config(model_dir, rope_scaling=config.rope)
+    model_config = load_model_config(model_dir, rope_scaling=config.rope, quantize=config.quantize)
     log.info("checking the checkpoint in %s", model_dir)
     _check_checkpoint(model_dir, model_config)
     _check_tokenizer_config(config.tokenizer_config_path)
@@ -77,7 +77,7 @@ def engine_config(config: LaunchConfig, limits: Limits, model_dir: str) -> Engin
         admission=config.admission, cuda_graphs=config.cuda_graphs, prefix_caching=config.prefix_caching,
         num_shards=resolve_num_shard(config, _visible_gpus()), master_addr=config.master_addr,
         master_port=config.master_port, rope_scaling=config.rope, step_timeout_s=config.step_timeout,
-        kv_cache_dtype=config.kv_cache_dtype,
+        kv_cache_dtype=config.kv_cache_dtype, quantize=config.quantize,
         **{k: v for k, v in watermark.items() if v is not None})
 
 

@@ -215,7 +215,8 @@ class Checkpoint:
 
     # -- validation ----------------------------------------------------------------------
     def check(self, expected: dict[str, tuple[int, ...]], ignore_unexpected: tuple[str, ...] = ()) -> None:
-        """Raise CheckpointError unless the checkpoint holds exactly ``expected`` (name -> shape).
+        """Raise CheckpointError unless the checkpoint holds exactly ``expected`` (name -> shape, or a list
+        of the shapes it may have).
 
         Names matching any regex in ``ignore_unexpected`` may be present in addition.
         """
@@ -223,8 +224,8 @@ class Checkpoint:
         missing = sorted(set(expected) - present)
         patterns = [re.compile(p) for p in ignore_unexpected]
         unexpected = sorted(n for n in present - set(expected) if not any(p.search(n) for p in patterns))
-        misshaped = [f"{n} {self.shape(n)} (expected {tuple(expected[n])})"
-                     for n in sorted(set(expected) & present) if self.shape(n) != tuple(expected[n])]
+        misshaped = [f"{n} {self.shape(n)} (expected {_shapes_text(expected[n])})"
+                     for n in sorted(set(expected) & present) if self.shape(n) not in _shape_choices(expected[n])]
         problems = []
         if missing:
             problems.append(f"{len(missing)} missing: {_short_list(missing)}")
@@ -256,6 +257,15 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.model_dir)!r}, {len(self._weight_map)} tensors)"
+
+
+def _shape_choices(expected) -> list[tuple[int, ...]]:
+    """A shape, or a list of alternative shapes, as a list of shapes."""
+    return [tuple(s) for s in expected] if isinstance(expected, list) else [tuple(expected)]
+
+
+def _shapes_text(expected) -> str:
+    return " or ".join(str(s) for s in _shape_choices(expected))
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 ALLOW_PATTERNS = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "*.safetensors",
                   "model.safetensors.index.json", "chat_template.json*", "chat_template.jinja", "vocab*",
-                  "merges.txt"]
+                  "merges.txt", "quantize_config.json", "quant_config.json"]   # the last two: older GPTQ / AWQ repos
 
 
 class ModelNotFoundError(ValueError):

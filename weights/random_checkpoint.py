@@ -7,6 +7,7 @@ synthetic tokenizer of the exact vocab size. Both our server (``--model-id DIR``
 transformers (``from_pretrained(DIR)``) load them.
 
     python -m weights.random_checkpoint --config llama-2-7b --out /tmp/llama2-7b --device cuda
+    python -m weights.random_checkpoint --config llama-2-7b --out /tmp/llama2-7b-gptq --device cuda --quantize gptq
 
 Tensors are generated one at a time on ``device`` (seeded per tensor, so the values do
 not depend on sharding), moved to the host and written one shard at a time: host memory
@@ -24,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from .quant_formats import QuantConfig, act_order_g_idx, config_json, input_name, quantize_linear
 from .tokenizer_builder import write_tokenizer
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
@@ -32,6 +34,19 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
 FAMILY_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                         "BloomForCausalLM")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+QUANTIZED = ("gptq", "awq", "fp8")     # --quantize: the decoder's linear layers in that format
+
+
+def quant_config(quantize: str, group_size: int = 128, desc_act: bool = False) -> QuantConfig:
+    """The formats as the hub's checkpoints usually come: GPTQ v1 (stored zero - 1; ``desc_act``: act-order)
+    and AWQ GEMM with groups of ``group_size``, FP8 with one scale per tensor."""
+    if quantize not in QUANTIZED:
+        raise ValueError(f"quantize {quantize!r} is not supported; expected one of {', '.join(QUANTIZED)}")
+    if desc_act and quantize != "gptq":
+        raise ValueError("desc_act (act-order) is a GPTQ option: pass it with quantize='gptq'")
+    if quantize == "fp8":
+        return QuantConfig("fp8", per_channel=False)
+    return QuantConfig(quantize, group_size=group_size, desc_act=desc_act, zero_offset=1 if quantize == "gptq" else 0)
 
 _LLAMA_2 = {
     "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
@@ -355,17 +370,22 @@ def _random_tensor(name: str, shape, index: int, seed: int, dtype, device, std: 
 
 def write_random_checkpoint(out_dir: str | Path, config: str | dict, dtype: str = "bfloat16", seed: int = 0,
                             device: str | torch.device = "cpu", max_shard_bytes: int = 2 * 1024**3,
-                            std: float = 0.02, num_layers: int | None = None) -> Path:
+                            std: float = 0.02, num_layers: int | None = None, quantize: str | None = None,
+                            desc_act: bool = False, group_size: int = 128) -> Path:
     """Write config.json, generation_config.json, random safetensors weights and a tokenizer to ``out_dir``.
 
     One ``model.safetensors`` when the weights fit in ``max_shard_bytes``, else
     ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``.
-    ``num_layers`` keeps only the model's first layers.
+    ``num_layers`` keeps only the model's first layers. ``quantize`` (gptq | awq | fp8) writes the decoder's
+    linear layers in that format (``quant_config``) with its quantization_config.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(_DTYPES)}")
+    q = quant_config(quantize, group_size, desc_act) if quantize is not None else None
     config = with_num_layers(resolve_config(config), num_layers)
     config["torch_dtype"] = dtype
+    if q is not None:
+        config["quantization_config"] = config_json(q)
     torch_dtype, device = _DTYPES[dtype], torch.device(device)
     shapes = tensor_shapes(config)
     out_dir = Path(out_dir)
@@ -383,7 +403,7 @@ def write_random_checkpoint(out_dir: str | Path, config: str | dict, dtype: str 
     shards = _plan_shards(shapes, element_bytes, max_shard_bytes)
     order = {name: i for i, name in enumerate(shapes)}
     total_bytes = element_bytes * sum(_numel(s) for s in shapes.values())
-    weight_map = {}
+    weight_map, written_bytes, g_idx = {}, 0, {}
     with tqdm(total=total_bytes, desc=f"Writing random weights to {out_dir}", unit="B", unit_scale=True,
               file=sys.stderr, disable=False, dynamic_ncols=True) as bar:
         for i, names in enumerate(shards):
@@ -391,15 +411,30 @@ def write_random_checkpoint(out_dir: str | Path, config: str | dict, dtype: str 
             tensors = {}
             for name in names:
                 tensor = _random_tensor(name, shapes[name], order[name], seed, torch_dtype, device, std)
-                tensors[name] = tensor.to("cpu")
-                weight_map[name] = file
+                quantized = q is not None and q.quantizes(name)
+                parts = _quantized(name, tensor, q, g_idx, seed) if quantized else {name: tensor}
+                for part, value in parts.items():
+                    tensors[part] = value.to("cpu")
+                    weight_map[part] = file
+                    written_bytes += value.numel() * value.element_size()
                 bar.update(tensor.numel() * element_bytes)
             save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
             del tensors
     if len(shards) > 1:
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": written_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out_dir
+
+
+def _quantized(name: str, weight: torch.Tensor, q: QuantConfig, g_idx: dict, seed: int) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one linear layer's random ``weight`` in format ``q``; act-order layers that
+    read the same input (q/k/v, gate/up) share one random ``g_idx`` (kept in ``g_idx`` by input)."""
+    module, key = name.removesuffix(".weight"), input_name(name)
+    if q.desc_act and key not in g_idx:
+        generator = torch.Generator(device=weight.device).manual_seed(seed * 1_000_003 + len(g_idx))
+        g_idx[key] = act_order_g_idx(weight.shape[1], q.group_size, generator)
+    parts = quantize_linear(weight, q, g_idx=g_idx.get(key))
+    return {f"{module}.{suffix}": tensor for suffix, tensor in parts.items()}
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -424,6 +459,12 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-layers", type=int, default=None,
                         help="keep only the first N decoder layers (a big model cut to fit one GPU; "
                              "default: all of the config's)")
+    parser.add_argument("--quantize", choices=QUANTIZED, default=None,
+                        help="write the decoder's linear layers quantized: gptq (4-bit, v1 zeros), awq (4-bit "
+                             "GEMM) or fp8 (per-tensor scales), with the quantization_config in config.json "
+                             "(default: unquantized)")
+    parser.add_argument("--group-size", type=int, default=128, help="gptq / awq rows per group (default: 128)")
+    parser.add_argument("--desc-act", action="store_true", help="with --quantize gptq: act-order (random g_idx)")
     parser.add_argument("--list", action="store_true", help="print the known config names and exit")
     args = parser.parse_args(argv)
     if not args.list and (not args.config or not args.out):
@@ -442,7 +483,8 @@ def main(argv=None) -> int:
                   f"vocab={config['vocab_size']}")
         return 0
     path = write_random_checkpoint(args.out, args.config, dtype=args.dtype, seed=args.seed, device=args.device,
-                                   max_shard_bytes=args.max_shard_bytes, std=args.std, num_layers=args.num_layers)
+                                   max_shard_bytes=args.max_shard_bytes, std=args.std, num_layers=args.num_layers,
+                                   quantize=args.quantize, desc_act=args.desc_act, group_size=args.group_size)
     print(path)
     return 0
 

@@ -8,13 +8,17 @@ engine loads configs, checks checkpoints and builds models through the functions
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from engine.models import bloom, gemma, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe, starcoder2
 from engine.models.config import Family, ModelConfig, ModelConfigError, read_config_json
+from weights.quant_formats import parse_quantization, quantized_shapes
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, starcoder2.FAMILY, mixtral.FAMILY,
                                 qwen2_moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, bloom.FAMILY)
+# Families whose projections may be GPTQ / AWQ / FP8 (LlamaFamilyModel._read; tests/unit/test_quantized_parity.py)
+QUANTIZED_FAMILIES = (llama.FAMILY, qwen3.FAMILY, gemma.FAMILY)
 MODEL_REGISTRY: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 
 
@@ -30,15 +34,25 @@ def family_for(architecture: str | None) -> Family:
                                f"supported: {', '.join(MODEL_REGISTRY)}") from None
 
 
-def load_model_config(model_dir: str | Path, rope_scaling: tuple[str, float] | None = None) -> ModelConfig:
+def load_model_config(model_dir: str | Path, rope_scaling: tuple[str, float] | None = None,
+                      quantize: str | None = None) -> ModelConfig:
     """The family's frozen config of ``model_dir``; ``rope_scaling`` = (linear | dynamic, factor)
-    replaces the checkpoint's rope scaling and extends the context by the factor."""
+    replaces the checkpoint's rope scaling and extends the context by the factor; ``quantize`` is
+    --quantize (checked against the checkpoint's ``quantization_config``, see ``weights.quant_formats``)."""
     raw = read_config_json(model_dir, rope_scaling)
     family = family_for((raw.get("architectures") or [None])[0])
     try:
-        return family.parse_config(raw)
+        config = family.parse_config(raw)
     except KeyError as e:
         raise ModelConfigError(f"{Path(model_dir) / 'config.json'} lacks the field {e.args[0]!r}") from e
+    quantization = parse_quantization(raw, quantize, model_dir)
+    if quantization is None:
+        return config
+    if family not in QUANTIZED_FAMILIES:
+        raise ModelConfigError(f"quantized weights ({quantization.method}) are supported for "
+                               f"{', '.join(a for f in QUANTIZED_FAMILIES for a in f.architectures)}, not "
+                               f"{config.architecture}: serve an unquantized checkpoint of this model")
+    return replace(config, quantization=quantization)
 
 
 def build_model(config: ModelConfig, ops, dtype, device, max_positions: int, tp):
@@ -48,6 +62,7 @@ def build_model(config: ModelConfig, ops, dtype, device, max_positions: int, tp)
 
 def check_checkpoint(checkpoint, config: ModelConfig) -> None:
     """Every tensor the family needs, with its full shape, and nothing unexpected (headers only)."""
-    family = family_for(config.architecture)
+    family, q = family_for(config.architecture), config.quantization
     view = family.view(checkpoint) if family.view is not None else checkpoint
-    view.check(family.checkpoint_shapes(config), ignore_unexpected=family.ignored_names)
+    view.check(quantized_shapes(family.checkpoint_shapes(config), q),
+               ignore_unexpected=family.ignored_names + (q.ignored_names if q else ()))

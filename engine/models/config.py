@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from weights.quant_formats import QuantConfig
+
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 ROPE_TYPE_ALIASES = {"su": "longrope"}     # Phi-3's first checkpoints call longrope "su"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -57,6 +59,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: torch.dtype | None
+    quantization: QuantConfig | None = None     # quantized linear layers (quantization_config / --quantize)
 
     @property
     def max_context(self) -> int:

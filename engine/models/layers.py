@@ -8,7 +8,7 @@ all-reduce; vocab: rows split by token id):
 
 | block | holds | forward |
 | --- | --- | --- |
-| ``Linear`` | column-parallel or replicated weight (parts fused, e.g. q|k|v) | ``x @ w.T + b`` |
+| ``Linear`` | column-parallel or replicated weight (parts fused, e.g. q|k|v); dense, 4-bit or FP8 | ``x @ w.T + b`` |
 | ``RowParallelLinear`` | the input-column slice (+ the whole bias) | ``all_reduce(x @ w.T) (+ b)`` |
 | ``VocabParallelEmbedding`` | this shard's token rows | rows of the ids it holds, all-reduced |
 | ``LMHead`` | this shard's vocabulary rows | float32 logits, columns gathered |
@@ -27,19 +27,21 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.parallel import TensorParallel
+from engine.models.quantized import LinearWeight, fuse
 from engine.models.rope import build_cos_sin_cache, build_longrope_cache, cos_sin_rows, dynamic_inv_freq
 from kernels.score_mods import ScoreMods
 
 
 @dataclass
 class Linear:
-    """y = x @ weight.T (+ bias); ``fused`` joins parts (e.g. q, k, v) along the output rows."""
-    weight: torch.Tensor
+    """y = x @ weight.T (+ bias); ``fused`` joins parts (e.g. q, k, v) along the output rows. The weight is
+    a tensor or a quantized one (``engine.models.quantized``: 4-bit GPTQ/AWQ, FP8); ``ops.linear`` dispatches."""
+    weight: LinearWeight
     bias: torch.Tensor | None = None
 
     @classmethod
-    def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> "Linear":
-        return cls(torch.cat(weights, dim=0), torch.cat(biases, dim=0) if biases else None)
+    def fused(cls, weights: list[LinearWeight], biases: list[torch.Tensor] | None = None) -> "Linear":
+        return cls(fuse(weights), torch.cat(biases, dim=0) if biases else None)
 
     def __call__(self, ops, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
@@ -49,7 +51,7 @@ class Linear:
 class RowParallelLinear:
     """This shard's input columns; the partial products are summed over the shards, then the
     (whole, replicated) bias is added once."""
-    weight: torch.Tensor
+    weight: LinearWeight
     tp: TensorParallel
     bias: torch.Tensor | None = None
 

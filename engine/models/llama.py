@@ -12,7 +12,9 @@ Per layer, with T new tokens of a ragged batch (``ForwardBatch``):
 The blocks come from ``engine.models.layers``; GEMMs are cuBLAS, or the skinny GEMM kernel
 for small decode batches; both, and the norms, rotary + KV store, attention and activation,
 come from ``KernelOps``. Llama, Mistral and Qwen2 differ only in what ``parse_config`` reads
-(GQA, q/k/v bias, tied embeddings, rope variant, Mistral's and Qwen2's sliding window).
+(GQA, q/k/v bias, tied embeddings, rope variant, Mistral's and Qwen2's sliding window). Their linear
+layers may be quantized (GPTQ / AWQ 4-bit, FP8: ``config.quantization``); embeddings and the LM head
+stay in the model dtype.
 """
 from __future__ import annotations
 
@@ -26,10 +28,12 @@ from engine.models.config import sliding_layers as config_sliding_layers
 from engine.models.layers import (Attention, GatedMLP, Linear, LMHead, RowParallelLinear, Rotary,
                                   VocabParallelEmbedding)
 from engine.models.parallel import FULL, Slice, TensorParallel, read
+from engine.models.quantized import LinearWeight, read_linear
 from engine.ops import KernelOps
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.kv_cache import KV_SCALE_PATTERNS, KVCache
 from kernels.score_mods import ScoreMods
+from weights.quant_formats import quantized_shapes
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Buffers some checkpoints carry that the model recomputes.
@@ -158,15 +162,21 @@ class LlamaFamilyModel:
 
     def load_weights(self, checkpoint) -> None:
         """Strictly check the checkpoint, then read this shard's slice of every tensor once."""
-        checkpoint.check(self.checkpoint_shapes(), ignore_unexpected=IGNORED_CHECKPOINT_NAMES)
+        q = self.config.quantization
+        checkpoint.check(quantized_shapes(self.checkpoint_shapes(), q),
+                         ignore_unexpected=IGNORED_CHECKPOINT_NAMES + (q.ignored_names if q else ()))
         tensors = {}
         slices = self.weight_slices()
         for name in checkpoint.progress(list(slices), desc=f"Loading weights (shard {self.tp.rank})"):
             tensors[name] = self._read(checkpoint, name, slices[name])
         self._assemble(tensors)
 
-    def _read(self, checkpoint, name: str, piece: Slice) -> torch.Tensor:
-        """This shard's ``piece`` of one tensor (a family with fused checkpoint tensors reads their parts)."""
+    def _read(self, checkpoint, name: str, piece: Slice) -> LinearWeight:
+        """This shard's ``piece`` of one tensor (a family with fused checkpoint tensors reads their parts);
+        the weight of a quantized linear layer comes from its quantized tensors (``engine.models.quantized``)."""
+        q = self.config.quantization
+        if q is not None and q.quantizes(name):
+            return read_linear(checkpoint, name.removesuffix(".weight"), piece, q, self.dtype, self.device)
         return read(checkpoint, name, piece, self.dtype, self.device)
 
     def _assemble(self, t: dict[str, torch.Tensor]) -> None:

@@ -33,7 +33,7 @@ SAMPLES = {
 }
 # Fields that are errors whenever set, with what the error says.
 UNSUPPORTED = {"trust_remote_code": ("true", "--trust-remote-code is not supported"),
-               "quantize": ("gptq", "--quantize is not supported yet"),
+               "quantize": ("eetq", "--quantize eetq is not supported; supported: gptq and awq"),
                "speculate": ("2", "--speculate is not supported yet"),
                "lora_adapters": ("org/adapter", "--lora-adapters is not supported yet"),
                "weights_cache_override": ("/w", "--weights-cache-override is not supported")}
@@ -211,8 +211,9 @@ def test_help_explains_every_flag_its_default_and_its_variable(monkeypatch):
     assert "(default: 3000) [env: PORT]" in text and "(default: 128) [env: MAX_CONCURRENT_REQUESTS]" in text
     assert "a HOSTNAME equal to this machine's name is ignored" in text
     assert "Supported architectures (config.json `architectures`): LlamaForCausalLM, MistralForCausalLM" in text
-    assert "Quantized checkpoints: none yet" in text
     assert "BloomForCausalLM (ALiBi, no max_position_embeddings in config.json) serves a 4096-token context" in text
+    assert "Quantized checkpoints (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2): GPTQ" in text
+    assert "--quantize fp8 quantizes" in text
 
 
 def test_help_exits_cleanly(capsys):

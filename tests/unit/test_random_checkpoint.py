@@ -302,3 +302,37 @@ def test_phi3_mini_has_the_model_cards_parameter_count():
     assert _params("phi-3-mini-4k") == _params("phi-3-mini-128k") == 3_821_079_552
     assert REAL_CONFIGS["phi-3-mini-4k"]["sliding_window"] == 2047
     assert len(REAL_CONFIGS["phi-3-mini-128k"]["rope_scaling"]["long_factor"]) == 3072 // 32 // 2
+
+
+@pytest.mark.parametrize("quantize,desc_act", [("gptq", False), ("gptq", True), ("awq", False), ("fp8", False)])
+def test_quantized_checkpoints_are_read_by_the_engine_in_their_format(quantize, desc_act, tmp_path):
+    """--quantize writes the linear layers packed, with the quantization_config; the engine reads it without a
+    flag and its dequantized weights are the float weights within half a quantization step."""
+    from engine.models import build_model, check_checkpoint, load_model_config
+    from engine.models.parallel import TensorParallel
+    from engine.ops import KernelOps
+    from kernels.fp8_gemm import Fp8Weight
+    from kernels.quant_gemm import Int4Weight, int4_dequantize
+
+    dense = write_random_checkpoint(tmp_path / "dense", "tiny-llama3", dtype="float32", max_shard_bytes=200_000)
+    out = write_random_checkpoint(tmp_path / quantize, "tiny-llama3", dtype="float32", max_shard_bytes=200_000,
+                                  quantize=quantize, desc_act=desc_act, group_size=32)
+    assert (out / "model.safetensors.index.json").is_file()
+    config = load_model_config(out)
+    assert config.quantization.method == quantize and config.quantization.desc_act == desc_act
+    model = build_model(config, KernelOps.create("torch"), torch.float32, "cpu", 64, TensorParallel())
+    with open_checkpoint(out) as checkpoint:
+        check_checkpoint(checkpoint, config)
+        model.load_weights(checkpoint)
+    down = model.layers[1].mlp.down.weight
+    with open_checkpoint(dense) as checkpoint:
+        expected = checkpoint.read("model.layers.1.mlp.down_proj.weight")
+    if quantize == "fp8":
+        assert isinstance(down, Fp8Weight)
+        torch.testing.assert_close(down.weight.float() * down.scale[:, None], expected, rtol=2**-4, atol=1e-6)
+    else:
+        assert isinstance(down, Int4Weight) and (down.perm is not None) == desc_act   # act-order: sorted rows
+        if desc_act:
+            expected = expected[:, down.perm.long()]
+        step = down.scales.max().item()
+        assert (int4_dequantize(down) - expected).abs().max() <= step / 2 + 1e-3

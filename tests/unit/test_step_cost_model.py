@@ -26,6 +26,20 @@ def test_the_cost_model_follows_the_weight_shapes():
     assert span8 > span7                                   # a bigger MLP: more matmul per attention FLOP
 
 
+def test_quantized_weights_are_fewer_bytes_to_read_but_as_many_flops():
+    from dataclasses import replace
+
+    from weights.quant_formats import QuantConfig
+
+    dense = FAMILY.parse_config(LLAMA2_7B)
+    span, kv = step_cost_model(dense)
+    span4, kv4 = step_cost_model(replace(dense, quantization=QuantConfig("gptq", group_size=128)))
+    span8, kv8 = step_cost_model(replace(dense, quantization=QuantConfig("fp8")))
+    head = 32000 * 4096 // (2 * 32 * 32 * 128)          # the LM head stays in the model dtype
+    assert span4 == span8 == span
+    assert kv4 == (kv - head) // 4 + head and kv8 == (kv - head) // 2 + head
+
+
 def test_the_worker_hands_the_prefill_attention_the_longest_sequence(tmp_path, monkeypatch):
     path = save_tiny_model("llama", tmp_path / "llama")
     seen = []

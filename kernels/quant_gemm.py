@@ -1,0 +1,264 @@
+"""4-bit dequantizing GEMM: ``out = x @ dequant(weight).T + bias`` with GPTQ-packed weights.
+
+The weight ([N out, K in]) is an ``Int4Weight`` in the engine's one 4-bit layout (GPTQ's packing;
+AWQ checkpoints are repacked to it at load, ``engine.models.quantized``):
+
+| tensor | shape | holds |
+| --- | --- | --- |
+| qweight | int32 [K / 8, N] | nibble ``i`` (bits ``4i .. 4i+3``) of word ``[p, n]`` is ``q[8p + i, n]`` in 0..15 |
+| scales, zeros | [G, N], x's dtype | per group and column: ``w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]`` |
+| g_idx | int32 [K] or None | the group of row k (GPTQ act-order); None: ``k // group_size`` |
+| perm | int32 [K] or None | the column of x that row k multiplies (act-order rows sorted by group); None: k |
+
+Program ``(m, n, s)`` owns rows ``[m * BLOCK_M, ...)`` of x, the ``BLOCK_N`` output columns from
+``n * BLOCK_N`` and the ``s``-th of ``SPLIT_K`` chunks of K, walked in ``BLOCK_K``-row tiles: it reads
+each packed word once (``[BLOCK_K / 8, BLOCK_N]`` int32, coalesced along N), unpacks the eight nibbles
+by shifts into a ``[BLOCK_K, BLOCK_N]`` tile and multiplies:
+
+- decode, one row (``BLOCK_M = 1``): FMA products reduced over each tile's K; several rows: ``tl.dot``
+  (x padded to 16 rows for small batches; prefill in 64-row tiles);
+- a tile inside one group (``GROUP_PER_TILE``: no g_idx, BLOCK_K dividing the group) multiplies the raw
+  values and applies the group's zero and scale to the product, ``(x @ q - sum(x) * z) * s``; other
+  tiles gather each row's group and dequantize first;
+- decode splits K so that the SMs get about four programs each (the weight reads dominate).
+
+Several splits store float32 partials that ``skinny_gemm``'s reduce kernel sums in split order (no
+atomics: bit-reproducible). ``int4_gemm_ref`` dequantizes to float32 and multiplies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_last_dim_contiguous, check_same_dtype, check_shape, check_tensor, upcast_dots
+from ._rounding import round_to
+from .skinny_gemm import MAX_SPLIT_K, REDUCE_BLOCK, _split_k_reduce_kernel, device_sms
+
+PACK = 8
+
+
+@dataclass
+class Int4Weight:
+    """A 4-bit linear weight [N, K] (see the module's table)."""
+    qweight: torch.Tensor             # int32 [K / 8, N]
+    scales: torch.Tensor              # [G, N]
+    zeros: torch.Tensor               # [G, N]
+    g_idx: torch.Tensor | None        # int32 [K], or None: row k is in group k // group_size
+    group_size: int                   # rows per group when g_idx is None
+    perm: torch.Tensor | None = None  # int32 [K]: row k multiplies x[:, perm[k]]; None: x[:, k]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[1], self.qweight.shape[0] * PACK
+
+
+class Int4Config(NamedTuple):
+    block_m: int      # 1: the FMA path; >= 16: the dot path
+    block_n: int
+    block_k: int      # a multiple of 16
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _unpacked_tile(qw_ptr, k0, N, K, cols, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """q [BLOCK_K, BLOCK_N] (0..15, float32) of rows ``k0 ..``: each packed word read once (rows past K: 0)."""
+    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + cols[None, :], mask=(words < K // 8)[:, None],
+                     other=0, eviction_policy="evict_first")
+    shifts = tl.arange(0, 8) * 4
+    return tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N]).to(tl.float32)
+
+
+@triton.jit
+def _times(x, w, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] @ w [BLOCK_K, BLOCK_N] (float32) in float32: FMA for one row, else a dot."""
+    if BLOCK_M == 1:
+        return tl.sum(w * tl.reshape(x.to(tl.float32), [BLOCK_K, 1]), axis=0)[None, :]
+    if UPCAST:  # IEEE fp32 dots (the interpreter's half-precision dot is not exact)
+        return tl.dot(x.to(tl.float32), w, input_precision="ieee")
+    return tl.dot(x, w.to(x.dtype))
+
+
+@triton.jit
+def _tile_product(x, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
+                  HAS_G_IDX: tl.constexpr, GROUP_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """x tile [BLOCK_M, BLOCK_K] @ the dequantized weight tile of rows ``k0 ..`` -> float32 [BLOCK_M, BLOCK_N].
+
+    A tile inside one group multiplies the raw 4-bit values and applies that group's zero and scale to
+    the product, ``(x @ q - sum(x) * z) * s`` (no per-element dequantization); otherwise each row's
+    group is gathered and the tile dequantized first."""
+    q = _unpacked_tile(qw_ptr, k0, N, K, cols, BLOCK_K, BLOCK_N)
+    if GROUP_PER_TILE:
+        group = k0 // group_size
+        s = tl.load(scales_ptr + group * N + cols).to(tl.float32)[None, :]
+        z = tl.load(zeros_ptr + group * N + cols).to(tl.float32)[None, :]
+        x_sum = tl.sum(x.to(tl.float32), axis=1)[:, None]
+        return (_times(x, q, BLOCK_M, BLOCK_K, UPCAST) - x_sum * z) * s
+    k = k0 + tl.arange(0, BLOCK_K)
+    if HAS_G_IDX:
+        group = tl.load(g_idx_ptr + k, mask=k < K, other=0)
+    else:
+        group = tl.minimum(k, K - 1) // group_size
+    offsets = group[:, None].to(tl.int64) * N + cols[None, :]
+    w = (q - tl.load(zeros_ptr + offsets).to(tl.float32)) * tl.load(scales_ptr + offsets).to(tl.float32)
+    return _times(x, w, BLOCK_M, BLOCK_K, UPCAST)
+
+
+@triton.jit
+def _x_tile(x_rows, perm_ptr, m_mask, offs_k, k0, K, HAS_PERM: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] for weight rows ``k0 ..``: columns k, or perm[k] (act-order rows sorted by group)."""
+    k = k0 + offs_k
+    mask = m_mask[:, None] & (k < K)[None, :]
+    if HAS_PERM:
+        k = tl.load(perm_ptr + k, mask=k < K, other=0)
+    return tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemm_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr, bias_ptr, out_ptr,
+    M, N, K, k_per_split, group_size, stride_xm, stride_om, stride_split,
+    HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    cols = offs_n % N                 # past-the-end columns re-read valid ones (no N mask on the weight loads)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
+        k0 = k_begin
+        while k0 < k_end:
+            x = _x_tile(x_rows, perm_ptr, m_mask, offs_k, k0, K, HAS_PERM)
+            acc += _tile_product(x, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
+                                 HAS_G_IDX, GROUP_PER_TILE, BLOCK_M, BLOCK_K, BLOCK_N, UPCAST)
+            k0 += BLOCK_K
+    else:           # pipelined weight loads on the GPU
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            x = _x_tile(x_rows, perm_ptr, m_mask, offs_k, k0, K, HAS_PERM)
+            acc += _tile_product(x, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
+                                 HAS_G_IDX, GROUP_PER_TILE, BLOCK_M, BLOCK_K, BLOCK_N, UPCAST)
+    out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        tl.store(out_ptr + pid_k * stride_split + out_offs, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, round_to(acc, out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def fill_split_k(tiles: int, K: int, block_k: int, programs_per_sm: int, num_sms: int) -> int:
+    """Splits of K that give each SM about ``programs_per_sm`` programs (of ``tiles`` output tiles), each
+    split keeping at least 4 K tiles."""
+    k_tiles = triton.cdiv(K, block_k)
+    split = 1
+    while tiles * split < programs_per_sm * num_sms and split * 2 <= MAX_SPLIT_K and k_tiles // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def _config(M: int, N: int, K: int, num_sms: int) -> Int4Config:
+    """Not tuned on a GPU yet (first guesses): one row: FMA on [128, 64] tiles (a group of 128 a tile); up to
+    16 rows: 16-row dots; both split K for about 4 programs an SM (the weight reads in flight). More rows:
+    32- or 64-row tiles of 128 columns, K in 64s, split while the tiles leave SMs idle."""
+    if M <= 16:
+        block_m, block_n, block_k, per_sm = (1 if M == 1 else 16), 64, 128, 4
+    else:
+        block_m, block_n, block_k, per_sm = (32 if M <= 64 else 64), 128, 64, 1
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    return Int4Config(block_m, block_n, block_k, fill_split_k(tiles, K, block_k, per_sm, num_sms), 4, 3)
+
+
+def _check(x, weight: Int4Weight, bias) -> None:
+    check_tensor("x", x, 2)
+    check_last_dim_contiguous("x", x)
+    n, k = weight.shape
+    check_shape("x", x, (None, k))
+    check_tensor("qweight", weight.qweight, 2, dtypes=(torch.int32,), device=x.device)
+    for name in ("scales", "zeros"):
+        t = getattr(weight, name)
+        check_tensor(name, t, 2, device=x.device)
+        check_same_dtype(name, t, x.dtype)
+        check_shape(name, t, (None, n))
+    for name in ("g_idx", "perm"):
+        if getattr(weight, name) is not None:
+            check_tensor(name, getattr(weight, name), 1, dtypes=(torch.int32,), device=x.device)
+            check_shape(name, getattr(weight, name), (k,))
+    if weight.g_idx is None and weight.scales.shape[0] * weight.group_size < k:
+        raise ValueError(f"{weight.scales.shape[0]} groups of {weight.group_size} rows do not cover K = {k}")
+    if bias is not None:
+        check_tensor("bias", bias, 1, device=x.device)
+        check_shape("bias", bias, (n,))
+
+
+def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None,
+              config: Int4Config | tuple | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(weight).T (+ bias [N]) -> new [M, N] in x's dtype, accumulated in float32."""
+    _check(x, weight, bias)
+    M, K = x.shape
+    N = weight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    cfg = Int4Config(*config) if config is not None else _config(M, N, K, device_sms(x.device))
+    k_tiles = triton.cdiv(K, cfg.block_k)
+    tiles_per_split = triton.cdiv(k_tiles, cfg.split_k)
+    splits, k_per_split = triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * cfg.block_k
+    partial = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    group_size = weight.group_size if weight.g_idx is None else K
+    bias_arg = bias if bias is not None else out
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
+    _int4_gemm_kernel[grid](
+        x, weight.qweight, weight.scales, weight.zeros, _or(weight.g_idx, weight.qweight),
+        _or(weight.perm, weight.qweight), bias_arg, partial, M, N, K, k_per_split, group_size, x.stride(0),
+        partial.stride(-2), partial.stride(0) if splits > 1 else 0,
+        HAS_G_IDX=weight.g_idx is not None, HAS_PERM=weight.perm is not None,
+        GROUP_PER_TILE=weight.g_idx is None and (group_size % cfg.block_k == 0 or group_size >= K),
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), NUM_STAGES=cfg.num_stages, WHILE_LOOP=not x.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        _split_k_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
+            partial, bias_arg, out, N, partial.stride(0), partial.stride(1), out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=splits, BLOCK=REDUCE_BLOCK, PDL=False, num_warps=4)
+    return out
+
+
+def _or(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """The tensor, or a placeholder pointer for a kernel argument its flag says is not read."""
+    return tensor if tensor is not None else placeholder
+
+
+def int4_dequantize(weight: Int4Weight) -> torch.Tensor:
+    """The float32 weight [N, K] in its stored row order (rows of ``perm``'s order when it is set)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=weight.qweight.device)
+    q = ((weight.qweight.unsqueeze(1) >> shifts[None, :, None]) & 0xF).reshape(-1, weight.qweight.shape[1])
+    k = q.shape[0]
+    group = (weight.g_idx.long() if weight.g_idx is not None
+             else torch.arange(k, device=q.device) // weight.group_size)
+    return ((q.float() - weight.zeros.float()[group]) * weight.scales.float()[group]).T
+
+
+def int4_gemm_ref(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None,
+                  config: Int4Config | tuple | None = None) -> torch.Tensor:
+    if weight.perm is not None:
+        x = x[:, weight.perm.long()]
+    out = x.float() @ int4_dequantize(weight).T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)

@@ -1,0 +1,62 @@
+"""The FP8 GEMM against its reference (the same per-token quantized activations, float32 maths)."""
+import pytest
+import torch
+
+from kernels.fp8_gemm import FP8_MAX, Fp8Config, Fp8Weight, fp8_gemm, fp8_gemm_ref, quantize_per_token
+
+TOL = {torch.float16: (2e-2, 1e-2), torch.bfloat16: (1.5e-1, 2e-2), torch.float32: (1e-4, 1e-5)}
+N, K = 40, 80          # N: a masked last column block of 16; K: 2.5 tiles of 32
+SMALL = Fp8Config(16, 16, 32, 4, 1)
+
+
+def make_weight(n, k, device):
+    weight = (torch.randn(n, k, device=device) * 4).to(torch.float8_e4m3fn)
+    return Fp8Weight(weight, torch.rand(n, device=device) * 0.01 + 0.001)
+
+
+def test_per_token_quantization_scales_each_row_to_the_fp8_range(device):
+    x = torch.randn(5, K, device=device) * torch.tensor([0.01, 1, 10, 100, 1000], device=device)[:, None]
+    x_fp8, scale = quantize_per_token(x)
+    assert x_fp8.dtype == torch.float8_e4m3fn and scale.shape == (5,)
+    assert torch.equal(x_fp8.float().abs().amax(dim=1), torch.full((5,), FP8_MAX, device=device))
+    torch.testing.assert_close(x_fp8.float() * scale[:, None], x, rtol=2**-4, atol=0)
+
+
+def test_the_kernel_rounds_activations_as_quantize_per_token(device):
+    """Through an identity weight each output is one quantized activation times its scale: bit-equal to torch's
+    round-to-nearest-even cast (values spread over many binades, subnormals and ties included)."""
+    k = 64
+    x = torch.randn(20, k, device=device) * torch.exp(torch.randn(20, k, device=device) * 3)
+    x[0, :4] = torch.tensor([448.0, 0.4989, -7.8, 1e-9])
+    identity = Fp8Weight(torch.eye(k, device=device).to(torch.float8_e4m3fn), torch.ones(k, device=device))
+    x_fp8, scale = quantize_per_token(x)
+    assert torch.equal(fp8_gemm(x, identity, config=SMALL), x_fp8.float() * scale[:, None])
+
+
+@pytest.mark.parametrize("config", [SMALL, None], ids=["small", "default"])
+@pytest.mark.parametrize("rows,has_bias", [(1, True), (3, False), (37, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_gemm_matches_reference(device, dtype, rows, has_bias, config):
+    weight = make_weight(N, K, device)
+    x = torch.randn(rows, K, device=device).to(dtype)
+    bias = torch.randn(N, device=device).to(dtype) if has_bias else None
+    out = fp8_gemm(x, weight, bias, config=config)
+    assert out.shape == (rows, N) and out.dtype == dtype
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out, fp8_gemm_ref(x, weight, bias), atol=atol, rtol=rtol)
+
+
+def test_reference_is_close_to_the_dequantized_float_product(device):
+    """What the FP8 path approximates: x @ (weight * scale).T, within the activations' fp8 rounding."""
+    weight = make_weight(N, K, device)
+    x = torch.randn(4, K, device=device)
+    exact = x @ (weight.weight.float() * weight.scale[:, None]).T
+    assert ((fp8_gemm_ref(x, weight) - exact).abs().max() / exact.abs().max()) < 0.05
+
+
+def test_bad_inputs_are_clear_errors(device):
+    weight = make_weight(N, K, device)
+    with pytest.raises(ValueError, match="weight has dtype torch.float32"):
+        fp8_gemm(torch.randn(2, K, device=device), Fp8Weight(weight.weight.float(), weight.scale))
+    with pytest.raises(ValueError, match=r"scale has shape \(1,\); expected \(40,\)"):
+        fp8_gemm(torch.randn(2, K, device=device), Fp8Weight(weight.weight, weight.scale[:1]))

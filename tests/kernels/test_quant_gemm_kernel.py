@@ -1,0 +1,98 @@
+"""The 4-bit dequantizing GEMM against its reference (dequantize to float32, multiply)."""
+import pytest
+import torch
+
+from kernels.quant_gemm import Int4Config, Int4Weight, _config, int4_dequantize, int4_gemm, int4_gemm_ref
+from weights.quant_formats import act_order_g_idx, pack_int4
+
+TOL = {torch.float16: (2e-2, 1e-2), torch.bfloat16: (1.5e-1, 2e-2), torch.float32: (1e-4, 1e-5)}
+N, K = 40, 96          # N: a masked last column block of 16; K: 3 tiles of 32
+CONFIGS = {
+    "fma": Int4Config(1, 16, 32, 1, 4, 1),
+    "fma_split2": Int4Config(1, 16, 32, 2, 4, 1),      # tiles 2 + 1
+    "dot": Int4Config(16, 16, 32, 1, 4, 1),
+    "dot_split3": Int4Config(16, 16, 32, 3, 4, 1),
+    "default": None,
+}
+
+
+def make_weight(n, k, group, dtype, device, act_order=False, seed=0):
+    """Random 4-bit values, zeros and scales in the kernel's layout; also the values as [K, N] ints."""
+    g = torch.Generator().manual_seed(seed)
+    groups = 1 if group == -1 else k // group
+    values = torch.randint(0, 16, (k, n), generator=g)
+    scales = (torch.rand(groups, n, generator=g) * 0.05 + 0.01).to(dtype)
+    zeros = torch.randint(0, 16, (groups, n), generator=g).to(dtype)
+    g_idx = act_order_g_idx(k, group, g).to(device) if act_order else None
+    weight = Int4Weight(pack_int4(values, 0).to(device), scales.to(device), zeros.to(device), g_idx,
+                        k if group == -1 else group)
+    return weight, values.to(device)
+
+
+@pytest.mark.parametrize("group,act_order", [(32, False), (16, False), (-1, False), (16, True)])
+def test_dequantize_follows_the_packed_layout(device, group, act_order):
+    weight, values = make_weight(N, K, group, torch.float32, device, act_order)
+    rows = (weight.g_idx.long() if act_order else torch.arange(K, device=device) // weight.group_size)
+    expected = (values.float() - weight.zeros[rows]) * weight.scales[rows]          # [K, N]
+    torch.testing.assert_close(int4_dequantize(weight), expected.T, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+@pytest.mark.parametrize("rows,group,act_order,has_bias", [(1, 32, False, True), (3, 16, False, False),
+                                                            (5, -1, False, True), (2, 16, True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int4_gemm_matches_reference(device, dtype, rows, group, act_order, has_bias, config_name):
+    config = CONFIGS[config_name]      # the FMA configs take several rows as one program per row
+    weight, _ = make_weight(N, K, group, dtype, device, act_order)
+    x = torch.randn(rows, K, device=device).to(dtype)
+    bias = torch.randn(N, device=device).to(dtype) if has_bias else None
+    out = int4_gemm(x, weight, bias, config=config)
+    assert out.shape == (rows, N) and out.dtype == dtype
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out, int4_gemm_ref(x, weight, bias), atol=atol, rtol=rtol)
+
+
+def test_prefill_tiles_match_reference(device):
+    weight, _ = make_weight(N, K, 32, torch.float32, device)
+    x = torch.randn(37, K, device=device)      # more rows than one 16-row tile, ragged
+    out = int4_gemm(x, weight, config=Int4Config(16, 16, 32, 1, 4, 1))
+    torch.testing.assert_close(out, int4_gemm_ref(x, weight), atol=1e-4, rtol=1e-5)
+
+
+def test_default_configs_split_decode_and_tile_prefill():
+    one, few = _config(1, 4096, 4096, 132), _config(8, 4096, 4096, 132)
+    mid, many = _config(128, 4096, 4096, 132), _config(512, 4096, 4096, 132)
+    assert one.block_m == 1 and one.split_k == 8      # 64 column blocks x 8 splits: about 4 programs an SM
+    assert few.block_m == 16
+    assert mid.block_m == 64 and mid.split_k == 4     # 2 x 32 tiles: split until the SMs are busy
+    assert many.block_m == 64 and many.split_k == 1
+
+
+def test_bad_inputs_are_clear_errors(device):
+    weight, _ = make_weight(N, K, 32, torch.float32, device)
+    with pytest.raises(ValueError, match=r"x has shape \(2, 64\); expected \(\*, 96\)"):
+        int4_gemm(torch.randn(2, 64, device=device), weight)
+    with pytest.raises(ValueError, match="scales has dtype torch.float32 but must match torch.float16"):
+        int4_gemm(torch.randn(2, K, device=device).half(), weight)
+    short = Int4Weight(weight.qweight, weight.scales[:2], weight.zeros[:2], None, 32)
+    with pytest.raises(ValueError, match="2 groups of 32 rows do not cover K = 96"):
+        int4_gemm(torch.randn(2, K, device=device), short)
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_rows_sorted_by_group_read_x_through_perm(device, uniform):
+    """An act-order weight with its rows sorted by group and x read through ``perm`` is the same product:
+    groups of equal size take the one-scale-a-tile path (no g_idx), uneven ones keep the sorted g_idx."""
+    weight, values = make_weight(N, K, 16, torch.float32, device)
+    g = torch.Generator().manual_seed(5)
+    g_idx = (act_order_g_idx(K, 16, g) if uniform else torch.randint(0, K // 16, (K,), generator=g)).to(device)
+    act_order = Int4Weight(weight.qweight, weight.scales, weight.zeros, g_idx.to(torch.int32), 16)
+    perm = torch.argsort(g_idx, stable=True)
+    sorted_g_idx = None if uniform else g_idx[perm].to(torch.int32)
+    sorted_weight = Int4Weight(pack_int4(values[perm], 0), weight.scales, weight.zeros, sorted_g_idx, 16,
+                               perm.to(torch.int32))
+    x = torch.randn(3, K, device=device)
+    expected = int4_gemm_ref(x, act_order)
+    torch.testing.assert_close(int4_gemm_ref(x, sorted_weight), expected, atol=1e-4, rtol=1e-5)
+    for config in (CONFIGS["fma"], CONFIGS["dot"]):
+        torch.testing.assert_close(int4_gemm(x, sorted_weight, config=config), expected, atol=1e-4, rtol=1e-5)
