@@ -58,6 +58,7 @@ class EngineConfig:
     watermark_delta: float = 2.0
     prefix_caching: bool = True           # reuse cached prompt prefixes' KV (engine.router.prefix_cache)
     kv_cache_dtype: str | None = None     # int8 | fp8_e4m3fn | fp8_e5m2 (engine.worker.kv_cache); None: dtype
+    speculate: int = 0                    # draft tokens per verify row (engine.router.scheduler); 0: off
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         model_dir=config.model_dir, dtype=resolve_dtype(config.dtype, model_config, device), device=device,
         kernel_backend=backend, max_requests=config.max_requests, max_seq_len=max_seq_len,
         num_slots=config.num_slots, memory_fraction=config.memory_fraction,
-        warmup_tokens=max(config.max_prefill_tokens, config.max_requests), cuda_graphs=config.cuda_graphs,
+        warmup_tokens=max(config.max_prefill_tokens, config.max_requests * (1 + config.speculate)),
+        cuda_graphs=config.cuda_graphs,
         watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta,
         kv_cache_dtype=config.kv_cache_dtype)
     kv_cache_dtype(config.kv_cache_dtype, worker.dtype)        # a bad name fails here, before any process
@@ -98,7 +100,8 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         max_prefill_tokens=config.max_prefill_tokens, stall_free_tokens=config.stall_free_tokens,
         attention_span=attention_span, kv_weight_tokens=kv_weight_tokens,
         waiting_served_ratio=config.waiting_served_ratio, max_waiting_steps=config.max_waiting_steps,
-        max_seq_len=max_seq_len, admission=config.admission, prefix_caching=config.prefix_caching)
+        max_seq_len=max_seq_len, admission=config.admission, prefix_caching=config.prefix_caching,
+        speculate=config.speculate)
     return EnginePlan(config, model_config, worker, scheduler, eos_token_ids(config.model_dir, model_config),
                       num_shards)
 

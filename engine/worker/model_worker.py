@@ -2,11 +2,21 @@
 
 The worker keeps no request bookkeeping beyond what sampling needs (parameters, seed,
 token counts for penalties); the router owns slots and rows and tells it everything.
+
+Verify rows (``[FED_BACK, d1 .. dn]``, speculation) run as short prompt chunks through the
+prefill attention (causal among their own tokens). Their logits at every position are sampled
+as n + 1 rows whose states assume the drafts before them were accepted (token index, previous
+token): position j chooses what decoding one token at a time would choose after ``d1 .. dj``,
+with the same seeded draw. Draft ``d(j+1)`` is accepted while it equals that choice; the row
+returns the accepted drafts plus the first choice that differs (or the bonus token after the
+last draft). Greedy rows thus give exactly the tokens of ``--speculate 0``, and sampled rows the
+very tokens of the same seed: the draft is accepted with probability p(d), and a rejection
+draws from p without d, renormalised (rejection sampling with a point-mass draft).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -275,8 +285,12 @@ class ModelWorker:
         sampled = [i for i, r in enumerate(step.rows) if r.sample]
         if not sampled:
             return sampled, None
-        last = to_device([offsets[i] + len(step.rows[i].input_ids) - 1 for i in sampled], torch.int64, self.device)
-        return sampled, self.model.compute_logits(hidden[last])     # a collective: every rank computes
+        positions = []
+        for i in sampled:
+            end = offsets[i] + len(step.rows[i].input_ids)
+            positions.extend(range(end - logit_positions(step.rows[i]), end))
+        index = to_device(positions, torch.int64, self.device)
+        return sampled, self.model.compute_logits(hidden[index])     # a collective: every rank computes
 
     def _forward_batch(self, step: Step) -> ForwardBatch:
         ids, positions, slots, token_rows, q_start, q_len, seq_len = [], [], [], [], [], [], []
@@ -336,12 +350,13 @@ class ModelWorker:
         """Rank 0 samples and broadcasts the tokens; every rank feeds them back into ``last_tokens``."""
         rows = [step.rows[i] for i in sampled]
         states = [self._sampling[r.request_id] for r in rows] if self.tp.rank == 0 else []
-        sample = self.sampler.launch(logits, states) if self.tp.rank == 0 else None
-        tokens = sample.token_ids if sample is not None else torch.empty(len(rows), dtype=torch.int64,
+        sample = self.sampler.launch(logits, verify_states(rows, states)) if self.tp.rank == 0 else None
+        tokens = sample.token_ids if sample is not None else torch.empty(logits.shape[0], dtype=torch.int64,
                                                                             device=self.device)
         if self.tp.world_size > 1:
             torch.distributed.broadcast(tokens, src=0)
-        self.last_tokens.index_copy_(0, to_device([r.row for r in rows], torch.int64, self.device), tokens)
+        kept = tokens if logits.shape[0] == len(rows) else tokens[self._last_kept(rows, tokens)]
+        self.last_tokens.index_copy_(0, to_device([r.row for r in rows], torch.int64, self.device), kept)
         if sample is None:
             return LaunchedStep.done(StepResult(results))      # only rank 0 replies
         host = sample.start_copy()
@@ -352,27 +367,43 @@ class ModelWorker:
         def finish() -> StepResult:
             if event is not None:
                 event.synchronize()
-            self._record_tokens(sampled, host.output(), states, results)
+            self._record_tokens(sampled, rows, host.output(), states, results)
             return StepResult(results)
 
         self._unfinished = LaunchedStep(finish, event)
         return self._unfinished
 
+    def _last_kept(self, rows: list[StepRow], tokens: torch.Tensor) -> torch.Tensor:
+        """Per row, the index in ``tokens`` of the last token it keeps (the first choice that differs
+        from its draft, or the bonus token), on the device: no host sync."""
+        drafts, segments = [], []
+        for i, r in enumerate(rows):
+            width = logit_positions(r)
+            drafts.extend(r.input_ids[1:width] + [FED_BACK])      # the last position has no draft
+            segments.extend([i] * width)
+        dev = tokens.device
+        positions = torch.arange(tokens.shape[0], device=dev)
+        differs = torch.where(tokens != to_device(drafts, torch.int64, dev), positions, tokens.shape[0])
+        first = torch.full((len(rows),), tokens.shape[0], dtype=torch.int64, device=dev)
+        return first.scatter_reduce_(0, to_device(segments, torch.int64, dev), differs, "amin")
+
     @staticmethod
-    def _record_tokens(sampled: list[int], out, states: list[RowSampling], results: list[RowResult]) -> None:
-        """The sampled tokens into the results and into each row's state (seed step, grammar; the
-        sampler counted them for penalties on the device already)."""
+    def _record_tokens(sampled: list[int], rows: list[StepRow], out, states: list[RowSampling],
+                       results: list[RowResult]) -> None:
+        """The kept tokens into the results and into each row's state (seed step, grammar; the
+        sampler counted them for penalties on the device already). A verify row keeps its choices
+        while they equal its drafts, and the first that differs."""
+        position = 0
         for j, i in enumerate(sampled):
-            res, state, token = results[i], states[j], out.token_ids[j]
-            res.token_id, res.logprob = token, out.logprobs[j]
-            res.top_ids, res.top_logprobs = out.top_ids[j], out.top_logprobs[j]
-            state.step += 1
-            state.prev_token = token
-            state.num_tokens += 1
-            if state.grammar is not None:
-                state.grammar.advance(token)
-                if state.grammar.error is not None:
-                    res.error = f"Request failed during generation: the grammar failed: {state.grammar.error}"
+            width = logit_positions(rows[j])
+            kept = accepted_length(rows[j].input_ids[1:width], out.token_ids[position : position + width]) + 1
+            kept_results = [RowResult(rows[j].request_id) for _ in range(kept - 1)]
+            for res, p in zip([results[i], *kept_results], range(position, position + kept)):
+                res.token_id, res.logprob = out.token_ids[p], out.logprobs[p]
+                res.top_ids, res.top_logprobs = out.top_ids[p], out.top_logprobs[p]
+                _advance(states[j], res)
+            results[i].following = kept_results
+            position += width
 
     def _prompt_logprobs(self, step: Step, hidden, offsets: list[int], results: list[RowResult]) -> None:
         for i, r in enumerate(step.rows):
@@ -386,3 +417,44 @@ class ModelWorker:
                 continue
             targets = torch.tensor(r.logprob_targets, device=self.device)[:, None]
             results[i].prompt_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets)[:, 0].tolist()
+
+
+def logit_positions(row: StepRow) -> int:
+    """Positions of a sampled row whose logits choose tokens: every one of a verify row, else the last."""
+    return len(row.input_ids) if row.input_ids[0] == FED_BACK else 1
+
+
+def verify_states(rows: list[StepRow], states: list[RowSampling]) -> list[RowSampling]:
+    """One sampling state per logit position: a verify row's position j samples as if its drafts
+    before j were accepted (token index, token count, previous token for the watermark)."""
+    if all(len(r.input_ids) == 1 or r.input_ids[0] != FED_BACK for r in rows):
+        return states
+    expanded = []
+    for row, state in zip(rows, states):
+        drafts = row.input_ids[1:] if row.input_ids[0] == FED_BACK else []
+        if drafts and (state.penalty_row >= 0 or state.grammar is not None):
+            raise ValueError(f"request {row.request_id}: a verify row with penalties or a grammar (the router "
+                             f"drafts only for requests without them)")
+        expanded.append(state)
+        expanded.extend(replace(state, step=state.step + j, num_tokens=state.num_tokens + j, prev_token=d)
+                        for j, d in enumerate(drafts, start=1))
+    return expanded
+
+
+def accepted_length(drafts: list[int], choices: list[int]) -> int:
+    """How many drafts equal the choices made at the positions before them (a prefix)."""
+    count = 0
+    while count < len(drafts) and drafts[count] == choices[count]:
+        count += 1
+    return count
+
+
+def _advance(state: RowSampling, res: RowResult) -> None:
+    """A kept token into its row's state (and grammar, whose failure ends the request)."""
+    state.step += 1
+    state.prev_token = res.token_id
+    state.num_tokens += 1
+    if state.grammar is not None:
+        state.grammar.advance(res.token_id)
+        if state.grammar.error is not None:
+            res.error = f"Request failed during generation: the grammar failed: {state.grammar.error}"
