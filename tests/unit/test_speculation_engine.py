@@ -1,0 +1,199 @@
+"""Speculative decoding through the real engine: the worker's verify rows (prefill attention over
+the drafts, every position's logits, exact acceptance) on tiny random checkpoints and the demo model.
+
+Greedy outputs equal ``--speculate 0``'s token for token; sampled ones too, per seed (each position
+draws with the seed and token index plain decoding would use), and their frequencies over many
+seeds match (chi-square)."""
+from __future__ import annotations
+
+import inspect
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine.generation import Engine, EngineConfig, GenerationRequest
+from engine.protocol.messages import SamplingParams
+from tests.tiny_models import save_tiny_model
+
+DEMO = Path(__file__).resolve().parents[2] / "weights" / "demo"
+
+
+def make_engine(model_dir, speculate: int, backend: str = "torch", **kw) -> Engine:
+    values = dict(num_slots=600, max_requests=6, max_prefill_tokens=24)
+    values.update(kw)
+    return Engine(EngineConfig(model_dir=str(model_dir), device="cpu", kernel_backend=backend, speculate=speculate,
+                               **values))
+
+
+def run(engine: Engine, arrivals: dict[int, list[GenerationRequest]]) -> dict[int, list[tuple]]:
+    """Requests arriving at given steps; the allocator and prefix cache are checked after every step.
+    Per request: (token, logprob to 1e-3, finish reason, top ids) of each event."""
+    out: dict[int, list[tuple]] = {}
+    step = 0
+    while step <= max(arrivals) or engine.has_work():
+        for request in arrivals.get(step, []):
+            engine.add_request(request)
+            out[request.request_id] = []
+        for e in engine.step():
+            out[e.request_id].append((e.token_id, pytest.approx(e.logprob, abs=1e-3), e.finish_reason,
+                                      tuple(e.top_ids)))
+        engine.router.scheduler.check_integrity()
+        step += 1
+    assert engine.kv_usage()[0] == 0
+    return out
+
+
+def repeating_arrivals(params=SamplingParams(), stop=None) -> dict[int, list[GenerationRequest]]:
+    """Ragged prompts that repeat themselves (drafts find matches), two late joiners, max_new_tokens
+    of 1 and 2 (no room for drafts / for one), a stop token."""
+    def request(rid, prompt, new):
+        return GenerationRequest(rid, prompt, new, params, stop_token_ids=stop if rid == 2 else [])
+    return {0: [request(0, [5, 9, 13, 17] * 4, 24), request(1, [30, 31], 1), request(2, [8, 6, 4] * 7 + [8], 20)],
+            2: [request(3, list(range(40, 75)) + list(range(40, 50)), 2), request(4, [7, 7, 7, 7], 18)],
+            9: [request(5, [11, 12, 13, 11, 12], 16)]}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return {family: save_tiny_model(family, root / family) for family in ("llama", "qwen2_window")}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_window"])
+def test_greedy_tokens_equal_plain_decoding_on_tiny_checkpoints(tiny_models, family):
+    plain = run(make_engine(tiny_models[family], 0), repeating_arrivals())
+    stop = [plain[2][5][0]]          # request 2 stops at its sixth token (maybe inside accepted drafts)
+    plain = run(make_engine(tiny_models[family], 0), repeating_arrivals(stop=stop))
+    assert plain[2][-1][2] == "eos_token" and len(plain[2]) <= 6
+    for speculate in (2, 4):
+        engine = make_engine(tiny_models[family], speculate)
+        assert run(engine, repeating_arrivals(stop=stop)) == plain
+        stats = engine.router.scheduler.speculation
+        assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0
+
+
+def test_verify_rows_through_the_triton_kernels(tiny_models):
+    """The verify rows' attention in the prefill kernel (interpreted on a CPU), beside plain rows, on a
+    prompt where drafts hit (found with the torch references, which are quick)."""
+    prompt = next(p for p in ([5, 6, 7, 8] * 4 + [5, 6, 7], [3, 4, 3, 4, 3], [9, 10, 11] * 4, [100, 101] * 6)
+                  if _accepts_drafts(tiny_models["llama"], p))
+    arrivals = {0: [GenerationRequest(0, prompt, 10, SamplingParams(), stop_token_ids=[]),
+                    GenerationRequest(1, [3, 4], 6, SamplingParams(), stop_token_ids=[])]}
+    plain = run(make_engine(tiny_models["llama"], 0, backend="triton"), arrivals)
+    engine = make_engine(tiny_models["llama"], 3, backend="triton")
+    out = run(engine, arrivals)
+    assert [t[0] for t in out[0]] == [t[0] for t in plain[0]] and [t[0] for t in out[1]] == [t[0] for t in plain[1]]
+    assert engine.router.scheduler.speculation.accepted_tokens > 0
+
+
+def _accepts_drafts(model_dir, prompt: list[int]) -> bool:
+    engine = make_engine(model_dir, 3)
+    run(engine, {0: [GenerationRequest(0, prompt, 10, SamplingParams(), stop_token_ids=[])]})
+    return engine.router.scheduler.speculation.accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def demo_tokens():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(DEMO)
+
+
+def rename_prompt(tokenizer, function, new_name: str) -> list[int]:
+    """A standard-library function's source, then the start of its copy under a new name."""
+    source = inspect.getsource(function)
+    renamed = source.replace(f"def {function.__name__}(", f"def {new_name}(", 1)
+    text = f"{source}\n\n# The same function, renamed to {new_name}:\n{renamed.splitlines()[0]}\n"
+    return tokenizer(text)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def demo_engines():
+    engines = {n: make_engine(DEMO, n, num_slots=4096, max_requests=8, max_prefill_tokens=512) for n in (0, 4)}
+    yield engines
+    for engine in engines.values():
+        engine.close()
+
+
+def test_demo_model_greedy_rename_equals_plain_and_accepts_drafts(demo_engines, demo_tokens):
+    prompts = [rename_prompt(demo_tokens, textwrap.dedent, "remove_common_indent"),
+               rename_prompt(demo_tokens, textwrap.indent, "prefix_lines"),
+               rename_prompt(demo_tokens, inspect.getsource, "source_of")]
+    arrivals = {0: [GenerationRequest(i, p, 40, SamplingParams(top_n_tokens=2), stop_token_ids=None)
+                    for i, p in enumerate(prompts[:2])],
+                3: [GenerationRequest(2, prompts[2], 40, SamplingParams(), stop_token_ids=None)]}
+    plain = run(demo_engines[0], arrivals)
+    out = run(demo_engines[4], arrivals)
+    assert out == plain
+    stats = demo_engines[4].router.scheduler.speculation
+    assert stats.accepted_tokens >= 0.1 * stats.drafted_tokens > 0
+
+
+SAMPLED = dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, typical_p=0.98, top_n_tokens=3)
+
+
+def test_demo_model_sampled_tokens_equal_plain_decoding_per_seed(demo_engines, demo_tokens):
+    prompt = rename_prompt(demo_tokens, textwrap.dedent, "strip_margin")
+    for extra in ({}, {"watermark": True}):
+        arrivals = {0: [GenerationRequest(s, prompt, 16, SamplingParams(seed=s, **SAMPLED, **extra),
+                                          stop_token_ids=[]) for s in range(4)]}
+        assert run(demo_engines[4], arrivals) == run(demo_engines[0], arrivals)
+    assert demo_engines[4].router.scheduler.speculation.accepted_tokens > 0
+
+
+def test_demo_model_sampled_frequencies_match_plain_decoding(demo_engines, demo_tokens):
+    """Different seeds for each side (not coupled): the frequencies of the first token, of the first
+    two and of the first three agree (chi-square homogeneity tests, alpha 0.001 each)."""
+    prompt = demo_tokens("x = [1, 2, 3]\ny = [1, 2, 3]\nz = [")["input_ids"]
+    params = dict(do_sample=True, temperature=1.0)
+    samples = []
+    for speculate, seeds in ((0, range(0, 300)), (4, range(1000, 1300))):
+        arrivals = {0: [GenerationRequest(s, prompt, 3, SamplingParams(seed=s, **params), stop_token_ids=[])
+                        for s in seeds]}
+        engine = make_engine(DEMO, speculate, num_slots=16384, max_requests=300, max_prefill_tokens=4096)
+        out = run(engine, arrivals)
+        samples.append([tuple(t[0] for t in out[s]) for s in seeds])
+        if speculate:
+            assert engine.router.scheduler.speculation.accepted_tokens > 0
+        engine.close()
+    for length in (1, 2, 3):
+        plain, speculated = ([sample[:length] for sample in side] for side in samples)
+        assert _chi_square_p(_histogram(plain), _histogram(speculated)) > 0.001
+
+
+def _histogram(samples: list[tuple]) -> dict:
+    hist: dict = {}
+    for sample in samples:
+        hist[sample] = hist.get(sample, 0) + 1
+    return hist
+
+
+def _chi_square_p(a: dict, b: dict) -> float:
+    """p-value of the 2 x k homogeneity test over keys seen at least 10 times in all (the rest pooled)."""
+    keys = sorted(set(a) | set(b), key=str)
+    frequent = [k for k in keys if a.get(k, 0) + b.get(k, 0) >= 10]
+    rows = [[x.get(k, 0) for k in frequent] + [sum(x.get(k, 0) for k in keys if k not in frequent)] for x in (a, b)]
+    columns = [i for i in range(len(rows[0])) if rows[0][i] + rows[1][i] > 0]
+    total = [sum(r) for r in rows]
+    statistic = 0.0
+    for i in columns:
+        column = rows[0][i] + rows[1][i]
+        for r, n in zip(rows, total):
+            expected = column * n / sum(total)
+            statistic += (r[i] - expected) ** 2 / expected
+    return _chi_square_survival(statistic, max(len(columns) - 1, 1))
+
+
+def _chi_square_survival(x: float, dof: int) -> float:
+    """P(X > x) for X ~ chi-square(dof): the regularized upper gamma Q(dof/2, x/2) by its series."""
+    s, z = dof / 2, x / 2
+    term = total = 1 / s
+    k = 1
+    while term > 1e-12 * total:
+        term *= z / (s + k)
+        total += term
+        k += 1
+    lower = math.exp(-z + s * math.log(z) - math.lgamma(s)) * total if z > 0 else 0.0
+    return max(0.0, 1.0 - lower)
