@@ -16,6 +16,11 @@ An input id of ``FED_BACK`` is replaced, inside the graph, by ``last_tokens[row]
 token the previous step sampled for the row, still on the device). Two host buffers take
 turns, so filling step N+1's never overwrites step N's before its copy has run.
 
+Verify rows (speculation: ``[FED_BACK, drafts..]``) run here as one-token rows, one per token
+(``forward_batch.one_token_rows``), while their extra key reads (each draft reads its context
+again, which the prefill kernel reads once per row) stay under ``max_extra_reads`` tokens: small
+batches and contexts, where the step's time is its kernel launches.
+
 Padding rows read and write only the dummy slot, so they never touch a request's KV.
 Each bucket's forward and logits are captured once; ``run`` copies the inputs, writes
 the new table entries and replays. With graphs off the same padded forward runs
@@ -28,7 +33,7 @@ import logging
 import torch
 
 from engine.protocol.messages import FED_BACK, Step
-from engine.worker.forward_batch import SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs
+from engine.worker.forward_batch import SHARED_PREFIX_MIN_ROWS, ForwardBatch, one_token_rows
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +43,9 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 
 
 class PaddedDecoder:
     def __init__(self, model, kv_cache, last_tokens: torch.Tensor, max_requests: int,
-                 buckets: tuple[int, ...] | None, use_graphs: bool):
+                 buckets: tuple[int, ...] | None, use_graphs: bool, max_extra_reads: int = 0):
         self.model = model
+        self.max_extra_reads = max_extra_reads
         self.kv_cache = kv_cache
         self.last_tokens = last_tokens
         chosen = sorted({b for b in (buckets or DEFAULT_BUCKETS) if b <= max_requests} | {max_requests})
@@ -57,12 +63,16 @@ class PaddedDecoder:
             self._capture_all()
 
     def accepts(self, step: Step) -> bool:
-        return len(step.rows) <= self.buckets[-1] and all(
-            len(r.input_ids) == 1 and r.logprob_targets is None for r in step.rows)
+        if not all((len(r.input_ids) == 1 or r.input_ids[0] == FED_BACK) and r.logprob_targets is None
+                   for r in step.rows):
+            return False
+        tokens = sum(len(r.input_ids) for r in step.rows)
+        extra_reads = sum((len(r.input_ids) - 1) * (r.start_pos + len(r.input_ids)) for r in step.rows)
+        return tokens <= self.buckets[-1] and extra_reads <= self.max_extra_reads
 
     def run(self, step: Step) -> torch.Tensor:
-        """float32 logits [len(step.rows), vocab] of a decode step."""
-        count = len(step.rows)
+        """float32 logits [tokens, vocab] of a decode step (a verify row: one per token)."""
+        count = sum(len(r.input_ids) for r in step.rows)
         size = next(b for b in self.buckets if b >= count)
         self.turn ^= 1
         self.copied[self.turn].synchronize()                # long done: two steps ago
@@ -82,14 +92,11 @@ class PaddedDecoder:
         return self.hosts[self.turn]
 
     def _fill(self, rows, size: int) -> None:
-        host, count = self.host, len(rows)
-        host[0, :count] = torch.tensor([r.input_ids[0] for r in rows])
-        host[1, :count] = torch.tensor([r.start_pos for r in rows])
-        host[2, :count] = torch.tensor([r.slots[0] for r in rows])
-        host[3, :count] = torch.tensor([r.row for r in rows])
+        columns, source = one_token_rows(rows)
+        host, count = self.host, len(columns[0])
+        for i, row in zip((0, 1, 2, 3, 5), columns):
+            host[i, :count] = torch.tensor(row)
         host[4, :count] = host[1, :count] + 1
-        lengths, source = shared_prefix_inputs(rows)
-        host[5, :count] = torch.tensor(lengths)
         host[6, :2] = torch.tensor(source)
         self._pad(count, size)
 

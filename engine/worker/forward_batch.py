@@ -38,3 +38,21 @@ def shared_prefix_inputs(rows) -> tuple[list[int], list[int]]:
     lengths = [r.shared_prefix_len for r in rows]
     source = next((r for r in rows if r.shared_prefix_len), None)
     return lengths, ([source.row, source.shared_prefix_len] if source is not None else [0, 0])
+
+
+def one_token_rows(rows) -> tuple[list[list[int]], list[int]]:
+    """A step of decode and verify rows as one-token rows, for the decode kernels (CUDA graphs):
+    ([input ids, positions, slots, request rows, shared prefix lengths], each per token; the shared
+    prefix source). A verify row's token j becomes a row of its own request at position start + j:
+    the step writes every token's K/V before any attention reads it, so token j attends through
+    ``req_to_token`` to exactly positions 0 .. start + j (causal), as in the prefill kernel."""
+    lengths, source = shared_prefix_inputs(rows)
+    columns: list[list[int]] = [[], [], [], [], []]
+    for r, shared in zip(rows, lengths):
+        n = len(r.input_ids)
+        columns[0].extend(r.input_ids)
+        columns[1].extend(range(r.start_pos, r.start_pos + n))
+        columns[2].extend(r.slots)
+        columns[3].extend([r.row] * n)
+        columns[4].extend([shared] * n)
+    return columns, source

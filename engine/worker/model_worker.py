@@ -16,11 +16,12 @@ draws from p without d, renormalised (rejection sampling with a point-mass draft
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from engine.models import build_model, load_model_config
+from engine.models import build_model, family_for, load_model_config
 from engine.models.config import ModelConfig
 from engine.models.parallel import TensorParallel
 from engine.ops import KernelOps, default_backend
@@ -123,7 +124,7 @@ class ModelWorker:
             # The torch references index with host integers, which a graph capture cannot hold.
             capture = (graphs is None or len(graphs) > 0) and self.ops.backend == "triton"
             self.decoder = PaddedDecoder(self.model, self.kv_cache, self.last_tokens, config.max_requests,
-                                         graphs or None, use_graphs=capture)
+                                         graphs or None, use_graphs=capture, max_extra_reads=self._max_extra_reads())
         if self.sampler.grammars is not None:
             self.sampler.grammars.wait_loaded()    # loaded beside the weights: ready before the first request
 
@@ -325,12 +326,28 @@ class ModelWorker:
 
     def _decode_with_graphs(self, step: Step) -> tuple[list[int], torch.Tensor]:
         """One-token rows through the CUDA graphs: (the rows that sample, their logits). A row may
-        be a one-token prompt chunk (a prompt the prefix cache held but for its last token)."""
+        be a one-token prompt chunk (a prompt the prefix cache held but for its last token), or a
+        verify row (one graph row per token, each with logits)."""
         logits = self.decoder.run(step)
         sampled = [i for i, r in enumerate(step.rows) if r.sample]
         if len(sampled) < len(step.rows):
-            logits = logits[to_device(sampled, torch.int64, self.device)]
+            offsets, positions = [0], []
+            for r in step.rows:
+                offsets.append(offsets[-1] + len(r.input_ids))
+            for i in sampled:
+                positions.extend(range(offsets[i], offsets[i + 1]))
+            logits = logits[to_device(positions, torch.int64, self.device)]
         return sampled, logits
+
+    def _max_extra_reads(self) -> int:
+        """Verify rows take the CUDA graphs while their extra key reads (one-token rows read their
+        context once per token) cost at most 5% of reading the weights, or 64 MiB: small contexts
+        and batches, where a step's time is its launches rather than its reads."""
+        c = self.model_config
+        weights = sum(math.prod(shape) for shape in family_for(c.architecture).checkpoint_shapes(c).values())
+        weights *= self.config.dtype.itemsize
+        per_token = KVCache.bytes_per_slot(c.num_layers, self.model.num_kv_heads, c.head_dim, self.kv_dtype)
+        return int(max(0.05 * weights, 64 * 2**20) // per_token)
 
     def _map_cached_prefixes(self, step: Step) -> None:
         """req_to_token[row, 0:k] = the cached prefix slots a request's first row brings (prefix cache)."""

@@ -197,3 +197,43 @@ def _chi_square_survival(x: float, dof: int) -> float:
         k += 1
     lower = math.exp(-z + s * math.log(z) - math.lgamma(s)) * total if z > 0 else 0.0
     return max(0.0, 1.0 - lower)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_verify_rows_as_one_token_rows_give_the_prefill_kernels_logits(tiny_models, backend):
+    """The CUDA graphs' form of a verify step (``one_token_rows``: the decode kernels) against the
+    eager form (the prefill kernels), on the same KV: a plain decode row beside two verify rows."""
+    import torch
+
+    from engine.protocol.messages import FED_BACK, RowResult, Step, StepRow
+    from engine.worker.forward_batch import ForwardBatch, one_token_rows
+
+    engine = make_engine(tiny_models["llama"], 0, backend=backend)
+    worker = engine.worker
+    prompts = [[5, 9, 13, 17, 5, 9], [3, 4, 5], [7] * 11]
+    slot = 0
+    rows = []
+    for i, p in enumerate(prompts):
+        rows.append(StepRow(request_id=i, row=i, start_pos=0, input_ids=p, slots=list(range(slot, slot + len(p))),
+                            sample=True, params=SamplingParams()))
+        slot += len(p)
+    worker.execute(Step(rows=rows))
+    verify = []
+    for i, (p, drafts) in enumerate(zip(prompts, ([13, 17, 2], [], [7, 7]))):
+        verify.append(StepRow(request_id=i, row=i, start_pos=len(p), input_ids=[FED_BACK, *drafts],
+                              slots=list(range(slot, slot + 1 + len(drafts))), sample=True))
+        slot += 1 + len(drafts)
+    step = Step(rows=verify)
+    _, eager = worker._forward(step, [RowResult(r.request_id) for r in verify])
+    columns, _ = one_token_rows(verify)
+    ids, positions, slots, table_rows = (torch.tensor(c) for c in columns[:4])
+    worker.kv_cache.write_table(table_rows, positions, slots)
+    count = len(columns[0])
+    batch = ForwardBatch(
+        input_ids=torch.where(ids == FED_BACK, worker.last_tokens[table_rows], ids), positions=positions,
+        out_slots=slots, req_rows=table_rows.to(torch.int32), q_start=torch.arange(count, dtype=torch.int32),
+        q_len=torch.ones(count, dtype=torch.int32), seq_len=(positions + 1).to(torch.int32), max_q_len=1,
+        is_decode=True)
+    one_token = worker.model.compute_logits(worker.model.forward(batch, worker.kv_cache))
+    assert eager.shape == one_token.shape == (8, eager.shape[1])
+    torch.testing.assert_close(one_token, eager, atol=1e-4, rtol=1e-4)
