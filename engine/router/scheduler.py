@@ -49,9 +49,13 @@ Speculation (``speculate`` > 0, TGI's ``--speculate``): a request without penalt
 (``speculates``) decodes through verify rows ``[FED_BACK, d1 .. dn]``, whose drafts ``d`` come
 from ``engine.router.drafter`` (prompt lookup in the request's own tokens); the shard returns
 the accepted drafts plus one corrected or bonus token, each through the stop criteria here in
-order (never a token past ``max_new_tokens``: n <= remaining - 1). Drafting needs the newest
-token, so such a request is not planned while a row of it is in flight (it leaves the step
-pipeline for one step; batches of requests alternate). The slots of rejected drafts are freed
+order (never a token past ``max_new_tokens``: n <= remaining - 1). A verify row's result decides
+the next row's position (1 to n + 1 tokens come back), and drafting needs the newest token, so a
+drafting request is not planned while a row of it is in flight: it skips a step (the pipeline's
+depth). A request whose drafts miss (none found, or all rejected) decodes plain pipelined rows
+for a pause that doubles with each miss in a row (up to ``MAX_DRAFT_PAUSE`` rows; an accepted
+draft ends the streak), so loads with nothing to draft lose at most one step in
+``MAX_DRAFT_PAUSE`` + 2 to speculation. The slots of rejected drafts are freed
 when the result comes (``SlotAllocator.truncate``), before any of them could enter the prefix
 cache. Drafts take only slots free beyond the step's own needs, and admission reserves a
 speculating request's whole remaining length at once (accepted drafts grow it faster than one
@@ -77,6 +81,7 @@ ADMISSION_RULES = ("peak", "reserve")
 MAX_SKIPPED = 16     # waiting requests tried per step after one did not fit
 DEFER_MIN_TOKENS = 128   # wait for a running prefill that will cache at least this many more prompt tokens
 MIN_PROMPT_CHUNK = 16    # prompt tokens a step always carries while prompts wait (progress beside any decode batch)
+MAX_DRAFT_PAUSE = 32     # plain (pipelined) decode rows, at most, between draft attempts after misses
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,8 @@ class Request:
     cached_len: int = 0                # leading tokens whose slots lie on the lock path (in the tree)
     lock_node: TreeNode | None = None  # the prefix cache node this request locks (with its ancestors)
     drafter: NgramDrafter | None = None  # set when the request speculates (its known tokens indexed)
+    draft_misses: int = 0              # draft attempts in a row that found nothing or had nothing accepted
+    draft_pause: int = 0               # plain decode rows to plan before drafting again
 
     @property
     def remaining(self) -> int:
@@ -143,11 +150,20 @@ class Request:
         return self.drafter is not None
 
     @property
+    def drafting(self) -> bool:
+        """Whether its next decode row carries drafts (if the drafter finds any)."""
+        return self.drafter is not None and self.draft_pause == 0
+
+    @property
     def can_decode(self) -> bool:
         """Whether the next step may carry a decode (or verify) row of this request."""
         if self.in_prefill or self.remaining <= 0:
             return False
-        return not (self.speculates and self.pending)      # drafts need the newest token
+        return not (self.drafting and self.pending)      # drafts need the newest token
+
+    def draft_missed(self) -> None:
+        self.draft_misses += 1
+        self.draft_pause = min(2 ** self.draft_misses, MAX_DRAFT_PAUSE)
 
 
 @dataclass
@@ -231,7 +247,7 @@ class Scheduler:
         """The next Step: one decode row per decoding request, prompt chunks in the rest of the budget."""
         self._admit()
         decoding = [r for r in self.running if r.can_decode]
-        draft_room = self.config.speculate * sum(r.speculates for r in decoding)
+        draft_room = self.config.speculate * sum(r.drafting for r in decoding)
         chunks = self._plan_chunks(decoding, draft_room)
         need = len(decoding) + sum(chunks.values())
         self._make_room(need)
@@ -401,11 +417,15 @@ class Scheduler:
                 prompt = len(request.prompt_ids) - 1
                 self.shared.join(request.request_id, self.allocator.slots(request.request_id)[:prompt])
         drafts = []
-        if request.speculates:
-            most = min(self.config.speculate, request.remaining - 1)
-            drafts = request.drafter.propose(spare.take(most))
-            spare.give_back(most - len(drafts))
+        if request.drafting:
+            room = spare.take(min(self.config.speculate, request.remaining - 1))
+            drafts = request.drafter.propose(room)
+            spare.give_back(room - len(drafts))
             self.speculation.drafted_tokens += len(drafts)
+            if room and not drafts:
+                request.draft_missed()
+        elif request.speculates:
+            request.draft_pause -= 1
         row = StepRow(
             request_id=request.request_id, row=self.allocator.row(request.request_id),
             start_pos=request.held_tokens - 1, input_ids=[FED_BACK, *drafts],
@@ -459,6 +479,11 @@ class Scheduler:
             if reason:
                 break
         self.speculation.accepted_tokens += len(res.following)
+        if decode and len(row.input_ids) > 1:
+            if res.following:
+                request.draft_misses = 0
+            else:
+                request.draft_missed()
         if request.speculates:
             request.drafter.extend(request.generated[len(request.drafter.tokens) - len(request.prompt_ids) :])
             if decode:

@@ -198,6 +198,24 @@ def test_verify_rows_wait_for_their_result_and_carry_at_most_remaining_minus_one
     assert last.input_ids == [FED_BACK] and last.start_pos == 7      # one token left: no drafts
 
 
+def test_a_request_whose_drafts_miss_decodes_pipelined_between_rarer_attempts():
+    """Nothing to draft (every token new): the pauses double, so few steps lose the request's row."""
+    alloc = SlotAllocator(num_slots=300, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=300, speculate=4, prefix_caching=False))
+    sched.add(_request(1, list(range(1, 21)), 200))
+    in_flight, rows, fresh = deque([sched.schedule()]), [], iter(range(1000, 2000))
+    for _ in range(80):                                   # the router's loop: plan N + 1, then see N
+        step = sched.schedule()
+        rows.append(len(step.rows))
+        in_flight.append(step)
+        done = in_flight.popleft()
+        sched.process(done, StepResult([RowResult(1, token_id=next(fresh)) for _ in done.rows]))
+        alloc.check_integrity()
+    skipped = [i for i, n in enumerate(rows) if n == 0]
+    assert 1 <= len(skipped) <= 6 and sched.speculation.drafted_tokens == 0, skipped
+    assert sched.running[0].draft_pause > 0 and sched.running[0].draft_misses >= 4
+
+
 def test_penalties_and_grammars_do_not_speculate():
     assert speculation_eligible(SamplingParams(do_sample=True, temperature=0.7, top_k=5, seed=3, watermark=True))
     assert not speculation_eligible(SamplingParams(repetition_penalty=1.2))
