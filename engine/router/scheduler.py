@@ -53,9 +53,9 @@ order (never a token past ``max_new_tokens``: n <= remaining - 1). A verify row'
 the next row's position (1 to n + 1 tokens come back), and drafting needs the newest token, so a
 drafting request is not planned while a row of it is in flight: it skips a step (the pipeline's
 depth). A request whose drafts miss (none found, or all rejected) decodes plain pipelined rows
-for a pause that doubles with each miss in a row (up to ``MAX_DRAFT_PAUSE`` rows; an accepted
+for a pause that doubles with each miss in a row (up to ``max_draft_pause`` rows; an accepted
 draft ends the streak), so loads with nothing to draft lose at most one step in
-``MAX_DRAFT_PAUSE`` + 2 to speculation. The slots of rejected drafts are freed
+``max_draft_pause`` + 2 to speculation. The slots of rejected drafts are freed
 when the result comes (``SlotAllocator.truncate``), before any of them could enter the prefix
 cache. Drafts take only slots free beyond the step's own needs, and admission reserves a
 speculating request's whole remaining length at once (accepted drafts grow it faster than one
@@ -96,6 +96,7 @@ class SchedulerConfig:
     admission: str = "peak"              # "peak": LightLLM's rule; "reserve": TGI-style sum of maxima
     prefix_caching: bool = True          # reuse the KV of cached prompt prefixes (engine.router.prefix_cache)
     speculate: int = 0                   # drafted tokens per verify row (module docstring); 0: off
+    max_draft_pause: int = MAX_DRAFT_PAUSE   # plain rows at most between draft attempts after misses; 0: none
 
     def __post_init__(self):
         if self.admission not in ADMISSION_RULES:
@@ -161,9 +162,9 @@ class Request:
             return False
         return not (self.drafting and self.pending)      # drafts need the newest token
 
-    def draft_missed(self) -> None:
+    def draft_missed(self, max_pause: int) -> None:
         self.draft_misses += 1
-        self.draft_pause = min(2 ** self.draft_misses, MAX_DRAFT_PAUSE)
+        self.draft_pause = min(2 ** self.draft_misses, max_pause)
 
 
 @dataclass
@@ -423,7 +424,7 @@ class Scheduler:
             spare.give_back(room - len(drafts))
             self.speculation.drafted_tokens += len(drafts)
             if room and not drafts:
-                request.draft_missed()
+                request.draft_missed(self.config.max_draft_pause)
         elif request.speculates:
             request.draft_pause -= 1
         row = StepRow(
@@ -483,7 +484,7 @@ class Scheduler:
             if res.following:
                 request.draft_misses = 0
             else:
-                request.draft_missed()
+                request.draft_missed(self.config.max_draft_pause)
         if request.speculates:
             request.drafter.extend(request.generated[len(request.drafter.tokens) - len(request.prompt_ids) :])
             if decode:
