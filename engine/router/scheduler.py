@@ -45,7 +45,7 @@ Prefix cache (``engine.router.prefix_cache``, on unless ``prefix_caching=False``
   * admission counts each running request's exclusive tokens plus the locked tree tokens it
     pins longest (``PinnedTokens``): shared tokens count once, evictable ones as free.
 
-Speculation (``speculate`` > 0, TGI's ``--speculate``): a request without penalties or grammar
+Speculation (``speculate`` > 0, TGI's ``--speculate``): a request without a grammar
 (``speculates``) decodes through verify rows ``[FED_BACK, d1 .. dn]``, whose drafts ``d`` come
 from ``engine.router.drafter`` (prompt lookup in the request's own tokens); the shard returns
 the accepted drafts plus one corrected or bonus token, each through the stop criteria here in
@@ -175,10 +175,9 @@ class SpeculationStats:
 
 
 def speculation_eligible(params: SamplingParams) -> bool:
-    """Requests whose verify rows the shard checks exactly: their token choice depends only on the
-    logits, the seed and the token index (penalties and grammars also depend on the drafts' own
-    effects on counts and matcher state, which the verify path does not track)."""
-    return not params.has_penalties and params.grammar_type is None
+    """Requests whose verify rows the shard checks exactly: all but grammar-constrained ones (their
+    masks after each draft would need the matcher advanced over the drafts and rolled back)."""
+    return params.grammar_type is None
 
 
 class Scheduler:

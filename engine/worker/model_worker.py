@@ -4,9 +4,10 @@ The worker keeps no request bookkeeping beyond what sampling needs (parameters, 
 token counts for penalties); the router owns slots and rows and tells it everything.
 
 Verify rows (``[FED_BACK, d1 .. dn]``, speculation) run as short prompt chunks through the
-prefill attention (causal among their own tokens). Their logits at every position are sampled
-as n + 1 rows whose states assume the drafts before them were accepted (token index, previous
-token): position j chooses what decoding one token at a time would choose after ``d1 .. dj``,
+prefill attention (causal among their own tokens), or as one-token rows through the CUDA graphs.
+Their logits at every position are sampled as n + 1 rows whose states assume the drafts before
+them were accepted (token index, token count, previous token, penalty counts with the drafts in
+scratch rows): position j chooses what decoding one token at a time would choose after ``d1 .. dj``,
 with the same seeded draw. Draft ``d(j+1)`` is accepted while it equals that choice; the row
 returns the accepted drafts plus the first choice that differs (or the bonus token after the
 last draft). Greedy rows thus give exactly the tokens of ``--speculate 0``, and sampled rows the
@@ -367,7 +368,7 @@ class ModelWorker:
         """Rank 0 samples and broadcasts the tokens; every rank feeds them back into ``last_tokens``."""
         rows = [step.rows[i] for i in sampled]
         states = [self._sampling[r.request_id] for r in rows] if self.tp.rank == 0 else []
-        sample = self.sampler.launch(logits, verify_states(rows, states)) if self.tp.rank == 0 else None
+        sample = self._sample_positions(logits, rows, states) if self.tp.rank == 0 else None
         tokens = sample.token_ids if sample is not None else torch.empty(logits.shape[0], dtype=torch.int64,
                                                                             device=self.device)
         if self.tp.world_size > 1:
@@ -384,7 +385,7 @@ class ModelWorker:
         def finish() -> StepResult:
             if event is not None:
                 event.synchronize()
-            self._record_tokens(sampled, rows, host.output(), states, results)
+            self._record_tokens(sampled, rows, host.output(), states, results, self.sampler.penalties)
             return StepResult(results)
 
         self._unfinished = LaunchedStep(finish, event)
@@ -404,12 +405,36 @@ class ModelWorker:
         first = torch.full((len(rows),), tokens.shape[0], dtype=torch.int64, device=dev)
         return first.scatter_reduce_(0, to_device(segments, torch.int64, dev), differs, "amin")
 
+    def _sample_positions(self, logits: torch.Tensor, rows: list[StepRow], states: list[RowSampling]):
+        """The sampler over every logit position (``verify_states``); a verify row's penalised
+        positions count the drafts before them in scratch rows of the penalty counts, freed here
+        (the stream runs their reads before any later reuse)."""
+        expanded = verify_states(rows, states)
+        scratch = []
+        if len(expanded) > len(states):
+            penalties = self.sampler.penalties
+            position = 0
+            for row, state in zip(rows, states):
+                width = logit_positions(row)
+                if state.penalty_row >= 0:
+                    for j in range(1, width):
+                        expanded[position + j].penalty_row = scratch_row = penalties.acquire()
+                        penalties.counts[scratch_row].copy_(penalties.counts[state.penalty_row])
+                        penalties.add(scratch_row, row.input_ids[1 : j + 1])
+                        scratch.append(scratch_row)
+                position += width
+        sample = self.sampler.launch(logits, expanded)
+        for scratch_row in scratch:
+            self.sampler.penalties.release(scratch_row)
+        return sample
+
     @staticmethod
     def _record_tokens(sampled: list[int], rows: list[StepRow], out, states: list[RowSampling],
-                       results: list[RowResult]) -> None:
+                       results: list[RowResult], penalties) -> None:
         """The kept tokens into the results and into each row's state (seed step, grammar; the
-        sampler counted them for penalties on the device already). A verify row keeps its choices
-        while they equal its drafts, and the first that differs."""
+        sampler counted the first for penalties on the device already, a verify row's others are
+        added here). A verify row keeps its choices while they equal its drafts, and the first that
+        differs."""
         position = 0
         for j, i in enumerate(sampled):
             width = logit_positions(rows[j])
@@ -419,6 +444,9 @@ class ModelWorker:
                 res.token_id, res.logprob = out.token_ids[p], out.logprobs[p]
                 res.top_ids, res.top_logprobs = out.top_ids[p], out.top_logprobs[p]
                 _advance(states[j], res)
+            if kept_results and states[j].penalty_row >= 0:
+                with torch.inference_mode():        # runs when the step is collected, outside ``launch``
+                    penalties.add(states[j].penalty_row, [res.token_id for res in kept_results])
             results[i].following = kept_results
             position += width
 
@@ -443,15 +471,16 @@ def logit_positions(row: StepRow) -> int:
 
 def verify_states(rows: list[StepRow], states: list[RowSampling]) -> list[RowSampling]:
     """One sampling state per logit position: a verify row's position j samples as if its drafts
-    before j were accepted (token index, token count, previous token for the watermark)."""
+    before j were accepted (token index, token count, previous token for the watermark; the caller
+    gives penalised positions their own counts)."""
     if all(len(r.input_ids) == 1 or r.input_ids[0] != FED_BACK for r in rows):
         return states
     expanded = []
     for row, state in zip(rows, states):
         drafts = row.input_ids[1:] if row.input_ids[0] == FED_BACK else []
-        if drafts and (state.penalty_row >= 0 or state.grammar is not None):
-            raise ValueError(f"request {row.request_id}: a verify row with penalties or a grammar (the router "
-                             f"drafts only for requests without them)")
+        if drafts and state.grammar is not None:
+            raise ValueError(f"request {row.request_id}: a verify row with a grammar (the router drafts only "
+                             f"for requests without one)")
         expanded.append(state)
         expanded.extend(replace(state, step=state.step + j, num_tokens=state.num_tokens + j, prev_token=d)
                         for j, d in enumerate(drafts, start=1))

@@ -216,15 +216,13 @@ def test_a_request_whose_drafts_miss_decodes_pipelined_between_rarer_attempts():
     assert sched.running[0].draft_pause > 0 and sched.running[0].draft_misses >= 4
 
 
-def test_penalties_and_grammars_do_not_speculate():
+def test_grammar_constrained_requests_do_not_speculate():
     assert speculation_eligible(SamplingParams(do_sample=True, temperature=0.7, top_k=5, seed=3, watermark=True))
-    assert not speculation_eligible(SamplingParams(repetition_penalty=1.2))
-    assert not speculation_eligible(SamplingParams(frequency_penalty=0.5))
+    assert speculation_eligible(SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5))
     assert not speculation_eligible(SamplingParams(grammar_type="regex", grammar="a+"))
     alloc = SlotAllocator(num_slots=200, max_requests=4)
     sched = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4))
-    penalised = _request(1, [5, 6, 7, 5, 6], 8, repetition_penalty=1.3)
-    sched.add(penalised)
+    sched.add(_request(1, [5, 6, 7, 5, 6], 8, grammar_type="regex", grammar="[0-9]+"))
     sched.schedule()
     assert sched.schedule().rows[0].input_ids == [FED_BACK]     # pipelined plain decoding
 

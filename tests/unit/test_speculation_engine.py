@@ -16,6 +16,7 @@ import pytest
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
 from engine.protocol.messages import SamplingParams
+from engine.router.drafter import NgramDrafter
 from tests.tiny_models import save_tiny_model
 
 DEMO = Path(__file__).resolve().parents[2] / "weights" / "demo"
@@ -95,6 +96,34 @@ def test_verify_rows_through_the_triton_kernels(tiny_models):
     assert engine.router.scheduler.speculation.accepted_tokens > 0
 
 
+class OracleDrafter(NgramDrafter):
+    """Drafts the tokens plain decoding produced next, but every third one wrong: verify rows with
+    accepted drafts and rejections mid-row whatever the model (penalties leave no repetition)."""
+
+    def __init__(self, prompt_len: int, expected: list[int]):
+        super().__init__()
+        self.prompt_len, self.expected = prompt_len, expected
+
+    def propose(self, max_drafts: int) -> list[int]:
+        done = len(self.tokens) - self.prompt_len
+        drafts = self.expected[done : done + max_drafts]
+        return [t if (done + i) % 3 else (t + 1) % 300 for i, t in enumerate(drafts)]
+
+
+def with_oracle_drafts(engine: Engine, plain: dict[int, list[tuple]]) -> Engine:
+    scheduler = engine.router.scheduler
+    add = scheduler.add
+
+    def add_with_oracle(request):
+        add(request)
+        if request.drafter is not None:
+            expected = [event[0] for event in plain[request.request_id]]
+            request.drafter, prompt = OracleDrafter(len(request.prompt_ids), expected), request.prompt_ids
+            request.drafter.extend(prompt)
+    scheduler.add = add_with_oracle
+    return engine
+
+
 def _accepts_drafts(model_dir, prompt: list[int]) -> bool:
     engine = make_engine(model_dir, 3)
     run(engine, {0: [GenerationRequest(0, prompt, 10, SamplingParams(), stop_token_ids=[])]})
@@ -148,6 +177,21 @@ def test_demo_model_sampled_tokens_equal_plain_decoding_per_seed(demo_engines, d
                                           stop_token_ids=[]) for s in range(4)]}
         assert run(demo_engines[4], arrivals) == run(demo_engines[0], arrivals)
     assert demo_engines[4].router.scheduler.speculation.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3, top_n_tokens=2),
+    SamplingParams(seed=5, repetition_penalty=1.2, frequency_penalty=0.5, **SAMPLED)])
+def test_penalties_count_the_accepted_drafts_only(tiny_models, params):
+    """Penalised positions of a verify row see the drafts before them; the kept tokens (and only
+    they) enter the request's counts: the tokens of --speculate 0, greedy and sampled."""
+    arrivals = repeating_arrivals(params)
+    plain = run(make_engine(tiny_models["llama"], 0), arrivals)
+    engine = with_oracle_drafts(make_engine(tiny_models["llama"], 4), plain)
+    assert run(engine, arrivals) == plain
+    stats = engine.router.scheduler.speculation
+    assert stats.drafted_tokens > stats.accepted_tokens > 20
+    assert engine.worker.sampler.penalties.counts.shape[0] <= 16      # scratch rows were given back
 
 
 def test_demo_model_sampled_frequencies_match_plain_decoding(demo_engines, demo_tokens):
