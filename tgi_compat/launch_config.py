@@ -64,8 +64,8 @@ class LaunchConfig:
     speculate: int | None = _flag("draft tokens verified per request and step (speculative decoding): drafts come "
                                   "from n-gram lookup in the request's own prompt and output; the output is "
                                   "exactly that of --speculate 0 (greedy: the same tokens; sampling: the same "
-                                  "distribution, the same tokens per seed). Grammar-constrained requests decode "
-                                  "without drafts. Default: 0 (off)",
+                                  "distribution, the same tokens per seed; penalties and grammars included). "
+                                  "Default: 0 (off)",
                                   minimum=0)
     kv_cache_dtype: str | None = _flag("KV cache dtype: fp8_e4m3fn or fp8_e5m2 (per-tensor scales from the "
                                        "checkpoint's k_scale/v_scale or kv_scale, else 1.0) or int8 (our extension, "

@@ -45,8 +45,7 @@ Prefix cache (``engine.router.prefix_cache``, on unless ``prefix_caching=False``
   * admission counts each running request's exclusive tokens plus the locked tree tokens it
     pins longest (``PinnedTokens``): shared tokens count once, evictable ones as free.
 
-Speculation (``speculate`` > 0, TGI's ``--speculate``): a request without a grammar
-(``speculates``) decodes through verify rows ``[FED_BACK, d1 .. dn]``, whose drafts ``d`` come
+Speculation (``speculate`` > 0, TGI's ``--speculate``): a request (``speculates``) decodes through verify rows ``[FED_BACK, d1 .. dn]``, whose drafts ``d`` come
 from ``engine.router.drafter`` (prompt lookup in the request's own tokens); the shard returns
 the accepted drafts plus one corrected or bonus token, each through the stop criteria here in
 order (never a token past ``max_new_tokens``: n <= remaining - 1). A verify row's result decides
@@ -174,12 +173,6 @@ class SpeculationStats:
     accepted_tokens: int = 0     # of those, accepted by the shard
 
 
-def speculation_eligible(params: SamplingParams) -> bool:
-    """Requests whose verify rows the shard checks exactly: all but grammar-constrained ones (their
-    masks after each draft would need the matcher advanced over the drafts and rolled back)."""
-    return params.grammar_type is None
-
-
 class Scheduler:
     def __init__(self, allocator: SlotAllocator, config: SchedulerConfig):
         self.allocator = allocator
@@ -221,7 +214,7 @@ class Scheduler:
         if total > self.config.max_seq_len or total > self.allocator.num_slots:
             raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_new_tokens ({request.max_new_tokens}) = "
                              f"{total} exceeds the limit of {min(self.config.max_seq_len, self.allocator.num_slots)}")
-        if self.config.speculate and speculation_eligible(request.params):
+        if self.config.speculate:
             request.drafter = NgramDrafter()
             request.drafter.extend(request.prompt_ids)
         self.waiting.append(request)

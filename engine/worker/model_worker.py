@@ -27,7 +27,7 @@ from engine.models.config import ModelConfig
 from engine.models.parallel import TensorParallel
 from engine.ops import KernelOps, default_backend
 from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, StepResult, StepRow
-from engine.sampling.grammar import GrammarCompiler
+from engine.sampling.grammar import GrammarCompiler, GrammarMatcher
 from engine.sampling.sampler import RowSampling, Sampler
 from engine.sampling.watermark import WatermarkConfig
 from engine.transfer import to_device
@@ -406,9 +406,10 @@ class ModelWorker:
         return first.scatter_reduce_(0, to_device(segments, torch.int64, dev), differs, "amin")
 
     def _sample_positions(self, logits: torch.Tensor, rows: list[StepRow], states: list[RowSampling]):
-        """The sampler over every logit position (``verify_states``); a verify row's penalised
+        """The sampler over every logit position (``verify_states``). A verify row's penalised
         positions count the drafts before them in scratch rows of the penalty counts, freed here
-        (the stream runs their reads before any later reuse)."""
+        (the stream runs their reads before any later reuse); its constrained positions take copies
+        of the grammar matcher advanced over the drafts before them (``draft_matchers``)."""
         expanded = verify_states(rows, states)
         scratch = []
         if len(expanded) > len(states):
@@ -422,6 +423,9 @@ class ModelWorker:
                         penalties.counts[scratch_row].copy_(penalties.counts[state.penalty_row])
                         penalties.add(scratch_row, row.input_ids[1 : j + 1])
                         scratch.append(scratch_row)
+                if state.grammar is not None and width > 1:
+                    for j, matcher in enumerate(draft_matchers(state.grammar, row.input_ids[1:]), start=1):
+                        expanded[position + j].grammar = matcher
                 position += width
         sample = self.sampler.launch(logits, expanded)
         for scratch_row in scratch:
@@ -472,19 +476,32 @@ def logit_positions(row: StepRow) -> int:
 def verify_states(rows: list[StepRow], states: list[RowSampling]) -> list[RowSampling]:
     """One sampling state per logit position: a verify row's position j samples as if its drafts
     before j were accepted (token index, token count, previous token for the watermark; the caller
-    gives penalised positions their own counts)."""
+    gives penalised and constrained positions their own counts and matchers)."""
     if all(len(r.input_ids) == 1 or r.input_ids[0] != FED_BACK for r in rows):
         return states
     expanded = []
     for row, state in zip(rows, states):
         drafts = row.input_ids[1:] if row.input_ids[0] == FED_BACK else []
-        if drafts and state.grammar is not None:
-            raise ValueError(f"request {row.request_id}: a verify row with a grammar (the router drafts only "
-                             f"for requests without one)")
         expanded.append(state)
         expanded.extend(replace(state, step=state.step + j, num_tokens=state.num_tokens + j, prev_token=d)
                         for j, d in enumerate(drafts, start=1))
     return expanded
+
+
+def draft_matchers(grammar: GrammarMatcher, drafts: list[int]) -> list[GrammarMatcher]:
+    """Per draft d_j, a copy of the request's matcher advanced over d_1 .. d_j, so position j's mask
+    is the one plain decoding would use after them; the request's own matcher is untouched (the
+    kept tokens advance it). Past the first draft the grammar rejects, copies stop advancing: the
+    choice before it obeys a mask without it, so no later position is kept."""
+    if grammar.only_eos:
+        return [grammar] * len(drafts)
+    valid = grammar.raw.validate_tokens(drafts)
+    matchers = []
+    for j in range(1, len(drafts) + 1):
+        copy = grammar.raw.deep_copy()
+        copy.consume_tokens(drafts[: min(j, valid)])
+        matchers.append(GrammarMatcher(copy, grammar.eos_ids))
+    return matchers
 
 
 def accepted_length(drafts: list[int], choices: list[int]) -> int:

@@ -11,7 +11,7 @@ from engine.protocol.messages import FED_BACK, GenerationRequest, RowResult, Sam
 from engine.router.allocator import AllocatorError, SlotAllocator
 from engine.router.drafter import NgramDrafter, propose_ngram
 from engine.router.router import Router
-from engine.router.scheduler import Scheduler, SchedulerConfig, speculation_eligible
+from engine.router.scheduler import Scheduler, SchedulerConfig
 
 
 # ---- the drafter -------------------------------------------------------------------
@@ -214,17 +214,6 @@ def test_a_request_whose_drafts_miss_decodes_pipelined_between_rarer_attempts():
     skipped = [i for i, n in enumerate(rows) if n == 0]
     assert 1 <= len(skipped) <= 6 and sched.speculation.drafted_tokens == 0, skipped
     assert sched.running[0].draft_pause > 0 and sched.running[0].draft_misses >= 4
-
-
-def test_grammar_constrained_requests_do_not_speculate():
-    assert speculation_eligible(SamplingParams(do_sample=True, temperature=0.7, top_k=5, seed=3, watermark=True))
-    assert speculation_eligible(SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5))
-    assert not speculation_eligible(SamplingParams(grammar_type="regex", grammar="a+"))
-    alloc = SlotAllocator(num_slots=200, max_requests=4)
-    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4))
-    sched.add(_request(1, [5, 6, 7, 5, 6], 8, grammar_type="regex", grammar="[0-9]+"))
-    sched.schedule()
-    assert sched.schedule().rows[0].input_ids == [FED_BACK]     # pipelined plain decoding
 
 
 def _request(rid, prompt, new, **params):

@@ -194,6 +194,27 @@ def test_penalties_count_the_accepted_drafts_only(tiny_models, params):
     assert engine.worker.sampler.penalties.counts.shape[0] <= 16      # scratch rows were given back
 
 
+def test_grammar_constrained_rows_verify_with_matchers_advanced_over_the_drafts(demo_tokens):
+    """Constrained verify rows: each position's mask follows the drafts before it (copies of the
+    matcher), drafts the grammar rejects end the row, the kept tokens advance the request's
+    matcher: the tokens of --speculate 0, greedy and sampled, regex and JSON schema."""
+    from engine.sampling.grammar import json_grammar_text
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    grammars = [("regex", r"[0-9]{2,6}( [a-z]+){1,4}\."), ("json", json_grammar_text(schema))]
+    prompt = demo_tokens("person = ")["input_ids"]
+    arrivals = {0: [GenerationRequest(i * 2 + sampled, prompt, 24, SamplingParams(
+        grammar_type=kind, grammar=text, **(dict(SAMPLED, seed=11) if sampled else {})), stop_token_ids=None)
+        for i, (kind, text) in enumerate(grammars) for sampled in (0, 1)]}
+    plain = run(make_engine(DEMO, 0, num_slots=2048), arrivals)
+    engine = with_oracle_drafts(make_engine(DEMO, 4, num_slots=2048), plain)
+    assert run(engine, arrivals) == plain
+    stats = engine.router.scheduler.speculation
+    assert stats.drafted_tokens > stats.accepted_tokens > 10
+    assert all(events[-1][2] == "eos_token" for events in plain.values())      # the grammars completed
+
+
 def test_demo_model_sampled_frequencies_match_plain_decoding(demo_engines, demo_tokens):
     """Different seeds for each side (not coupled): the frequencies of the first token, of the first
     two and of the first three agree (chi-square homogeneity tests, alpha 0.001 each)."""
