@@ -93,7 +93,7 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         warmup_tokens=max(config.max_prefill_tokens, config.max_requests * (1 + config.speculate)),
         cuda_graphs=config.cuda_graphs,
         watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta,
-        kv_cache_dtype=config.kv_cache_dtype)
+        kv_cache_dtype=config.kv_cache_dtype, speculate=config.speculate)
     kv_cache_dtype(config.kv_cache_dtype, worker.dtype)        # a bad name fails here, before any process
     attention_span, kv_weight_tokens = step_cost_model(model_config)
     scheduler = SchedulerConfig(

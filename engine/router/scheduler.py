@@ -45,7 +45,8 @@ Prefix cache (``engine.router.prefix_cache``, on unless ``prefix_caching=False``
   * admission counts each running request's exclusive tokens plus the locked tree tokens it
     pins longest (``PinnedTokens``): shared tokens count once, evictable ones as free.
 
-Speculation (``speculate`` > 0, TGI's ``--speculate``): a request (``speculates``) decodes through verify rows ``[FED_BACK, d1 .. dn]``, whose drafts ``d`` come
+Speculation (``speculate`` > 0, TGI's ``--speculate``): every request (``speculates``) decodes
+through verify rows ``[FED_BACK, d1 .. dn]``, whose drafts ``d`` come
 from ``engine.router.drafter`` (prompt lookup in the request's own tokens); the shard returns
 the accepted drafts plus one corrected or bonus token, each through the stop criteria here in
 order (never a token past ``max_new_tokens``: n <= remaining - 1). A verify row's result decides

@@ -79,6 +79,7 @@ class WorkerConfig:
     watermark_gamma: float = 0.5          # TGI's --watermark-gamma / --watermark-delta
     watermark_delta: float = 2.0
     kv_cache_dtype: str | None = None     # --kv-cache-dtype: int8 | fp8_e4m3fn | fp8_e5m2; None: ``dtype``
+    speculate: int = 0                    # --speculate: drafts per verify row (the warm-up runs such a step)
 
 
 def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -176,17 +177,33 @@ class ModelWorker:
             rows.append(StepRow(request_id=-1 - i, row=i, start_pos=0, input_ids=[1] * n,
                                 slots=list(range(next_slot, next_slot + n)), sample=True, params=params))
             next_slot += n
-        self.kv_cache = self._new_cache(tokens)
+        verify = self._warmup_verify_rows(rows, next_slot)
+        self.kv_cache = self._new_cache(tokens + sum(len(r.input_ids) for r in verify))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         self.execute(Step(rows=rows, released=[]))
+        if verify:
+            self.execute(Step(rows=verify, released=[]))
         self.execute(Step(rows=[], released=[r.request_id for r in rows]))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.kv_cache = None
         torch.cuda.empty_cache()
         return peak
+
+    def _warmup_verify_rows(self, rows: list[StepRow], next_slot: int) -> list[StepRow]:
+        """With --speculate, a verify row after each warm-up prompt (logits and sampling at every
+        position: the most a decode step samples)."""
+        verify, drafts = [], self.config.speculate
+        for r in rows:
+            n = len(r.input_ids)
+            if drafts and n + 1 + drafts <= self.config.max_seq_len:
+                verify.append(StepRow(request_id=r.request_id, row=r.row, start_pos=n,
+                                      input_ids=[FED_BACK] + [1] * drafts,
+                                      slots=list(range(next_slot, next_slot + 1 + drafts)), sample=True))
+                next_slot += 1 + drafts
+        return verify
 
     def _compile_attention_variants(self) -> None:
         """Run once each prefill-attention variant that serving reaches beyond the warm-up's plain prompts

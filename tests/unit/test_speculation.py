@@ -137,7 +137,8 @@ def workload(seed: int) -> dict[int, list[GenerationRequest]]:
     arrivals: dict[int, list[GenerationRequest]] = {}
     shared = [rng.randint(1, 13) for _ in range(20)]
     for rid in range(14):
-        prompt = (shared[: rng.randint(0, 20)] if rid % 2 else []) + [rng.randint(1, 13) for _ in range(rng.randint(1, 30))]
+        prefix = shared[: rng.randint(0, 20)] if rid % 2 else []
+        prompt = prefix + [rng.randint(1, 13) for _ in range(rng.randint(1, 30))]
         stops = [rng.randint(1, 13)] if rid % 3 == 0 else []
         request = GenerationRequest(rid, prompt, rng.randint(1, 40), SamplingParams(), stop_token_ids=stops)
         arrivals.setdefault(rng.choice([0, 0, 1, 3, 8, 20, 35]), []).append(request)

@@ -309,3 +309,26 @@ def test_verify_rows_as_one_token_rows_give_the_prefill_kernels_logits(tiny_mode
     one_token = worker.model.compute_logits(worker.model.forward(batch, worker.kv_cache))
     assert eager.shape == one_token.shape == (8, eager.shape[1])
     torch.testing.assert_close(one_token, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_the_warm_up_runs_a_verify_step_after_its_prompts(tiny_models):
+    """The GPU warm-up measures the largest step's activations; with --speculate that includes a verify
+    row (logits at every position) after each warm-up prompt: the rows it builds run."""
+    from dataclasses import replace as replace_config
+
+    from engine.protocol.messages import FED_BACK, Step, StepRow
+
+    worker = make_engine(tiny_models["llama"], 3).worker
+    assert worker.config.speculate == 3
+    prompts = [StepRow(request_id=-1 - i, row=i, start_pos=0, input_ids=[1] * n, slots=list(range(10 * i, 10 * i + n)),
+                       sample=True, params=SamplingParams(repetition_penalty=1.1, top_n_tokens=5))
+               for i, n in enumerate([10, 7])]
+    verify = worker._warmup_verify_rows(prompts, next_slot=20)
+    assert [(r.start_pos, r.input_ids, r.slots) for r in verify] == [
+        (10, [FED_BACK, 1, 1, 1], [20, 21, 22, 23]), (7, [FED_BACK, 1, 1, 1], [24, 25, 26, 27])]
+    worker.execute(Step(rows=prompts))
+    result = worker.execute(Step(rows=verify))
+    assert all(r.token_id is not None for r in result.rows)
+    worker.execute(Step(rows=[], released=[r.request_id for r in prompts]))
+    worker.config = replace_config(worker.config, speculate=0)
+    assert worker._warmup_verify_rows(prompts, next_slot=20) == []
