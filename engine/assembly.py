@@ -95,6 +95,10 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta,
         kv_cache_dtype=config.kv_cache_dtype, speculate=config.speculate)
     kv_cache_dtype(config.kv_cache_dtype, worker.dtype)        # a bad name fails here, before any process
+    heads = draft_heads(config.model_dir)
+    if heads:
+        log.warning("the checkpoint carries draft heads (%s) that this engine does not load; --speculate drafts "
+                    "by n-gram lookup in each request's own tokens instead", heads)
     attention_span, kv_weight_tokens = step_cost_model(model_config)
     scheduler = SchedulerConfig(
         max_prefill_tokens=config.max_prefill_tokens, stall_free_tokens=config.stall_free_tokens,
@@ -142,6 +146,21 @@ def resolve_shards(requested: int | None, device: torch.device) -> int:
         raise ValueError(f"--num-shard {shards} needs {shards} GPUs but {visible} are visible "
                          f"(CUDA_VISIBLE_DEVICES); lower --num-shard")
     return shards
+
+
+MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+
+
+def draft_heads(model_dir: str) -> str | None:
+    """What marks the checkpoint as carrying Medusa / speculator draft heads (TGI loads them: a
+    ``medusa_num_heads`` or ``speculator`` entry in config.json, or a ``medusa_lm_head`` file), or None."""
+    directory = Path(model_dir)
+    marks = [name for name in MEDUSA_FILES if (directory / name).is_file()]
+    path = directory / "config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        marks += [f"config.json {key!r}" for key in ("medusa_num_heads", "speculator") if key in config]
+    return ", ".join(marks) or None
 
 
 def eos_token_ids(model_dir: str, model_config: ModelConfig) -> tuple[int, ...]:

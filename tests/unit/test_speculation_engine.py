@@ -332,3 +332,23 @@ def test_the_warm_up_runs_a_verify_step_after_its_prompts(tiny_models):
     worker.execute(Step(rows=[], released=[r.request_id for r in prompts]))
     worker.config = replace_config(worker.config, speculate=0)
     assert worker._warmup_verify_rows(prompts, next_slot=20) == []
+
+
+def test_draft_heads_in_a_checkpoint_are_named_in_a_warning(tiny_models, tmp_path, caplog):
+    """Medusa heads (TGI loads them) are not: the plan says so and speculation drafts by n-gram."""
+    import json
+    import logging
+    import shutil
+
+    from engine.assembly import draft_heads, plan_engine
+
+    assert draft_heads(str(tiny_models["llama"])) is None
+    model = tmp_path / "medusa"
+    shutil.copytree(tiny_models["llama"], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "medusa_num_heads": 4}))
+    (model / "medusa_lm_head.safetensors").write_bytes(b"")
+    assert draft_heads(str(model)) == "medusa_lm_head.safetensors, config.json 'medusa_num_heads'"
+    with caplog.at_level(logging.WARNING, logger="engine.assembly"):
+        plan = plan_engine(EngineConfig(model_dir=str(model), device="cpu", speculate=2))
+    assert plan.scheduler.speculate == 2 and "does not load" in caplog.text and "medusa_lm_head" in caplog.text
