@@ -222,3 +222,22 @@ def _request(rid, prompt, new, **params):
 
     return Request(request_id=rid, prompt_ids=prompt, max_new_tokens=new, params=SamplingParams(**params), seed=0,
                    stop_token_ids=frozenset({0}))
+
+
+def test_an_abort_with_a_verify_row_in_flight_frees_every_slot_and_drops_its_tokens():
+    alloc = SlotAllocator(num_slots=200, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4))
+    sched.add(_request(1, [5, 6, 7, 5, 6], 20))
+    prefill = sched.schedule()
+    sched.process(prefill, StepResult([RowResult(1, token_id=7)]))
+    verify = sched.schedule()
+    assert verify.rows[0].input_ids == [FED_BACK, 5, 6, 7]
+    assert sched.abort(1)
+    alloc.check_integrity()
+    assert alloc.used_slots == 0
+    result = RowResult(1, token_id=5, following=[RowResult(1, token_id=6), RowResult(1, token_id=7)])
+    assert sched.process(verify, StepResult([result])) == []
+    sched.check_integrity()
+    assert not sched.has_work() and sched.schedule().released == [1]
+    cached = sched.cache.match([5, 6, 7, 5, 6, 7, 5, 6, 7])
+    assert cached.length <= 6        # prompt + its first token at most: no draft's slot entered the tree
