@@ -4,7 +4,7 @@ The worker keeps no request bookkeeping beyond what sampling needs (parameters, 
 token counts for penalties); the router owns slots and rows and tells it everything.
 
 Verify rows (``[FED_BACK, d1 .. dn]``, speculation) run as short prompt chunks through the
-prefill attention (causal among their own tokens), or as one-token rows through the CUDA graphs.
+prefill attention (causal among their own tokens), eagerly or through the verify CUDA graphs.
 Their logits at every position are sampled as n + 1 rows whose states assume the drafts before
 them were accepted (token index, token count, previous token, penalty counts with the drafts in
 scratch rows): position j chooses what decoding one token at a time would choose after ``d1 .. dj``,
@@ -17,12 +17,11 @@ draws from p without d, renormalised (rejection sampling with a point-mass draft
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from engine.models import build_model, family_for, load_model_config
+from engine.models import build_model, load_model_config
 from engine.models.config import ModelConfig
 from engine.models.parallel import TensorParallel
 from engine.ops import KernelOps, default_backend
@@ -31,7 +30,7 @@ from engine.sampling.grammar import GrammarCompiler, GrammarMatcher
 from engine.sampling.sampler import RowSampling, Sampler
 from engine.sampling.watermark import WatermarkConfig
 from engine.transfer import to_device
-from engine.worker.cuda_graphs import PaddedDecoder
+from engine.worker.cuda_graphs import PaddedDecoder, PaddedVerifier
 from engine.worker.forward_batch import SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs
 from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
 from kernels.prefill_attention import MIN_SPLIT_KEYS
@@ -114,6 +113,7 @@ class ModelWorker:
         self._sampling: dict[int, RowSampling] = {}
         self.kv_cache: KVCache | None = None
         self.decoder: PaddedDecoder | None = None      # the warm-up below runs eagerly
+        self.verifier: PaddedVerifier | None = None    # verify steps' graphs (--speculate)
         self._unfinished: LaunchedStep | None = None   # launched; its tokens not yet in the row states
         # The newest token sampled for each request row (and the dummy row): decode inputs.
         self.last_tokens = torch.zeros(config.max_requests + 1, dtype=torch.int64, device=config.device)
@@ -126,7 +126,10 @@ class ModelWorker:
             # The torch references index with host integers, which a graph capture cannot hold.
             capture = (graphs is None or len(graphs) > 0) and self.ops.backend == "triton"
             self.decoder = PaddedDecoder(self.model, self.kv_cache, self.last_tokens, config.max_requests,
-                                         graphs or None, use_graphs=capture, max_extra_reads=self._max_extra_reads())
+                                         graphs or None, use_graphs=capture)
+            if config.speculate:
+                self.verifier = PaddedVerifier(self.model, self.kv_cache, self.last_tokens, config.max_requests,
+                                               config.speculate, use_graphs=capture)
         if self.sampler.grammars is not None:
             self.sampler.grammars.wait_loaded()    # loaded beside the weights: ready before the first request
 
@@ -256,7 +259,9 @@ class ModelWorker:
         results = [RowResult(r.request_id) for r in step.rows]
         self._map_cached_prefixes(step)            # before either path's forward reads the table
         if self.decoder is not None and self.decoder.accepts(step):
-            sampled, logits = self._decode_with_graphs(step)
+            sampled, logits = self._decode_with_graphs(step, self.decoder)
+        elif self.verifier is not None and self.verifier.accepts(step):
+            sampled, logits = self._decode_with_graphs(step, self.verifier)
         else:
             sampled, logits = self._forward(step, results)
         self._finish_previous()
@@ -342,11 +347,11 @@ class ModelWorker:
             max_q_len=max(q_len), is_decode=is_decode, shared_prefix=shared, max_seq_len=max(seq_len),
         )
 
-    def _decode_with_graphs(self, step: Step) -> tuple[list[int], torch.Tensor]:
-        """One-token rows through the CUDA graphs: (the rows that sample, their logits). A row may
-        be a one-token prompt chunk (a prompt the prefix cache held but for its last token), or a
-        verify row (one graph row per token, each with logits)."""
-        logits = self.decoder.run(step)
+    def _decode_with_graphs(self, step: Step, graphs) -> tuple[list[int], torch.Tensor]:
+        """Decode rows through the CUDA graphs (``graphs``: the decoder, or the verifier when rows
+        carry drafts): (the rows that sample, their logits: every token's of a verify row). A row may
+        be a one-token prompt chunk (a prompt the prefix cache held but for its last token)."""
+        logits = graphs.run(step)
         sampled = [i for i, r in enumerate(step.rows) if r.sample]
         if len(sampled) < len(step.rows):
             offsets, positions = [0], []
@@ -357,15 +362,6 @@ class ModelWorker:
             logits = logits[to_device(positions, torch.int64, self.device)]
         return sampled, logits
 
-    def _max_extra_reads(self) -> int:
-        """Verify rows take the CUDA graphs while their extra key reads (one-token rows read their
-        context once per token) cost at most 5% of reading the weights, or 64 MiB: small contexts
-        and batches, where a step's time is its launches rather than its reads."""
-        c = self.model_config
-        weights = sum(math.prod(shape) for shape in family_for(c.architecture).checkpoint_shapes(c).values())
-        weights *= self.config.dtype.itemsize
-        per_token = KVCache.bytes_per_slot(c.num_layers, self.model.num_kv_heads, c.head_dim, self.kv_dtype)
-        return int(max(0.05 * weights, 64 * 2**20) // per_token)
 
     def _map_cached_prefixes(self, step: Step) -> None:
         """req_to_token[row, 0:k] = the cached prefix slots a request's first row brings (prefix cache)."""

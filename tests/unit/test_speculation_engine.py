@@ -272,13 +272,15 @@ def _chi_square_survival(x: float, dof: int) -> float:
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_verify_rows_as_one_token_rows_give_the_prefill_kernels_logits(tiny_models, backend):
-    """The CUDA graphs' form of a verify step (``one_token_rows``: the decode kernels) against the
-    eager form (the prefill kernels), on the same KV: a plain decode row beside two verify rows."""
+def test_the_verify_graphs_padded_layout_gives_the_eager_logits(tiny_models, backend):
+    """The CUDA graphs' form of a verify step (``verify_layout``: rows padded to 1 + drafts tokens,
+    a padding row, the prefill kernel) against the eager form, on the same KV: a plain decode row
+    beside two verify rows."""
     import torch
 
     from engine.protocol.messages import FED_BACK, RowResult, Step, StepRow
-    from engine.worker.forward_batch import ForwardBatch, one_token_rows
+    from engine.worker.cuda_graphs import PaddedVerifier
+    from engine.worker.forward_batch import verify_batch, verify_layout
 
     engine = make_engine(tiny_models["llama"], 0, backend=backend)
     worker = engine.worker
@@ -295,20 +297,23 @@ def test_verify_rows_as_one_token_rows_give_the_prefill_kernels_logits(tiny_mode
         verify.append(StepRow(request_id=i, row=i, start_pos=len(p), input_ids=[FED_BACK, *drafts],
                               slots=list(range(slot, slot + 1 + len(drafts))), sample=True))
         slot += 1 + len(drafts)
-    step = Step(rows=verify)
-    _, eager = worker._forward(step, [RowResult(r.request_id) for r in verify])
-    columns, _ = one_token_rows(verify)
-    ids, positions, slots, table_rows = (torch.tensor(c) for c in columns[:4])
-    worker.kv_cache.write_table(table_rows, positions, slots)
-    count = len(columns[0])
-    batch = ForwardBatch(
-        input_ids=torch.where(ids == FED_BACK, worker.last_tokens[table_rows], ids), positions=positions,
-        out_slots=slots, req_rows=table_rows.to(torch.int32), q_start=torch.arange(count, dtype=torch.int32),
-        q_len=torch.ones(count, dtype=torch.int32), seq_len=(positions + 1).to(torch.int32), max_q_len=1,
-        is_decode=True)
-    one_token = worker.model.compute_logits(worker.model.forward(batch, worker.kv_cache))
-    assert eager.shape == one_token.shape == (8, eager.shape[1])
-    torch.testing.assert_close(one_token, eager, atol=1e-4, rtol=1e-4)
+    _, eager = worker._forward(Step(rows=verify), [RowResult(r.request_id) for r in verify])
+    cache = worker.kv_cache
+    layout = verify_layout(verify, rows=4, width=4, dummy_row=cache.max_requests, dummy_slot=cache.num_slots)
+    assert layout.real == [0, 1, 2, 3, 4, 8, 9, 10] and layout.req_rows == [0, 1, 2, cache.max_requests]
+    ids, positions, slots, token_rows = (torch.tensor(v) for v in (layout.input_ids, layout.positions, layout.slots,
+                                                                    layout.token_rows))
+    cache.write_table(token_rows, positions, slots)
+    ids = torch.where(ids == FED_BACK, worker.last_tokens[token_rows], ids)
+    batch = verify_batch(ids, positions, slots, torch.tensor(layout.req_rows), torch.tensor(layout.seq_len), 4)
+    padded = worker.model.compute_logits(worker.model.forward(batch, cache))[torch.tensor(layout.real)]
+    assert eager.shape == padded.shape == (8, eager.shape[1])
+    torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
+    verifier = PaddedVerifier(worker.model, cache, worker.last_tokens, max_requests=6, drafts=3, use_graphs=False)
+    assert verifier.buckets == [1, 2, 4, 6] and verifier.accepts(Step(rows=verify))
+    torch.testing.assert_close(verifier.run(Step(rows=verify)), eager, atol=1e-4, rtol=1e-4)   # eager on a CPU
+    too_many = replace(verify[0], input_ids=[FED_BACK] + [1] * 4, slots=list(range(5)))
+    assert not verifier.accepts(Step(rows=[too_many]))
 
 
 def test_the_warm_up_runs_a_verify_step_after_its_prompts(tiny_models):
