@@ -104,7 +104,7 @@ def verify(args) -> dict:
     worker = ModelWorker(WorkerConfig(
         model_dir=args.model_dir, dtype=resolve_dtype(None, config, device), device=device,
         kernel_backend="triton" if device.type == "cuda" else "torch", max_requests=max(sizes),
-        max_seq_len=args.context + 8 * args.repeats + 64, warmup_tokens=max(4096, 5 * max(sizes))))
+        max_seq_len=args.context + 8 * args.repeats + 64, warmup_tokens=max(4096, 5 * max(sizes)), speculate=4))
     results = []
     for batch_size in sizes:
         fixture = DecodeFixture(worker, batch_size, args.context, first_id=batch_size * 100_000)
