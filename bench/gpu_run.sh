@@ -230,7 +230,7 @@ for stage in $stages; do
       # Llama-2-7B: a verify step with 4 drafts vs a decode step at batch 1 and 32 (<= 1.15x); 64 random
       # prompts with --speculate 2 vs 0 (>= 0.95x)
       ensure_7b
-      LLAMA2_7B_DIR=$MODEL_7B timeout ${SPEC_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider \
+      LLAMA2_7B_DIR=$MODEL_7B timeout ${SPEC_TIMEOUT:-360} python3 -m pytest -q -s -p no:cacheprovider \
         tests/gpu/test_speculation.py 2>&1 | tee "$OUT/spec.log" | grep -v -E "it/s|s/it" | tail -20
       rc=${PIPESTATUS[0]} ;;
     *) echo "unknown stage $stage"; rc=2 ;;
