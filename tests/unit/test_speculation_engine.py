@@ -357,3 +357,18 @@ def test_draft_heads_in_a_checkpoint_are_named_in_a_warning(tiny_models, tmp_pat
     with caplog.at_level(logging.WARNING, logger="engine.assembly"):
         plan = plan_engine(EngineConfig(model_dir=str(model), device="cpu", speculate=2))
     assert plan.scheduler.speculate == 2 and "does not load" in caplog.text and "medusa_lm_head" in caplog.text
+
+
+def test_two_shards_verify_like_one(tiny_models):
+    """Tensor parallelism (gloo): rank 0 verifies and broadcasts every position's choice, each rank
+    finds the kept token for ``last_tokens`` itself: the tokens of one shard without speculation."""
+    from tests.e2e.server import free_port
+
+    arrivals = {0: [GenerationRequest(0, [5, 6, 7, 8] * 4 + [5, 6], 20, SamplingParams(), stop_token_ids=[]),
+                    GenerationRequest(1, [9, 10, 9, 10, 9], 12, SamplingParams(do_sample=True, seed=4),
+                                      stop_token_ids=[])]}
+    plain = run(make_engine(tiny_models["llama"], 0), arrivals)
+    engine = with_oracle_drafts(make_engine(tiny_models["llama"], 3, num_shards=2, master_port=free_port()), plain)
+    with engine:
+        assert run(engine, arrivals) == plain
+        assert engine.router.scheduler.speculation.accepted_tokens > 5
