@@ -3,7 +3,8 @@
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, kernels, parity7b, profile, bench (default), serving, ablation,
 #                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant,
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
-#                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8)
+#                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8),
+#                                         spec (speculative decoding)
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -265,6 +266,15 @@ for stage in $stages; do
           | grep -E "tok/s|tokens/s" | sed "s|^|$tag: |"
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
       done ;;
+    spec)
+      # speculative decoding (tests/gpu/test_speculation.py): the demo model's batch-1 decode tokens/s with
+      # --speculate 0 vs 4 on prompts that quote their input (>= 1.8x, acceptance rate printed); random
+      # Llama-2-7B: a verify step with 4 drafts vs a decode step at batch 1 and 32 (<= 1.15x); 64 random
+      # prompts with --speculate 2 vs 0 (>= 0.95x)
+      ensure_7b
+      LLAMA2_7B_DIR=$MODEL_7B timeout ${SPEC_TIMEOUT:-360} python3 -m pytest -q -s -p no:cacheprovider \
+        tests/gpu/test_speculation.py 2>&1 | tee "$OUT/spec.log" | grep -v -E "it/s|s/it" | tail -20
+      rc=${PIPESTATUS[0]} ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"

@@ -61,6 +61,7 @@ class EngineConfig:
     kv_cache_dtype: str | None = None     # int8 | fp8_e4m3fn | fp8_e5m2 (engine.worker.kv_cache); None: dtype
     quantize: str | None = None           # --quantize: fp8 quantizes a float checkpoint at load; gptq / awq /
                                           # compressed-tensors must match its quantization_config (read anyway)
+    speculate: int = 0                    # draft tokens per verify row (engine.router.scheduler); 0: off
 
 
 @dataclass(frozen=True)
@@ -92,16 +93,22 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         model_dir=config.model_dir, dtype=resolve_dtype(config.dtype, model_config, device), device=device,
         kernel_backend=backend, max_requests=config.max_requests, max_seq_len=max_seq_len,
         num_slots=config.num_slots, memory_fraction=config.memory_fraction,
-        warmup_tokens=max(config.max_prefill_tokens, config.max_requests), cuda_graphs=config.cuda_graphs,
+        warmup_tokens=max(config.max_prefill_tokens, config.max_requests * (1 + config.speculate)),
+        cuda_graphs=config.cuda_graphs,
         watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta,
-        kv_cache_dtype=config.kv_cache_dtype)
+        kv_cache_dtype=config.kv_cache_dtype, speculate=config.speculate)
     kv_cache_dtype(config.kv_cache_dtype, worker.dtype)        # a bad name fails here, before any process
+    heads = draft_heads(config.model_dir)
+    if heads:
+        log.warning("the checkpoint carries draft heads (%s) that this engine does not load; --speculate drafts "
+                    "by n-gram lookup in each request's own tokens instead", heads)
     attention_span, kv_weight_tokens = step_cost_model(model_config)
     scheduler = SchedulerConfig(
         max_prefill_tokens=config.max_prefill_tokens, stall_free_tokens=config.stall_free_tokens,
         attention_span=attention_span, kv_weight_tokens=kv_weight_tokens,
         waiting_served_ratio=config.waiting_served_ratio, max_waiting_steps=config.max_waiting_steps,
-        max_seq_len=max_seq_len, admission=config.admission, prefix_caching=config.prefix_caching)
+        max_seq_len=max_seq_len, admission=config.admission, prefix_caching=config.prefix_caching,
+        speculate=config.speculate)
     return EnginePlan(config, model_config, worker, scheduler, eos_token_ids(config.model_dir, model_config),
                       num_shards)
 
@@ -143,6 +150,21 @@ def resolve_shards(requested: int | None, device: torch.device) -> int:
         raise ValueError(f"--num-shard {shards} needs {shards} GPUs but {visible} are visible "
                          f"(CUDA_VISIBLE_DEVICES); lower --num-shard")
     return shards
+
+
+MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+
+
+def draft_heads(model_dir: str) -> str | None:
+    """What marks the checkpoint as carrying Medusa / speculator draft heads (TGI loads them: a
+    ``medusa_num_heads`` or ``speculator`` entry in config.json, or a ``medusa_lm_head`` file), or None."""
+    directory = Path(model_dir)
+    marks = [name for name in MEDUSA_FILES if (directory / name).is_file()]
+    path = directory / "config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        marks += [f"config.json {key!r}" for key in ("medusa_num_heads", "speculator") if key in config]
+    return ", ".join(marks) or None
 
 
 def eos_token_ids(model_dir: str, model_config: ModelConfig) -> tuple[int, ...]:

@@ -187,7 +187,8 @@ class InProcessBackend(_EventRouting):
         used, capacity = self.engine.kv_usage()
         scheduler = self.engine.router.scheduler
         return {"queue_size": len(scheduler.waiting), "batch_size": len(scheduler.running),
-                "kv_used": used, "kv_capacity": capacity, **scheduler.prefix_cache_status()}
+                "kv_used": used, "kv_capacity": capacity, **scheduler.prefix_cache_status(),
+                **scheduler.speculation_status()}
 
     def _submit(self, request: GenerationRequest) -> None:
         self._inbox.put(request)

@@ -10,7 +10,7 @@ and ``resolve_num_shard`` the shard count that depends on the visible GPUs.
 Flags of TGI that this engine does not implement are of two kinds: those that would
 change what is served or that a user relies on (``--quantize`` other than gptq / awq / fp8 /
 compressed-tensors, ``--trust-remote-code``,
-``--speculate``, ``--lora-adapters``, ``--weights-cache-override``) are
+``--lora-adapters``, ``--weights-cache-override``) are
 errors when set; those that only concern TGI's plumbing
 (``--shard-uds-path``, ``--ngrok``, ``--prometheus-port``, ...) are accepted, and
 ``LaunchConfig.notices`` lists the ones set to something that is not applied, for the
@@ -67,7 +67,12 @@ class LaunchConfig:
                                  "float16/bfloat16 checkpoint at load (per-channel weight scales, per-token "
                                  "activation scales); gptq, awq and compressed-tensors must match the checkpoint. "
                                  "Default: the checkpoint's", choices=QUANTIZE_CHOICES)
-    speculate: int | None = _flag("speculative tokens per step; not supported yet (0 or unset only)", minimum=0)
+    speculate: int | None = _flag("draft tokens verified per request and step (speculative decoding): drafts come "
+                                  "from n-gram lookup in the request's own prompt and output; the output is "
+                                  "exactly that of --speculate 0 (greedy: the same tokens; sampling: the same "
+                                  "distribution, the same tokens per seed; penalties and grammars included). "
+                                  "Default: 0 (off)",
+                                  minimum=0)
     kv_cache_dtype: str | None = _flag("KV cache dtype: fp8_e4m3fn or fp8_e5m2 (per-tensor scales from the "
                                        "checkpoint's k_scale/v_scale or kv_scale, else 1.0) or int8 (our extension, "
                                        "LightLLM's: one scale per token and KV head); about twice the KV slots. "
@@ -208,7 +213,6 @@ class LaunchConfig:
 
 _UNSUPPORTED = {
     "trust_remote_code": "--trust-remote-code is not supported: this engine runs its own model code",
-    "speculate": "--speculate is not supported yet: leave it unset",
     "lora_adapters": "--lora-adapters is not supported yet: merge the adapter into the weights",
     "weights_cache_override": "--weights-cache-override is not supported: point --model-id at a local directory",
 }

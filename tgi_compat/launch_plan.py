@@ -77,7 +77,7 @@ def engine_config(config: LaunchConfig, limits: Limits, model_dir: str) -> Engin
         admission=config.admission, cuda_graphs=config.cuda_graphs, prefix_caching=config.prefix_caching,
         num_shards=resolve_num_shard(config, _visible_gpus()), master_addr=config.master_addr,
         master_port=config.master_port, rope_scaling=config.rope, step_timeout_s=config.step_timeout,
-        kv_cache_dtype=config.kv_cache_dtype, quantize=config.quantize,
+        kv_cache_dtype=config.kv_cache_dtype, quantize=config.quantize, speculate=config.speculate or 0,
         **{k: v for k, v in watermark.items() if v is not None})
 
 

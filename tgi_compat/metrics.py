@@ -20,7 +20,10 @@ Extra: `tgi_kv_cache_usage` (0..1, TGI issue #3275), `tgi_kv_cache_used_slots` /
 `tgi_kv_cache_total_slots`, `tgi_num_shards`, and the prefix cache's
 `tgi_prefix_cache_tokens` (slots it holds), `tgi_prefix_cache_lookup_tokens` and
 `tgi_prefix_cache_hit_tokens` (prompt tokens of admitted requests, and of those the ones
-taken from the cache: their rates' ratio is the hit rate) and `tgi_prefix_cache_evicted_tokens`.
+taken from the cache: their rates' ratio is the hit rate) and `tgi_prefix_cache_evicted_tokens`;
+with `--speculate`, `tgi_speculation_drafted_tokens` and `tgi_speculation_accepted_tokens` (draft
+tokens verified, and of those accepted: their ratio is the acceptance rate), the accepted ones also
+as TGI's `tgi_request_speculated_tokens`.
 """
 from __future__ import annotations
 
@@ -100,7 +103,7 @@ class ServerMetrics:
         self.num_shards = Gauge("tgi_num_shards", "Tensor-parallel shards", registry=r)
         self.num_shards.set(num_shards)
         self._batch_metrics(r, seconds)
-        self._prefix_cache_metrics(r)
+        self._router_counter_metrics(r)
         self._view = _WithoutCreated(r)
         counters = sorted(f.name for f in self._view.collect() if f.type == "counter")
         self._counter_total = re.compile(rf"^((?:# (?:HELP|TYPE) )?(?:{'|'.join(counters)}))_total\b", re.M)
@@ -126,15 +129,19 @@ class ServerMetrics:
         self.batch_concat = Counter("tgi_batch_concat", "Steps in which requests joined a running batch",
                                     ["reason"], registry=r)
 
-    def _prefix_cache_metrics(self, r: CollectorRegistry) -> None:
+    def _router_counter_metrics(self, r: CollectorRegistry) -> None:
         self.prefix_cache_tokens = Gauge("tgi_prefix_cache_tokens", "KV slots the prefix cache holds", registry=r)
-        self.prefix_cache_counters = {
+        self.router_counters = {
             key: Counter(f"tgi_{key}", help_text, registry=r) for key, help_text in [
                 ("prefix_cache_lookup_tokens", "Prompt tokens of admitted requests"),
                 ("prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache"),
                 ("prefix_cache_evicted_tokens", "Cached tokens evicted to make room"),
+                ("speculation_drafted_tokens", "Draft tokens verified (--speculate)"),
+                ("speculation_accepted_tokens", "Draft tokens accepted (--speculate)"),
             ]}
-        self._prefix_cache_seen = dict.fromkeys(self.prefix_cache_counters, 0)
+        self.router_counters["request_speculated_tokens"] = Counter(
+            "tgi_request_speculated_tokens", "Speculated (drafted) tokens accepted, TGI's name", registry=r)
+        self._router_counts_seen = dict.fromkeys(self.router_counters, 0)
 
     def observe_steps(self, steps: list) -> None:
         """Record the router's ``StepStats`` (called on the backend's reader thread)."""
@@ -165,11 +172,11 @@ class ServerMetrics:
         if stats.get("num_shards"):
             self.num_shards.set(stats["num_shards"])
         self.prefix_cache_tokens.set(stats.get("prefix_cache_tokens", 0))
-        for key, counter in self.prefix_cache_counters.items():
-            total = stats.get(key, 0)
-            if total > self._prefix_cache_seen[key]:        # the router's totals only grow
-                counter.inc(total - self._prefix_cache_seen[key])
-                self._prefix_cache_seen[key] = total
+        for key, counter in self.router_counters.items():
+            total = stats.get("speculation_accepted_tokens" if key == "request_speculated_tokens" else key, 0)
+            if total > self._router_counts_seen[key]:        # the router's totals only grow
+                counter.inc(total - self._router_counts_seen[key])
+                self._router_counts_seen[key] = total
 
     def names(self) -> set[str]:
         """Every metric family this app exports (TGI's names)."""

@@ -85,7 +85,8 @@ class StepRow:
     request_id: int
     row: int                      # request row in req_to_token
     start_pos: int                # tokens of this request already in the KV cache
-    input_ids: list[int]          # new tokens: a prompt chunk, or [FED_BACK] (decode)
+    input_ids: list[int]          # new tokens: a prompt chunk, or [FED_BACK] (decode), or [FED_BACK, drafts..]
+                                  # (a verify row: logits at every position, the accepted drafts come back)
     slots: list[int]              # KV slot of each new token
     sample: bool                  # the last new token's logits choose the next token
     params: SamplingParams | None = None   # sent with the request's first chunk only
@@ -115,6 +116,8 @@ class RowResult:
     top_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None   # one per logprob target of the row
     error: str | None = None      # a request feature failed in the worker (a grammar): the request ends with it
+    following: list["RowResult"] = field(default_factory=list)   # a verify row's tokens after token_id:
+                                                                  # accepted drafts but the first, then one more
 
 
 @dataclass
@@ -153,6 +156,8 @@ class RouterStatus:
     prefix_cache_lookup_tokens: int = 0     # prompt tokens of admitted requests, cumulative
     prefix_cache_hit_tokens: int = 0        # of those, taken from the prefix cache, cumulative
     prefix_cache_evicted_tokens: int = 0    # cached tokens evicted for room, cumulative
+    speculation_drafted_tokens: int = 0     # draft tokens sent for verification (--speculate), cumulative
+    speculation_accepted_tokens: int = 0    # of those, accepted, cumulative
 
 
 @dataclass(frozen=True)

@@ -126,12 +126,28 @@ class SlotAllocator:
     def row(self, request_id) -> int:
         return self._row_of[request_id]
 
+    def truncate(self, request_id, keep: int) -> None:
+        """Keep the request's first ``keep`` slots and drop its hold on the rest (a verify row's
+        rejected drafts), freeing those nobody else holds."""
+        held = self._held_list(request_id)
+        if not 0 <= keep <= len(held):
+            raise AllocatorError(f"request {request_id!r} holds {len(held)} slots; cannot keep {keep}")
+        dropped = held[keep:]
+        del held[keep:]
+        self._drop(dropped)
+
     def release(self, request_id) -> int:
         """Drop the request's row and its hold on every slot (freeing those nobody else holds);
         returns the slot count it held."""
         if request_id not in self._row_of:
             raise AllocatorError(f"request {request_id!r} holds nothing (released twice?)")
         slots = self._slots_of.pop(request_id)
+        self._drop(slots)
+        self._free_rows.append(self._row_of.pop(request_id))
+        return len(slots)
+
+    def _drop(self, slots: list[int]) -> None:
+        """One request lets go of ``slots``; those nobody else holds (nor the tree) are freed."""
         holders, cached, freed, unused = self._holders, self._cached, [], 0
         for slot in slots:
             count = holders[slot] - 1
@@ -142,8 +158,6 @@ class SlotAllocator:
                     freed.append(slot)
         self._used -= unused
         self._free_slots.extend(reversed(freed))
-        self._free_rows.append(self._row_of.pop(request_id))
-        return len(slots)
 
     # ---- the prefix cache's hold ---------------------------------------------------
 

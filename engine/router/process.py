@@ -213,7 +213,7 @@ class RouterLoop:
         status = RouterStatus(
             healthy=self.healthy, queue_size=len(scheduler.waiting), batch_size=len(scheduler.running),
             kv_used=self.allocator.used_slots, kv_capacity=self.allocator.num_slots, error=self.error,
-            **scheduler.prefix_cache_status())
+            **scheduler.prefix_cache_status(), **scheduler.speculation_status())
         since = time.monotonic() - self._last_status
         changed = status != self._last_sent
         if force or since >= STATUS_INTERVAL_S or (changed and since >= STATUS_CHANGE_S):

@@ -44,6 +44,22 @@ Prefix cache (``engine.router.prefix_cache``, on unless ``prefix_caching=False``
     later step only after the device has run every earlier one;
   * admission counts each running request's exclusive tokens plus the locked tree tokens it
     pins longest (``PinnedTokens``): shared tokens count once, evictable ones as free.
+
+Speculation (``speculate`` > 0, TGI's ``--speculate``): every request (``speculates``) decodes
+through verify rows ``[FED_BACK, d1 .. dn]``, whose drafts ``d`` come
+from ``engine.router.drafter`` (prompt lookup in the request's own tokens); the shard returns
+the accepted drafts plus one corrected or bonus token, each through the stop criteria here in
+order (never a token past ``max_new_tokens``: n <= remaining - 1). A verify row's result decides
+the next row's position (1 to n + 1 tokens come back), and drafting needs the newest token, so a
+drafting request is not planned while a row of it is in flight: it skips a step (the pipeline's
+depth). A request whose drafts miss (none found, or all rejected) decodes plain pipelined rows
+for a pause that doubles with each miss in a row (up to ``max_draft_pause`` rows; an accepted
+draft ends the streak), so loads with nothing to draft lose at most one step in
+``max_draft_pause`` + 2 to speculation. The slots of rejected drafts are freed
+when the result comes (``SlotAllocator.truncate``), before any of them could enter the prefix
+cache. Drafts take only slots free beyond the step's own needs, and admission reserves a
+speculating request's whole remaining length at once (accepted drafts grow it faster than one
+token a step), so KV still never runs out.
 """
 from __future__ import annotations
 
@@ -55,6 +71,7 @@ from dataclasses import dataclass, field
 
 from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, StepResult, StepRow
 from engine.router.allocator import SlotAllocator
+from engine.router.drafter import NgramDrafter
 from engine.router.prefix_cache import Match, PrefixCache, TreeNode, common_prefix_length
 from engine.router.shared_prefix import SharedPrefixes
 
@@ -64,6 +81,7 @@ ADMISSION_RULES = ("peak", "reserve")
 MAX_SKIPPED = 16     # waiting requests tried per step after one did not fit
 DEFER_MIN_TOKENS = 128   # wait for a running prefill that will cache at least this many more prompt tokens
 MIN_PROMPT_CHUNK = 16    # prompt tokens a step always carries while prompts wait (progress beside any decode batch)
+MAX_DRAFT_PAUSE = 32     # plain (pipelined) decode rows, at most, between draft attempts after misses
 
 
 @dataclass(frozen=True)
@@ -77,6 +95,8 @@ class SchedulerConfig:
     max_seq_len: int = 4096              # prompt + new tokens of one request
     admission: str = "peak"              # "peak": LightLLM's rule; "reserve": TGI-style sum of maxima
     prefix_caching: bool = True          # reuse the KV of cached prompt prefixes (engine.router.prefix_cache)
+    speculate: int = 0                   # drafted tokens per verify row (module docstring); 0: off
+    max_draft_pause: int = MAX_DRAFT_PAUSE   # plain rows at most between draft attempts after misses; 0: none
 
     def __post_init__(self):
         if self.admission not in ADMISSION_RULES:
@@ -84,6 +104,8 @@ class SchedulerConfig:
         for name in ("max_prefill_tokens", "attention_span", "kv_weight_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculate < 0:
+            raise ValueError(f"speculate must be >= 0, got {self.speculate}")
         if self.stall_free_tokens is not None and self.stall_free_tokens < 1:
             raise ValueError(f"stall_free_tokens must be >= 1 (or None: off), got {self.stall_free_tokens}")
 
@@ -106,6 +128,9 @@ class Request:
     cached_prefix: int = 0             # prompt tokens taken from the prefix cache at admission
     cached_len: int = 0                # leading tokens whose slots lie on the lock path (in the tree)
     lock_node: TreeNode | None = None  # the prefix cache node this request locks (with its ancestors)
+    drafter: NgramDrafter | None = None  # set when the request speculates (its known tokens indexed)
+    draft_misses: int = 0              # draft attempts in a row that found nothing or had nothing accepted
+    draft_pause: int = 0               # plain decode rows to plan before drafting again
 
     @property
     def remaining(self) -> int:
@@ -121,6 +146,33 @@ class Request:
     def in_prefill(self) -> bool:
         return self.prefilled < len(self.prompt_ids)
 
+    @property
+    def speculates(self) -> bool:
+        return self.drafter is not None
+
+    @property
+    def drafting(self) -> bool:
+        """Whether its next decode row carries drafts (if the drafter finds any)."""
+        return self.drafter is not None and self.draft_pause == 0
+
+    @property
+    def can_decode(self) -> bool:
+        """Whether the next step may carry a decode (or verify) row of this request."""
+        if self.in_prefill or self.remaining <= 0:
+            return False
+        return not (self.drafting and self.pending)      # drafts need the newest token
+
+    def draft_missed(self, max_pause: int) -> None:
+        self.draft_misses += 1
+        self.draft_pause = min(2 ** self.draft_misses, max_pause)
+
+
+@dataclass
+class SpeculationStats:
+    """Cumulative draft counts, for /metrics (``RouterStatus``)."""
+    drafted_tokens: int = 0      # draft tokens sent for verification
+    accepted_tokens: int = 0     # of those, accepted by the shard
+
 
 class Scheduler:
     def __init__(self, allocator: SlotAllocator, config: SchedulerConfig):
@@ -134,7 +186,15 @@ class Scheduler:
         self.min_chunk = min(MIN_PROMPT_CHUNK, config.max_prefill_tokens)
         self.prefill_delay = prefill_delay_bound(config, allocator.num_slots)
         self.last_filter_s = 0.0        # the last ``process`` call's time freeing finished requests
+        self.speculation = SpeculationStats()
         log.info("prefix caching %s", "on" if self.cache is not None else "off (--prefix-caching false / PREFIX_CACHING=0)")
+
+    def speculation_status(self) -> dict[str, int]:
+        """The draft counters, as ``RouterStatus`` fields (none when speculation is off)."""
+        if not self.config.speculate:
+            return {}
+        return {"speculation_drafted_tokens": self.speculation.drafted_tokens,
+                "speculation_accepted_tokens": self.speculation.accepted_tokens}
 
     def prefix_cache_status(self) -> dict[str, int]:
         """The prefix cache's numbers, as ``RouterStatus`` fields (none when it is off)."""
@@ -155,6 +215,9 @@ class Scheduler:
         if total > self.config.max_seq_len or total > self.allocator.num_slots:
             raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_new_tokens ({request.max_new_tokens}) = "
                              f"{total} exceeds the limit of {min(self.config.max_seq_len, self.allocator.num_slots)}")
+        if self.config.speculate:
+            request.drafter = NgramDrafter()
+            request.drafter.extend(request.prompt_ids)
         self.waiting.append(request)
 
     def abort(self, request_id: int) -> bool:
@@ -177,26 +240,31 @@ class Scheduler:
     def schedule(self) -> Step:
         """The next Step: one decode row per decoding request, prompt chunks in the rest of the budget."""
         self._admit()
-        decoding = [r for r in self.running if not r.in_prefill and r.remaining > 0]
-        chunks = self._plan_chunks(decoding)
-        self._make_room(len(decoding) + sum(chunks.values()))
+        decoding = [r for r in self.running if r.can_decode]
+        draft_room = self.config.speculate * sum(r.drafting for r in decoding)
+        chunks = self._plan_chunks(decoding, draft_room)
+        need = len(decoding) + sum(chunks.values())
+        self._make_room(need)
+        spare = DraftRoom(min(draft_room, self.allocator.free_slots - need))
         rows = []
         for request in self.running:
             if request.request_id in chunks:
                 rows.append(self._prefill_row(request, chunks[request.request_id]))
-            elif not request.in_prefill and request.remaining > 0:
-                rows.append(self._decode_row(request))
+            elif request.can_decode:
+                rows.append(self._decode_row(request, spare))
         if self.shared is not None and rows:
             self.shared.mark(rows)
         released, self._released = self._released, []
         return Step(rows=rows, released=released)
 
-    def _plan_chunks(self, decoding: list[Request]) -> dict[int, int]:
-        """{request id: prompt tokens this step} (module docstring: the step budget)."""
+    def _plan_chunks(self, decoding: list[Request], draft_room: int = 0) -> dict[int, int]:
+        """{request id: prompt tokens this step} (module docstring: the step budget); ``draft_room``:
+        the most draft tokens the decode rows may carry."""
         prefilling = [r for r in self.running if r.in_prefill]
         if not prefilling:
             return {}
         budget = StepBudget.for_step(self.config, decoding, len(prefilling) + len(self.waiting))
+        budget.tokens -= draft_room
         span, chunks = self.config.attention_span, {}
         for request in sorted(prefilling, key=self._prefill_priority):
             want = len(request.prompt_ids) - request.prefilled
@@ -334,19 +402,30 @@ class Scheduler:
         self.cache.unlock_node(request.lock_node)
         request.lock_node, request.cached_len = node, len(prompt)
 
-    def _decode_row(self, request: Request) -> StepRow:
-        """Feeds the request's newest token (sampled by the worker, maybe still in flight)."""
+    def _decode_row(self, request: Request, spare: "DraftRoom") -> StepRow:
+        """Feeds the request's newest token (sampled by the worker, maybe still in flight); a request
+        that speculates also feeds the drafts that follow it (a verify row)."""
         if self.shared is not None and not request.decoding:
             request.decoding = True                   # the first decode row: the prompt's slots are all known
             if not self.shared.is_member(request.request_id):
                 prompt = len(request.prompt_ids) - 1
                 self.shared.join(request.request_id, self.allocator.slots(request.request_id)[:prompt])
+        drafts = []
+        if request.drafting:
+            room = spare.take(min(self.config.speculate, request.remaining - 1))
+            drafts = request.drafter.propose(room)
+            spare.give_back(room - len(drafts))
+            self.speculation.drafted_tokens += len(drafts)
+            if room and not drafts:
+                request.draft_missed(self.config.max_draft_pause)
+        elif request.speculates:
+            request.draft_pause -= 1
         row = StepRow(
             request_id=request.request_id, row=self.allocator.row(request.request_id),
-            start_pos=request.held_tokens - 1, input_ids=[FED_BACK],
-            slots=self.allocator.allocate(request.request_id, 1), sample=True,
+            start_pos=request.held_tokens - 1, input_ids=[FED_BACK, *drafts],
+            slots=self.allocator.allocate(request.request_id, 1 + len(drafts)), sample=True,
         )
-        request.pending += 1
+        request.pending += 1 + len(drafts)
         return row
 
     # ---- results -------------------------------------------------------------------
@@ -372,17 +451,38 @@ class Scheduler:
                 continue
             if res.token_id is None:
                 continue
-            request.pending -= 1
-            request.generated.append(res.token_id)
-            reason = self._stop_reason(request, res.token_id)
-            if reason:
+            if self._append_tokens(request, row, res, events):
                 finished.append(request)
-            events.append((request, res, reason))
         started = time.perf_counter()
         for request in finished:
             self._finish(request)
         self.last_filter_s = time.perf_counter() - started
         return events
+
+    def _append_tokens(self, request: Request, row: StepRow, res: RowResult, events: list) -> str | None:
+        """A row's tokens (a verify row's: the accepted drafts and one more) through the stop criteria,
+        one by one; returns the finish reason, if any. A speculating request then drops the slots
+        past its newest token's position (rejected drafts' KV, or tokens after a stop)."""
+        decode = row.input_ids[0] == FED_BACK
+        request.pending -= len(row.input_ids) if decode else 1
+        reason = None
+        for token in [res, *res.following]:
+            request.generated.append(token.token_id)
+            reason = self._stop_reason(request, token.token_id)
+            events.append((request, token, reason))
+            if reason:
+                break
+        self.speculation.accepted_tokens += len(res.following)
+        if decode and len(row.input_ids) > 1:
+            if res.following:
+                request.draft_misses = 0
+            else:
+                request.draft_missed(self.config.max_draft_pause)
+        if request.speculates:
+            request.drafter.extend(request.generated[len(request.drafter.tokens) - len(request.prompt_ids) :])
+            if decode:
+                self.allocator.truncate(request.request_id, request.held_tokens - 1)
+        return reason
 
     @staticmethod
     def _stop_reason(request: Request, token_id: int) -> str | None:
@@ -434,6 +534,22 @@ class Scheduler:
             if node.lock_count != expected.get(id(node), 0):
                 raise AssertionError(f"a node is locked {node.lock_count} times by {expected.get(id(node), 0)} "
                                      f"running requests")
+
+
+class DraftRoom:
+    """The slots one step's drafts may take: those free beyond the step's decode rows and prompt
+    chunks (drafts never evict the prefix cache nor take a slot admission counted on)."""
+
+    def __init__(self, slots: int):
+        self.slots = max(slots, 0)
+
+    def take(self, want: int) -> int:
+        granted = min(max(want, 0), self.slots)
+        self.slots -= granted
+        return granted
+
+    def give_back(self, unused: int) -> None:
+        self.slots += max(unused, 0)
 
 
 @dataclass
@@ -518,6 +634,10 @@ class PinnedTokens:
         longer (whatever the order prompts are planned in). L adds one step because steps are
         pipelined (the result that frees a request is seen after the next step is planned)."""
         wait = self.prefill_delay if prefilled < len(request.prompt_ids) else 0
+        if request.speculates:
+            # It may hold its whole length at any step, and it has a row at least every other step
+            # (none while one is in flight): its life is at most twice its remaining tokens.
+            return [wait + 2 * request.remaining + 2, tokens + request.remaining, 0, 0]
         return [wait + request.remaining + 1, tokens, 0, request.remaining]
 
     def _claims(self, remaining: int, path) -> tuple[int, dict[int, int]]:

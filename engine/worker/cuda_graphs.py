@@ -16,6 +16,10 @@ An input id of ``FED_BACK`` is replaced, inside the graph, by ``last_tokens[row]
 token the previous step sampled for the row, still on the device). Two host buffers take
 turns, so filling step N+1's never overwrites step N's before its copy has run.
 
+Verify steps (speculation: rows ``[FED_BACK, drafts..]``, beside plain decode rows) have their
+own graphs (``PaddedVerifier``): every row padded to ``1 + drafts`` tokens
+(``forward_batch.verify_layout``), attended by the prefill kernel (causal within each row).
+
 Padding rows read and write only the dummy slot, so they never touch a request's KV.
 Each bucket's forward and logits are captured once; ``run`` copies the inputs, writes
 the new table entries and replays. With graphs off the same padded forward runs
@@ -28,12 +32,15 @@ import logging
 import torch
 
 from engine.protocol.messages import FED_BACK, Step
-from engine.worker.forward_batch import SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs
+from engine.transfer import to_device
+from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs, verify_batch,
+                                        verify_layout)
 
 log = logging.getLogger(__name__)
 
 INPUT_ROWS = 7
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+VERIFY_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)     # verify graphs: larger batches run eagerly
 
 
 class PaddedDecoder:
@@ -129,3 +136,80 @@ class PaddedDecoder:
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+
+class PaddedVerifier:
+    """Verify steps on CUDA: ``rows`` rows of ``width`` tokens (``verify_layout``), replayed from
+    graphs captured per row bucket. Inputs travel as one pinned host buffer [5, tokens] (ids,
+    positions, slots, token rows; row 4 holds the rows' request rows then their sequence lengths)."""
+
+    def __init__(self, model, kv_cache, last_tokens: torch.Tensor, max_requests: int, drafts: int,
+                 use_graphs: bool):
+        self.model, self.kv_cache, self.last_tokens = model, kv_cache, last_tokens
+        self.width = 1 + drafts
+        self.buckets = sorted({b for b in VERIFY_BUCKETS if b <= max_requests} | {min(max_requests, 64)})
+        size = self.buckets[-1] * self.width
+        device = kv_cache.req_to_token.device
+        on_gpu = device.type == "cuda"        # on a CPU it runs eagerly (tests)
+        self.host = torch.empty((5, size), dtype=torch.int64, pin_memory=on_gpu)
+        self.copied = torch.cuda.Event() if on_gpu else None
+        self.inputs = torch.empty((5, size), dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if use_graphs:
+            self._capture_all()
+
+    def accepts(self, step: Step) -> bool:
+        """Decode and verify rows (and one-token prompt chunks) that fit a bucket and the table."""
+        limit = self.kv_cache.max_seq_len
+        return len(step.rows) <= self.buckets[-1] and all(
+            (len(r.input_ids) == 1 or r.input_ids[0] == FED_BACK) and len(r.input_ids) <= self.width
+            and r.logprob_targets is None and r.start_pos + self.width <= limit for r in step.rows)
+
+    def run(self, step: Step) -> torch.Tensor:
+        """float32 logits [the step's tokens, vocab], row after row."""
+        rows = next(b for b in self.buckets if b >= len(step.rows))
+        layout = verify_layout(step.rows, rows, self.width, self.kv_cache.max_requests, self.kv_cache.num_slots)
+        tokens = rows * self.width
+        if self.copied is not None:
+            self.copied.synchronize()                       # the previous step's copy has run
+        host = self.host
+        for i, values in enumerate((layout.input_ids, layout.positions, layout.slots, layout.token_rows)):
+            host[i, :tokens] = torch.tensor(values)
+        host[4, :rows], host[4, rows : 2 * rows] = torch.tensor(layout.req_rows), torch.tensor(layout.seq_len)
+        self.inputs[:, :tokens].copy_(host[:, :tokens], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        self.kv_cache.write_table(self.inputs[3, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens])
+        if rows in self.graphs:
+            graph, logits = self.graphs[rows]
+            graph.replay()
+        else:
+            logits = self._forward(rows)
+        return logits[to_device(layout.real, torch.int64, logits.device)]
+
+    def _forward(self, rows: int) -> torch.Tensor:
+        x, tokens = self.inputs, rows * self.width
+        token_rows = x[3, :tokens]
+        input_ids = torch.where(x[0, :tokens] == FED_BACK, self.last_tokens[token_rows], x[0, :tokens])
+        batch = verify_batch(input_ids, x[1, :tokens], x[2, :tokens], x[4, :rows], x[4, rows : 2 * rows], self.width)
+        return self.model.compute_logits(self.model.forward(batch, self.kv_cache))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        for rows in reversed(self.buckets):
+            layout = verify_layout([], rows, self.width, self.kv_cache.max_requests, self.kv_cache.num_slots)
+            tokens = rows * self.width
+            for i, values in enumerate((layout.input_ids, layout.positions, layout.slots, layout.token_rows)):
+                self.inputs[i, :tokens] = torch.tensor(values)
+            self.inputs[4, :rows], self.inputs[4, rows : 2 * rows] = (torch.tensor(layout.req_rows),
+                                                                      torch.tensor(layout.seq_len))
+            self._forward(rows)                 # compile and warm up outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(rows)
+            pool = graph.pool()
+            self.graphs[rows] = (graph, logits)
+        torch.cuda.synchronize()
+        log.info("captured verify CUDA graphs (%d tokens per row) for batch sizes %s", self.width, self.buckets)

@@ -38,3 +38,45 @@ def shared_prefix_inputs(rows) -> tuple[list[int], list[int]]:
     lengths = [r.shared_prefix_len for r in rows]
     source = next((r for r in rows if r.shared_prefix_len), None)
     return lengths, ([source.row, source.shared_prefix_len] if source is not None else [0, 0])
+
+
+@dataclass(frozen=True)
+class VerifyLayout:
+    """A step of decode and verify rows padded for a CUDA graph of ``rows`` rows of ``width`` tokens
+    each (``width`` = 1 + the most drafts a row carries): row b's tokens are ``b * width ..``. A
+    real row's padding tokens follow its own, at the next positions, writing the dummy slot (no
+    real token attends to them: causal); padding rows are the dummy request row's. Host lists."""
+    input_ids: list[int]      # [rows * width]
+    positions: list[int]      # [rows * width]
+    slots: list[int]          # [rows * width]
+    token_rows: list[int]     # [rows * width] request row of each token (req_to_token writes)
+    req_rows: list[int]       # [rows]
+    seq_len: list[int]        # [rows]
+    real: list[int]           # the token indices of the step's own tokens, row after row
+
+
+def verify_layout(step_rows, rows: int, width: int, dummy_row: int, dummy_slot: int) -> VerifyLayout:
+    layout = VerifyLayout([], [], [], [], [], [], [])
+    for b in range(rows):
+        r = step_rows[b] if b < len(step_rows) else None
+        n = len(r.input_ids) if r is not None else 0
+        start, row = (r.start_pos, r.row) if r is not None else (0, dummy_row)
+        layout.input_ids.extend((r.input_ids if r is not None else []) + [0] * (width - n))
+        layout.positions.extend(range(start, start + width))
+        layout.slots.extend((r.slots if r is not None else []) + [dummy_slot] * (width - n))
+        layout.token_rows.extend([row] * width)
+        layout.req_rows.append(row)
+        layout.seq_len.append(start + width)
+        layout.real.extend(range(b * width, b * width + n))
+    return layout
+
+
+def verify_batch(input_ids, positions, slots, req_rows, seq_len, width: int) -> ForwardBatch:
+    """The ForwardBatch of a ``verify_layout`` (device tensors; ``input_ids`` with FED_BACK replaced)."""
+    rows = req_rows.shape[0]
+    device = req_rows.device
+    return ForwardBatch(
+        input_ids=input_ids, positions=positions, out_slots=slots, req_rows=req_rows.to(torch.int32),
+        q_start=torch.arange(0, rows * width, width, dtype=torch.int32, device=device),
+        q_len=torch.full((rows,), width, dtype=torch.int32, device=device), seq_len=seq_len.to(torch.int32),
+        max_q_len=width, is_decode=width == 1)

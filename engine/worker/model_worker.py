@@ -2,11 +2,22 @@
 
 The worker keeps no request bookkeeping beyond what sampling needs (parameters, seed,
 token counts for penalties); the router owns slots and rows and tells it everything.
+
+Verify rows (``[FED_BACK, d1 .. dn]``, speculation) run as short prompt chunks through the
+prefill attention (causal among their own tokens), eagerly or through the verify CUDA graphs.
+Their logits at every position are sampled as n + 1 rows whose states assume the drafts before
+them were accepted (token index, token count, previous token, penalty counts with the drafts in
+scratch rows): position j chooses what decoding one token at a time would choose after ``d1 .. dj``,
+with the same seeded draw. Draft ``d(j+1)`` is accepted while it equals that choice; the row
+returns the accepted drafts plus the first choice that differs (or the bonus token after the
+last draft). Greedy rows thus give exactly the tokens of ``--speculate 0``, and sampled rows the
+very tokens of the same seed: the draft is accepted with probability p(d), and a rejection
+draws from p without d, renormalised (rejection sampling with a point-mass draft).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,11 +26,11 @@ from engine.models.config import ModelConfig
 from engine.models.parallel import TensorParallel
 from engine.ops import KernelOps, default_backend
 from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, StepResult, StepRow
-from engine.sampling.grammar import GrammarCompiler
+from engine.sampling.grammar import GrammarCompiler, GrammarMatcher
 from engine.sampling.sampler import RowSampling, Sampler
 from engine.sampling.watermark import WatermarkConfig
 from engine.transfer import to_device
-from engine.worker.cuda_graphs import PaddedDecoder
+from engine.worker.cuda_graphs import PaddedDecoder, PaddedVerifier
 from engine.worker.forward_batch import SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs
 from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
 from kernels.prefill_attention import MIN_SPLIT_KEYS
@@ -67,6 +78,7 @@ class WorkerConfig:
     watermark_gamma: float = 0.5          # TGI's --watermark-gamma / --watermark-delta
     watermark_delta: float = 2.0
     kv_cache_dtype: str | None = None     # --kv-cache-dtype: int8 | fp8_e4m3fn | fp8_e5m2; None: ``dtype``
+    speculate: int = 0                    # --speculate: drafts per verify row (the warm-up runs such a step)
 
 
 def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -101,6 +113,7 @@ class ModelWorker:
         self._sampling: dict[int, RowSampling] = {}
         self.kv_cache: KVCache | None = None
         self.decoder: PaddedDecoder | None = None      # the warm-up below runs eagerly
+        self.verifier: PaddedVerifier | None = None    # verify steps' graphs (--speculate)
         self._unfinished: LaunchedStep | None = None   # launched; its tokens not yet in the row states
         # The newest token sampled for each request row (and the dummy row): decode inputs.
         self.last_tokens = torch.zeros(config.max_requests + 1, dtype=torch.int64, device=config.device)
@@ -114,6 +127,9 @@ class ModelWorker:
             capture = (graphs is None or len(graphs) > 0) and self.ops.backend == "triton"
             self.decoder = PaddedDecoder(self.model, self.kv_cache, self.last_tokens, config.max_requests,
                                          graphs or None, use_graphs=capture)
+            if config.speculate:
+                self.verifier = PaddedVerifier(self.model, self.kv_cache, self.last_tokens, config.max_requests,
+                                               config.speculate, use_graphs=capture)
         if self.sampler.grammars is not None:
             self.sampler.grammars.wait_loaded()    # loaded beside the weights: ready before the first request
 
@@ -164,17 +180,33 @@ class ModelWorker:
             rows.append(StepRow(request_id=-1 - i, row=i, start_pos=0, input_ids=[1] * n,
                                 slots=list(range(next_slot, next_slot + n)), sample=True, params=params))
             next_slot += n
-        self.kv_cache = self._new_cache(tokens)
+        verify = self._warmup_verify_rows(rows, next_slot)
+        self.kv_cache = self._new_cache(tokens + sum(len(r.input_ids) for r in verify))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         self.execute(Step(rows=rows, released=[]))
+        if verify:
+            self.execute(Step(rows=verify, released=[]))
         self.execute(Step(rows=[], released=[r.request_id for r in rows]))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.kv_cache = None
         torch.cuda.empty_cache()
         return peak
+
+    def _warmup_verify_rows(self, rows: list[StepRow], next_slot: int) -> list[StepRow]:
+        """With --speculate, a verify row after each warm-up prompt (logits and sampling at every
+        position: the most a decode step samples)."""
+        verify, drafts = [], self.config.speculate
+        for r in rows:
+            n = len(r.input_ids)
+            if drafts and n + 1 + drafts <= self.config.max_seq_len:
+                verify.append(StepRow(request_id=r.request_id, row=r.row, start_pos=n,
+                                      input_ids=[FED_BACK] + [1] * drafts,
+                                      slots=list(range(next_slot, next_slot + 1 + drafts)), sample=True))
+                next_slot += 1 + drafts
+        return verify
 
     def _compile_attention_variants(self) -> None:
         """Run once each prefill-attention variant that serving reaches beyond the warm-up's plain prompts
@@ -227,7 +259,9 @@ class ModelWorker:
         results = [RowResult(r.request_id) for r in step.rows]
         self._map_cached_prefixes(step)            # before either path's forward reads the table
         if self.decoder is not None and self.decoder.accepts(step):
-            sampled, logits = self._decode_with_graphs(step)
+            sampled, logits = self._decode_with_graphs(step, self.decoder)
+        elif self.verifier is not None and self.verifier.accepts(step):
+            sampled, logits = self._decode_with_graphs(step, self.verifier)
         else:
             sampled, logits = self._forward(step, results)
         self._finish_previous()
@@ -275,8 +309,12 @@ class ModelWorker:
         sampled = [i for i, r in enumerate(step.rows) if r.sample]
         if not sampled:
             return sampled, None
-        last = to_device([offsets[i] + len(step.rows[i].input_ids) - 1 for i in sampled], torch.int64, self.device)
-        return sampled, self.model.compute_logits(hidden[last])     # a collective: every rank computes
+        positions = []
+        for i in sampled:
+            end = offsets[i] + len(step.rows[i].input_ids)
+            positions.extend(range(end - logit_positions(step.rows[i]), end))
+        index = to_device(positions, torch.int64, self.device)
+        return sampled, self.model.compute_logits(hidden[index])     # a collective: every rank computes
 
     def _forward_batch(self, step: Step) -> ForwardBatch:
         ids, positions, slots, token_rows, q_start, q_len, seq_len = [], [], [], [], [], [], []
@@ -309,14 +347,21 @@ class ModelWorker:
             max_q_len=max(q_len), is_decode=is_decode, shared_prefix=shared, max_seq_len=max(seq_len),
         )
 
-    def _decode_with_graphs(self, step: Step) -> tuple[list[int], torch.Tensor]:
-        """One-token rows through the CUDA graphs: (the rows that sample, their logits). A row may
+    def _decode_with_graphs(self, step: Step, graphs) -> tuple[list[int], torch.Tensor]:
+        """Decode rows through the CUDA graphs (``graphs``: the decoder, or the verifier when rows
+        carry drafts): (the rows that sample, their logits: every token's of a verify row). A row may
         be a one-token prompt chunk (a prompt the prefix cache held but for its last token)."""
-        logits = self.decoder.run(step)
+        logits = graphs.run(step)
         sampled = [i for i, r in enumerate(step.rows) if r.sample]
         if len(sampled) < len(step.rows):
-            logits = logits[to_device(sampled, torch.int64, self.device)]
+            offsets, positions = [0], []
+            for r in step.rows:
+                offsets.append(offsets[-1] + len(r.input_ids))
+            for i in sampled:
+                positions.extend(range(offsets[i], offsets[i + 1]))
+            logits = logits[to_device(positions, torch.int64, self.device)]
         return sampled, logits
+
 
     def _map_cached_prefixes(self, step: Step) -> None:
         """req_to_token[row, 0:k] = the cached prefix slots a request's first row brings (prefix cache)."""
@@ -336,12 +381,13 @@ class ModelWorker:
         """Rank 0 samples and broadcasts the tokens; every rank feeds them back into ``last_tokens``."""
         rows = [step.rows[i] for i in sampled]
         states = [self._sampling[r.request_id] for r in rows] if self.tp.rank == 0 else []
-        sample = self.sampler.launch(logits, states) if self.tp.rank == 0 else None
-        tokens = sample.token_ids if sample is not None else torch.empty(len(rows), dtype=torch.int64,
+        sample = self._sample_positions(logits, rows, states) if self.tp.rank == 0 else None
+        tokens = sample.token_ids if sample is not None else torch.empty(logits.shape[0], dtype=torch.int64,
                                                                             device=self.device)
         if self.tp.world_size > 1:
             torch.distributed.broadcast(tokens, src=0)
-        self.last_tokens.index_copy_(0, to_device([r.row for r in rows], torch.int64, self.device), tokens)
+        kept = tokens if logits.shape[0] == len(rows) else tokens[self._last_kept(rows, tokens)]
+        self.last_tokens.index_copy_(0, to_device([r.row for r in rows], torch.int64, self.device), kept)
         if sample is None:
             return LaunchedStep.done(StepResult(results))      # only rank 0 replies
         host = sample.start_copy()
@@ -352,27 +398,74 @@ class ModelWorker:
         def finish() -> StepResult:
             if event is not None:
                 event.synchronize()
-            self._record_tokens(sampled, host.output(), states, results)
+            self._record_tokens(sampled, rows, host.output(), states, results, self.sampler.penalties)
             return StepResult(results)
 
         self._unfinished = LaunchedStep(finish, event)
         return self._unfinished
 
+    def _last_kept(self, rows: list[StepRow], tokens: torch.Tensor) -> torch.Tensor:
+        """Per row, the index in ``tokens`` of the last token it keeps (the first choice that differs
+        from its draft, or the bonus token), on the device: no host sync."""
+        drafts, segments = [], []
+        for i, r in enumerate(rows):
+            width = logit_positions(r)
+            drafts.extend(r.input_ids[1:width] + [FED_BACK])      # the last position has no draft
+            segments.extend([i] * width)
+        dev = tokens.device
+        positions = torch.arange(tokens.shape[0], device=dev)
+        differs = torch.where(tokens != to_device(drafts, torch.int64, dev), positions, tokens.shape[0])
+        first = torch.full((len(rows),), tokens.shape[0], dtype=torch.int64, device=dev)
+        return first.scatter_reduce_(0, to_device(segments, torch.int64, dev), differs, "amin")
+
+    def _sample_positions(self, logits: torch.Tensor, rows: list[StepRow], states: list[RowSampling]):
+        """The sampler over every logit position (``verify_states``). A verify row's penalised
+        positions count the drafts before them in scratch rows of the penalty counts, freed here
+        (the stream runs their reads before any later reuse); its constrained positions take copies
+        of the grammar matcher advanced over the drafts before them (``draft_matchers``)."""
+        expanded = verify_states(rows, states)
+        scratch = []
+        if len(expanded) > len(states):
+            penalties = self.sampler.penalties
+            position = 0
+            for row, state in zip(rows, states):
+                width = logit_positions(row)
+                if state.penalty_row >= 0:
+                    for j in range(1, width):
+                        expanded[position + j].penalty_row = scratch_row = penalties.acquire()
+                        penalties.counts[scratch_row].copy_(penalties.counts[state.penalty_row])
+                        penalties.add(scratch_row, row.input_ids[1 : j + 1])
+                        scratch.append(scratch_row)
+                if state.grammar is not None and width > 1:
+                    for j, matcher in enumerate(draft_matchers(state.grammar, row.input_ids[1:]), start=1):
+                        expanded[position + j].grammar = matcher
+                position += width
+        sample = self.sampler.launch(logits, expanded)
+        for scratch_row in scratch:
+            self.sampler.penalties.release(scratch_row)
+        return sample
+
     @staticmethod
-    def _record_tokens(sampled: list[int], out, states: list[RowSampling], results: list[RowResult]) -> None:
-        """The sampled tokens into the results and into each row's state (seed step, grammar; the
-        sampler counted them for penalties on the device already)."""
+    def _record_tokens(sampled: list[int], rows: list[StepRow], out, states: list[RowSampling],
+                       results: list[RowResult], penalties) -> None:
+        """The kept tokens into the results and into each row's state (seed step, grammar; the
+        sampler counted the first for penalties on the device already, a verify row's others are
+        added here). A verify row keeps its choices while they equal its drafts, and the first that
+        differs."""
+        position = 0
         for j, i in enumerate(sampled):
-            res, state, token = results[i], states[j], out.token_ids[j]
-            res.token_id, res.logprob = token, out.logprobs[j]
-            res.top_ids, res.top_logprobs = out.top_ids[j], out.top_logprobs[j]
-            state.step += 1
-            state.prev_token = token
-            state.num_tokens += 1
-            if state.grammar is not None:
-                state.grammar.advance(token)
-                if state.grammar.error is not None:
-                    res.error = f"Request failed during generation: the grammar failed: {state.grammar.error}"
+            width = logit_positions(rows[j])
+            kept = accepted_length(rows[j].input_ids[1:width], out.token_ids[position : position + width]) + 1
+            kept_results = [RowResult(rows[j].request_id) for _ in range(kept - 1)]
+            for res, p in zip([results[i], *kept_results], range(position, position + kept)):
+                res.token_id, res.logprob = out.token_ids[p], out.logprobs[p]
+                res.top_ids, res.top_logprobs = out.top_ids[p], out.top_logprobs[p]
+                _advance(states[j], res)
+            if kept_results and states[j].penalty_row >= 0:
+                with torch.inference_mode():        # runs when the step is collected, outside ``launch``
+                    penalties.add(states[j].penalty_row, [res.token_id for res in kept_results])
+            results[i].following = kept_results
+            position += width
 
     def _prompt_logprobs(self, step: Step, hidden, offsets: list[int], results: list[RowResult]) -> None:
         for i, r in enumerate(step.rows):
@@ -386,3 +479,58 @@ class ModelWorker:
                 continue
             targets = torch.tensor(r.logprob_targets, device=self.device)[:, None]
             results[i].prompt_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets)[:, 0].tolist()
+
+
+def logit_positions(row: StepRow) -> int:
+    """Positions of a sampled row whose logits choose tokens: every one of a verify row, else the last."""
+    return len(row.input_ids) if row.input_ids[0] == FED_BACK else 1
+
+
+def verify_states(rows: list[StepRow], states: list[RowSampling]) -> list[RowSampling]:
+    """One sampling state per logit position: a verify row's position j samples as if its drafts
+    before j were accepted (token index, token count, previous token for the watermark; the caller
+    gives penalised and constrained positions their own counts and matchers)."""
+    if all(len(r.input_ids) == 1 or r.input_ids[0] != FED_BACK for r in rows):
+        return states
+    expanded = []
+    for row, state in zip(rows, states):
+        drafts = row.input_ids[1:] if row.input_ids[0] == FED_BACK else []
+        expanded.append(state)
+        expanded.extend(replace(state, step=state.step + j, num_tokens=state.num_tokens + j, prev_token=d)
+                        for j, d in enumerate(drafts, start=1))
+    return expanded
+
+
+def draft_matchers(grammar: GrammarMatcher, drafts: list[int]) -> list[GrammarMatcher]:
+    """Per draft d_j, a copy of the request's matcher advanced over d_1 .. d_j, so position j's mask
+    is the one plain decoding would use after them; the request's own matcher is untouched (the
+    kept tokens advance it). Past the first draft the grammar rejects, copies stop advancing: the
+    choice before it obeys a mask without it, so no later position is kept."""
+    if grammar.only_eos:
+        return [grammar] * len(drafts)
+    valid = grammar.raw.validate_tokens(drafts)
+    matchers = []
+    for j in range(1, len(drafts) + 1):
+        copy = grammar.raw.deep_copy()
+        copy.consume_tokens(drafts[: min(j, valid)])
+        matchers.append(GrammarMatcher(copy, grammar.eos_ids))
+    return matchers
+
+
+def accepted_length(drafts: list[int], choices: list[int]) -> int:
+    """How many drafts equal the choices made at the positions before them (a prefix)."""
+    count = 0
+    while count < len(drafts) and drafts[count] == choices[count]:
+        count += 1
+    return count
+
+
+def _advance(state: RowSampling, res: RowResult) -> None:
+    """A kept token into its row's state (and grammar, whose failure ends the request)."""
+    state.step += 1
+    state.prev_token = res.token_id
+    state.num_tokens += 1
+    if state.grammar is not None:
+        state.grammar.advance(res.token_id)
+        if state.grammar.error is not None:
+            res.error = f"Request failed during generation: the grammar failed: {state.grammar.error}"

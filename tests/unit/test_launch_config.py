@@ -1,5 +1,6 @@
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,8 @@ SAMPLES = {
     "max_input_length": ("100", 100), "max_total_tokens": ("512", 512), "max_client_batch_size": ("8", 8),
     "payload_limit": ("1000", 1000), "waiting_served_ratio": ("1.2", 1.2), "max_batch_prefill_tokens": ("2048", 2048),
     "max_batch_total_tokens": ("10000", 10000), "max_waiting_tokens": ("0", 0), "max_batch_size": ("16", 16),
-    "kv_cache_dtype": ("int8", "int8"), "admission": ("reserve", "reserve"), "step_timeout": ("2.5", 2.5), "prefix_caching": ("0", False), "hostname": ("127.0.0.1", "127.0.0.1"), "port": ("8080", 8080),
+    "kv_cache_dtype": ("int8", "int8"), "admission": ("reserve", "reserve"), "step_timeout": ("2.5", 2.5), "prefix_caching": ("0", False),
+    "speculate": ("2", 2), "hostname": ("127.0.0.1", "127.0.0.1"), "port": ("8080", 8080),
     "api_key": ("secret", "secret"), "validation_workers": ("4", 4), "disable_grammar_support": ("yes", True),
     "enable_prefill_logprobs": ("on", True), "cors_allow_origin": ("https://a.b, https://c.d",
                                                                    ("https://a.b", "https://c.d")),
@@ -34,7 +36,6 @@ SAMPLES = {
 # Fields that are errors whenever set, with what the error says.
 UNSUPPORTED = {"trust_remote_code": ("true", "--trust-remote-code is not supported"),
                "quantize": ("eetq", "--quantize eetq is not supported; supported: gptq and awq"),
-               "speculate": ("2", "--speculate is not supported yet"),
                "lora_adapters": ("org/adapter", "--lora-adapters is not supported yet"),
                "weights_cache_override": ("/w", "--weights-cache-override is not supported")}
 NO_ENV_FIELDS = {"env"}
@@ -133,11 +134,21 @@ def test_unsupported_flags_are_clear_errors(name, capsys):
     assert message in _usage_error([], {env_name(name): text}, capsys)
     with pytest.raises(LaunchError, match=message):
         LaunchConfig(**{name: SAMPLES.get(name, (None, True if name == "trust_remote_code" else
-                                                 2 if name == "speculate" else text))[1]})
+                                                 text))[1]})
 
 
-def test_speculate_zero_is_accepted():
+def test_speculate_reaches_the_scheduler():
+    from engine.assembly import plan_engine
+    from tgi_compat.launch_plan import engine_config
+
+    demo = str(Path(__file__).resolve().parents[2] / "weights" / "demo")
     assert parse_args(["--speculate", "0"], {}).speculate == 0
+    for argv, environ, expected in [([], {}, 0), (["--speculate", "3"], {}, 3), ([], {"SPECULATE": "2"}, 2)]:
+        config = parse_args(argv, environ)
+        plan = plan_engine(engine_config(config, resolve_limits(config, 2048), demo))
+        assert plan.scheduler.speculate == expected
+    with pytest.raises(SystemExit):
+        parse_args(["--speculate", "-1"], {})
 
 
 @pytest.mark.parametrize("argv,message", [

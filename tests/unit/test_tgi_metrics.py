@@ -23,6 +23,8 @@ TGI_KINDS = {
     "tgi_kv_cache_usage": "gauge", "tgi_kv_cache_used_slots": "gauge", "tgi_kv_cache_total_slots": "gauge",
     "tgi_num_shards": "gauge", "tgi_prefix_cache_tokens": "gauge", "tgi_prefix_cache_lookup_tokens": "counter",
     "tgi_prefix_cache_hit_tokens": "counter", "tgi_prefix_cache_evicted_tokens": "counter",
+    "tgi_speculation_drafted_tokens": "counter", "tgi_speculation_accepted_tokens": "counter",
+    "tgi_request_speculated_tokens": "counter",
 }
 
 
@@ -124,3 +126,13 @@ def test_prefix_cache_counters_follow_the_routers_totals():
     lines = sample_lines(metrics.render())
     assert {"tgi_prefix_cache_tokens 50.0", "tgi_prefix_cache_hit_tokens 30.0",
             "tgi_prefix_cache_lookup_tokens 100.0", "tgi_prefix_cache_evicted_tokens 0.0"} <= lines
+
+
+def test_speculation_counters_follow_the_routers_totals():
+    metrics = ServerMetrics(100, 200, 1)
+    for drafted, accepted in ((8, 3), (20, 11), (20, 11)):
+        metrics.update_from_stats({"speculation_drafted_tokens": drafted, "speculation_accepted_tokens": accepted},
+                                  1024)
+    lines = sample_lines(metrics.render())
+    assert {"tgi_speculation_drafted_tokens 20.0", "tgi_speculation_accepted_tokens 11.0",
+            "tgi_request_speculated_tokens 11.0"} <= lines

@@ -1,0 +1,59 @@
+"""--speculate through the HTTP API: the demo model served with speculation answers /generate with
+the tokens, logprobs and details of the server without it, and /metrics counts the drafts."""
+from __future__ import annotations
+
+import inspect
+import re
+import textwrap
+
+import requests
+
+from tests.e2e.conftest import make_settings, serve
+from tests.e2e.demo_server import DEMO, DEMO_MODEL_ID, demo_tokenizer, serve_demo
+
+
+def _speculating_app():
+    from engine.client import InProcessBackend
+    from engine.generation import Engine, EngineConfig
+    from tgi_compat import create_app
+
+    engine = Engine(EngineConfig(model_dir=str(DEMO), device="cpu", kernel_backend="torch", num_slots=8192,
+                                 max_requests=8, speculate=4))
+    settings = make_settings(model_id=DEMO_MODEL_ID, max_input_tokens=1024, max_total_tokens=2048)
+    return create_app(settings, demo_tokenizer(), InProcessBackend(engine))
+
+
+def _generate(url: str, prompt: str, **parameters) -> dict:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 40, "details": True, **parameters}}
+    response = requests.post(url + "/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _without_timing(answer: dict) -> dict:
+    for token in answer["details"]["tokens"]:
+        token["logprob"] = round(token["logprob"], 3)
+    for tops in answer["details"].get("top_tokens") or []:
+        for token in tops:
+            token["logprob"] = round(token["logprob"], 3)
+    return answer
+
+
+def test_speculating_server_answers_like_the_plain_one_and_counts_drafts():
+    source = inspect.getsource(textwrap.indent)
+    prompt = f"{source}\n\n# The same function, renamed to add_prefix:\ndef add_prefix(text, prefix, predicate=None):\n"
+    with serve_demo() as plain_url:
+        text = _generate(plain_url, prompt)["generated_text"]
+        cases = [dict(), dict(stop=[text[20:24]], top_n_tokens=2), dict(max_new_tokens=3),
+                 dict(do_sample=True, seed=7, temperature=0.8, top_k=20)]      # a stop inside the text
+        expected = [_without_timing(_generate(plain_url, prompt, **case)) for case in cases]
+    with serve(_speculating_app()) as url:
+        answers = [_without_timing(_generate(url, prompt, **case)) for case in cases]
+        assert answers == expected
+        assert answers[1]["details"]["finish_reason"] == "stop_sequence"
+        assert answers[2]["details"]["generated_tokens"] == 3
+        metrics = requests.get(url + "/metrics", timeout=10).text
+    drafted = float(re.search(r"^tgi_speculation_drafted_tokens (\S+)$", metrics, re.M).group(1))
+    accepted = float(re.search(r"^tgi_speculation_accepted_tokens (\S+)$", metrics, re.M).group(1))
+    speculated = float(re.search(r"^tgi_request_speculated_tokens (\S+)$", metrics, re.M).group(1))
+    assert drafted >= accepted == speculated > 0

@@ -1,0 +1,32 @@
+"""Speculative decoding on one GPU (bench/gpu_run.sh stage ``spec``).
+
+* the demo model, one request at a time, on prompts that quote their input (standard-library
+  functions "renamed"): --speculate 4 gives the tokens of --speculate 0 and at least 1.8x its
+  decode tokens/s (the acceptance rate is printed);
+* a random Llama-2-7B: a verify step with 4 drafts per row costs at most 1.15x a plain decode
+  step at batch 1 and 32 (512-token contexts);
+* 64 random prompts at once (drafts rarely hit): --speculate 2 keeps at least 95% of the
+  output tokens/s of --speculate 0.
+"""
+from argparse import Namespace
+
+from bench import spec_bench
+
+
+def test_demo_model_rename_prompts_speed_up_at_least_1_8x():
+    summary = spec_bench.demo(Namespace(new_tokens=256))
+    print(summary)
+    assert summary["outputs_identical"]
+    assert summary["speedup"] >= 1.8, summary
+
+
+def test_verify_step_costs_at_most_1_15x_a_decode_step(llama2_7b_dir):
+    result = spec_bench.verify(Namespace(model_dir=llama2_7b_dir, batch_sizes="1,32", context=512, repeats=20))
+    print(result)
+    assert all(r["ratio"] <= 1.15 for r in result["verify"]), result
+
+
+def test_random_prompt_load_is_no_slower_than_5_percent_with_speculate_2(llama2_7b_dir):
+    result = spec_bench.load(Namespace(model_dir=llama2_7b_dir, requests=64, new_tokens=128))
+    print(result)
+    assert result["load_ratio"] >= 0.95, result

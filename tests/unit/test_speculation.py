@@ -1,0 +1,243 @@
+"""Speculative decoding on the router side (drafts, verify rows, stop criteria, slot truncation),
+driven through the real Router with a stand-in model that reads its context through the KV slots."""
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+
+from engine.protocol.messages import FED_BACK, GenerationRequest, RowResult, SamplingParams, StepResult
+from engine.router.allocator import AllocatorError, SlotAllocator
+from engine.router.drafter import NgramDrafter, propose_ngram
+from engine.router.router import Router
+from engine.router.scheduler import Scheduler, SchedulerConfig
+
+
+# ---- the drafter -------------------------------------------------------------------
+
+def test_ngram_drafter_matches_a_backward_search():
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = [rng.randint(0, 5) for _ in range(rng.randint(1, 40))]
+        drafter = NgramDrafter()
+        cut = rng.randint(0, len(tokens))
+        drafter.extend(tokens[:cut])
+        drafter.extend(tokens[cut:])          # incremental = at once
+        for n in (1, 3, 5):
+            assert drafter.propose(n) == propose_ngram(tokens, n)
+
+
+def test_ngram_drafter_prefers_the_longest_and_latest_match():
+    drafter = NgramDrafter()
+    drafter.extend([1, 2, 3, 9, 9, 2, 3, 7, 7, 5, 1, 2, 3])
+    assert drafter.propose(2) == [9, 9]      # (1 2 3) before (2 3), whose latest occurrence 7 7 follows
+    drafter.extend([4])
+    assert drafter.propose(2) == [] and drafter.propose(0) == []
+    latest = NgramDrafter()
+    latest.extend([1, 2, 7, 1, 2, 8, 1, 2])
+    assert latest.propose(5) == [8, 1, 2] and NgramDrafter().propose(3) == []
+
+
+# ---- the allocator's truncate ------------------------------------------------------------
+
+def test_truncate_frees_the_dropped_slots_once_and_keeps_shared_ones():
+    alloc = SlotAllocator(num_slots=10, max_requests=2)
+    alloc.open_request("a")
+    slots = alloc.allocate("a", 6)
+    alloc.truncate("a", 4)
+    assert alloc.slots("a") == slots[:4] and alloc.free_slots == 6 and alloc.used_slots == 4
+    alloc.check_integrity()
+    alloc.cache_slots(slots[:2])                       # the tree holds the first two
+    alloc.truncate("a", 1)
+    assert alloc.free_slots == 8 and alloc.is_cached(slots[1])     # cached: not freed
+    alloc.check_integrity()
+    assert alloc.allocate("a", 3)[0] == slots[2]       # freed slots are reused
+    with pytest.raises(AllocatorError, match="cannot keep 5"):
+        alloc.truncate("a", 5)
+    alloc.release("a")
+    alloc.check_integrity()
+
+
+# ---- the router with a stand-in model -------------------------------------------------
+
+class SlotReadingShards:
+    """A deterministic 'model' whose next token depends on the last three tokens of the context, read
+    back through its own copy of ``req_to_token`` and the KV slots (as the real worker reads keys): a
+    slot mapped wrongly (a rejected draft kept, a cached prefix with a stale token) changes the tokens.
+    Verify rows are checked greedily, exactly as the worker does. Results come back in order, one step
+    behind (the router's pipelining)."""
+
+    def __init__(self, vocab: int = 13, period: int | None = None):
+        self.vocab, self.period = vocab, period      # period: repeat the token that many positions back
+        self.kv: dict[int, int] = {}               # slot -> token whose KV it holds
+        self.table: dict[int, dict[int, int]] = {} # request row -> position -> slot
+        self.last: dict[int, int] = {}             # request row -> newest sampled token (FED_BACK)
+        self.results: deque = deque()
+        self.verified = 0
+
+    def next_token(self, row: int, length: int) -> int:
+        context = [self.kv[self.table[row][p]] for p in range(length)]
+        if self.period is not None and length >= self.period:
+            return context[-self.period]
+        a, b, c = ([0, 0] + context)[-3:]
+        return (a * 5 + b * 3 + c) % self.vocab + 1
+
+    def submit(self, step) -> None:
+        self.results.append(StepResult([self._run(r) for r in step.rows]))
+
+    def _run(self, r) -> RowResult:
+        table = self.table.setdefault(r.row, {})
+        if r.prefix_slots:
+            table.update(enumerate(r.prefix_slots))
+        ids = [self.last[r.row] if t == FED_BACK else t for t in r.input_ids]
+        for i, (token, slot) in enumerate(zip(ids, r.slots)):
+            self.kv[slot], table[r.start_pos + i] = token, slot
+        if not r.sample:
+            return RowResult(r.request_id)
+        drafts = r.input_ids[1:] if r.input_ids[0] == FED_BACK else []
+        end = r.start_pos + len(ids) - len(drafts)
+        chosen = [self.next_token(r.row, end + j) for j in range(len(drafts) + 1)]
+        kept = 1
+        while kept <= len(drafts) and drafts[kept - 1] == chosen[kept - 1]:
+            kept += 1
+        self.verified += len(drafts)
+        self.last[r.row] = chosen[kept - 1]
+        results = [RowResult(r.request_id, token_id=t, logprob=-1.0) for t in chosen[:kept]]
+        results[0].following = results[1:]
+        return results[0]
+
+    def collect(self, timeout=None) -> StepResult:
+        return self.results.popleft()
+
+
+def run_router(speculate: int, arrivals: dict[int, list[GenerationRequest]], num_slots: int = 400,
+               prefix_caching: bool = True, period: int | None = None):
+    """Run requests arriving at given steps; the allocator and scheduler are checked after every step."""
+    alloc = SlotAllocator(num_slots=num_slots, max_requests=6)
+    scheduler = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=24, max_seq_len=num_slots,
+                                                 prefix_caching=prefix_caching, speculate=speculate))
+    shards = SlotReadingShards(period=period)
+    router = Router(scheduler, shards, eos_token_ids=(0,))
+    out: dict[int, list] = {}
+    for step in range(10_000):
+        for request in arrivals.get(step, []):
+            router.submit(request)
+            out[request.request_id] = []
+        if step > max(arrivals) and not router.has_work():
+            return out, scheduler, shards
+        for event in router.step():
+            out[event.request_id].append((event.token_id, event.finish_reason))
+        scheduler.check_integrity()
+    raise AssertionError("the router did not finish")
+
+
+def workload(seed: int) -> dict[int, list[GenerationRequest]]:
+    rng = random.Random(seed)
+    arrivals: dict[int, list[GenerationRequest]] = {}
+    shared = [rng.randint(1, 13) for _ in range(20)]
+    for rid in range(14):
+        prefix = shared[: rng.randint(0, 20)] if rid % 2 else []
+        prompt = prefix + [rng.randint(1, 13) for _ in range(rng.randint(1, 30))]
+        stops = [rng.randint(1, 13)] if rid % 3 == 0 else []
+        request = GenerationRequest(rid, prompt, rng.randint(1, 40), SamplingParams(), stop_token_ids=stops)
+        arrivals.setdefault(rng.choice([0, 0, 1, 3, 8, 20, 35]), []).append(request)
+    return arrivals
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_speculation_gives_the_tokens_of_plain_decoding(seed, prefix_caching):
+    """Ragged prompts, late joiners, shared prefixes, stop tokens and max_new_tokens inside accepted
+    drafts: every speculate value ends each request with the same tokens and finish reason."""
+    plain, _, _ = run_router(0, workload(seed), prefix_caching=prefix_caching)
+    for speculate in (1, 2, 4):
+        out, scheduler, shards = run_router(speculate, workload(seed), prefix_caching=prefix_caching)
+        assert out == plain
+        stats = scheduler.speculation
+        assert stats.drafted_tokens == shards.verified and 0 < stats.accepted_tokens < stats.drafted_tokens
+        assert scheduler.allocator.used_slots == 0 and not scheduler.running
+
+
+def test_no_token_past_max_new_tokens_when_the_limit_falls_inside_the_drafts():
+    arrivals = {0: [GenerationRequest(rid, [3, 1, 4, 1, 5] * 3, n, SamplingParams(), stop_token_ids=[])
+                    for rid, n in enumerate([1, 2, 3, 5, 6, 9])]}
+    plain, _, _ = run_router(0, arrivals, period=5)       # the prompt's period goes on: every draft is right
+    out, scheduler, _ = run_router(4, arrivals, period=5)
+    assert out == plain and scheduler.speculation.accepted_tokens == scheduler.speculation.drafted_tokens > 0
+    for rid, n in enumerate([1, 2, 3, 5, 6, 9]):
+        assert len(out[rid]) == n and out[rid][-1][1] == "length"
+
+
+def test_drafts_only_take_spare_slots():
+    """A cache just big enough for the requests' own tokens: drafts shrink, nothing runs out."""
+    arrivals = {0: [GenerationRequest(rid, [1, 2, 3, 4] * 5, 30, SamplingParams(), stop_token_ids=[])
+                    for rid in range(2)]}
+    plain, _, _ = run_router(0, arrivals, num_slots=100, prefix_caching=False)
+    out, scheduler, _ = run_router(4, arrivals, num_slots=100, prefix_caching=False)
+    assert out == plain and scheduler.speculation.drafted_tokens > 0
+
+
+def test_verify_rows_wait_for_their_result_and_carry_at_most_remaining_minus_one_drafts():
+    alloc = SlotAllocator(num_slots=200, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4, prefix_caching=False))
+    sched.add(_request(1, [5, 6, 7, 5, 6], 4))
+    prefill = sched.schedule()
+    assert sched.schedule().rows == []                  # its token is in flight: no drafting blind
+    sched.process(prefill, StepResult([RowResult(1, token_id=7)]))
+    verify = sched.schedule()
+    (row,) = verify.rows
+    assert row.input_ids == [FED_BACK, 5, 6] and row.start_pos == 5 and len(row.slots) == 3   # remaining 3
+    assert alloc.held(1) == 8
+    result = RowResult(1, token_id=5, following=[RowResult(1, token_id=9)])    # 5 accepted, 6 rejected: 9
+    events = sched.process(verify, StepResult([result]))
+    assert [(e[1].token_id, e[2]) for e in events] == [(5, None), (9, None)]
+    assert alloc.held(1) == 7 and alloc.slots(1)[5:] == row.slots[:2]      # the rejected draft's slot is free
+    alloc.check_integrity()
+    assert sched.speculation.drafted_tokens == 2 and sched.speculation.accepted_tokens == 1
+    (last,) = sched.schedule().rows
+    assert last.input_ids == [FED_BACK] and last.start_pos == 7      # one token left: no drafts
+
+
+def test_a_request_whose_drafts_miss_decodes_pipelined_between_rarer_attempts():
+    """Nothing to draft (every token new): the pauses double, so few steps lose the request's row."""
+    alloc = SlotAllocator(num_slots=300, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=300, speculate=4, prefix_caching=False))
+    sched.add(_request(1, list(range(1, 21)), 200))
+    in_flight, rows, fresh = deque([sched.schedule()]), [], iter(range(1000, 2000))
+    for _ in range(80):                                   # the router's loop: plan N + 1, then see N
+        step = sched.schedule()
+        rows.append(len(step.rows))
+        in_flight.append(step)
+        done = in_flight.popleft()
+        sched.process(done, StepResult([RowResult(1, token_id=next(fresh)) for _ in done.rows]))
+        alloc.check_integrity()
+    skipped = [i for i, n in enumerate(rows) if n == 0]
+    assert 1 <= len(skipped) <= 6 and sched.speculation.drafted_tokens == 0, skipped
+    assert sched.running[0].draft_pause > 0 and sched.running[0].draft_misses >= 4
+
+
+def _request(rid, prompt, new, **params):
+    from engine.router.scheduler import Request
+
+    return Request(request_id=rid, prompt_ids=prompt, max_new_tokens=new, params=SamplingParams(**params), seed=0,
+                   stop_token_ids=frozenset({0}))
+
+
+def test_an_abort_with_a_verify_row_in_flight_frees_every_slot_and_drops_its_tokens():
+    alloc = SlotAllocator(num_slots=200, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4))
+    sched.add(_request(1, [5, 6, 7, 5, 6], 20))
+    prefill = sched.schedule()
+    sched.process(prefill, StepResult([RowResult(1, token_id=7)]))
+    verify = sched.schedule()
+    assert verify.rows[0].input_ids == [FED_BACK, 5, 6, 7]
+    assert sched.abort(1)
+    alloc.check_integrity()
+    assert alloc.used_slots == 0
+    result = RowResult(1, token_id=5, following=[RowResult(1, token_id=6), RowResult(1, token_id=7)])
+    assert sched.process(verify, StepResult([result])) == []
+    sched.check_integrity()
+    assert not sched.has_work() and sched.schedule().released == [1]
+    cached = sched.cache.match([5, 6, 7, 5, 6, 7, 5, 6, 7])
+    assert cached.length <= 6        # prompt + its first token at most: no draft's slot entered the tree
