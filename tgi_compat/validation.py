@@ -196,16 +196,17 @@ class Validator:
         self.grammars = GrammarChecker()
         self.max_chars = settings.max_input_tokens * tokenizer.longest_token_chars * CHARS_MARGIN
 
-    async def tokenize(self, inputs: str, truncate: int | None) -> Encoding:
-        """The tokens of ``inputs`` (the last ``truncate`` of them); a text far too long for
-        --max-input-tokens without ``truncate`` is refused first, in constant time."""
+    async def tokenize(self, inputs: str, truncate: int | None, offsets: bool = False) -> Encoding:
+        """The tokens of ``inputs`` (the last ``truncate`` of them; ``offsets``: with their byte
+        offsets); a text far too long for --max-input-tokens without ``truncate`` is refused
+        first, in constant time."""
         if truncate is None and len(inputs) > self.max_chars:
             longest = self.tokenizer.longest_token_chars
             raise InputValidationError(
                 f"`inputs` must have less than {self.settings.max_input_tokens} tokens. Given: {len(inputs)} "
                 f"characters, at least {len(inputs) // (longest * CHARS_MARGIN)} tokens")
         try:
-            encoding = await self.tokenizer.encode(inputs)
+            encoding = await self.tokenizer.encode(inputs, offsets=offsets)
         except Exception as e:   # the Rust tokenizer's errors are not a fixed set
             raise InputValidationError(f"tokenizer error {e}") from e
         return encoding.keep_last(truncate)
@@ -213,7 +214,7 @@ class Validator:
     async def tokenize_bounded(self, inputs: str, truncate: int | None) -> Encoding:
         """/tokenize and /chat_tokenize: the same tokens, within the limits a prompt has (so an
         answer is never larger than what a request could send)."""
-        encoding = await self.tokenize(inputs, truncate)
+        encoding = await self.tokenize(inputs, truncate, offsets=True)
         if len(encoding.ids) > self.settings.max_input_tokens:
             raise InputValidationError(
                 f"`inputs` must have less than {self.settings.max_input_tokens} tokens. Given: {len(encoding.ids)}")
