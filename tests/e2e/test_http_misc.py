@@ -1,6 +1,7 @@
-"""/info, health routes, /metrics, /tokenize, request ids in the logs."""
+"""/info, health routes, /metrics, /tokenize, request ids in the logs, startup objects frozen."""
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import time
@@ -57,6 +58,16 @@ def test_unhealthy_is_503(hf_tokenizer, engine_backend):
             response = requests.get(url + path, timeout=10)
             assert response.status_code == 503
             assert response.json() == {"error": "unhealthy", "error_type": "healthcheck"}
+
+
+def test_serving_freezes_the_startup_objects(hf_tokenizer, engine_backend):
+    """What is alive when the app starts serving (torch, transformers, the tokenizer) is out of the
+    collector's reach: no full collection walks it in the middle of a burst. Released at shutdown."""
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    with serve(create_app(make_settings(), hf_tokenizer, engine_backend)):
+        assert gc.get_freeze_count() > 100_000
+    assert gc.get_freeze_count() == 0
 
 
 def metric(text: str, name: str) -> float:
