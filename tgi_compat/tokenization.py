@@ -21,7 +21,7 @@ from concurrent.futures import Future
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 64     # texts per encode_batch call
+MAX_BATCH = 16     # texts per batch call: every text of a batch waits for its slowest (fewer wait longer)
 
 
 class Encoding:
