@@ -76,7 +76,11 @@ class TokenizerAdapter:
         """Tokenize on the validation worker threads; ``add_special_tokens=False`` for text
         that already holds them (a rendered chat template); ``offsets``: the encoding can
         give each token's byte offsets (/tokenize), else it has the ids only."""
-        return await asyncio.wrap_future(self._encoder.submit(text, add_special_tokens, offsets))
+        return await asyncio.wrap_future(self.submit(text, add_special_tokens, offsets))
+
+    def submit(self, text: str, add_special_tokens: bool = True, offsets: bool = False) -> Future:
+        """``encode`` started now, awaited later (``asyncio.wrap_future``); cancel what is not needed."""
+        return self._encoder.submit(text, add_special_tokens, offsets)
 
     def encode_sync(self, text: str, add_special_tokens: bool = True) -> Encoding:
         """On the calling thread, with offsets (tests, tools)."""
@@ -106,6 +110,9 @@ class TemplatedTokenizer:
 
     async def encode(self, text: str, offsets: bool = False) -> Encoding:
         return await self.adapter.encode(text, add_special_tokens=False, offsets=offsets)
+
+    def submit(self, text: str, offsets: bool = False) -> Future:
+        return self.adapter.submit(text, add_special_tokens=False, offsets=offsets)
 
     def encode_sync(self, text: str) -> Encoding:
         return self.adapter.encode_sync(text, add_special_tokens=False)
