@@ -3,7 +3,7 @@
 #   bash bench/gpu_run.sh [stage ...]     stages: tests, kernels, parity7b, profile, bench (default), serving, ablation,
 #                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant,
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
-#                                         moe, bloom
+#                                         moe, bloom, frontend (the HTTP front end alone, CPU only)
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -239,6 +239,25 @@ for stage in $stages; do
       timeout 420 python3 -m bench.engine_bench --model-dir "$dir" --json "$OUT/bloom_bench.json" 2>&1 \
         | tee -a "$OUT/bloom.log" | grep -v -E "it/s|s/it" | tail -12
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
+    frontend)
+      # The front end alone under issue 15's burst (bench.frontend_bench: 256 streamed prompts of ~3,000 tokens at
+      # once against a paced stand-in router, this machine's CPUs, no GPU): TTFT, ITL, mean validation and the
+      # front end's CPU seconds, 1 and 64 new tokens, with the Llama-2-7B tokenizer of weights.tokenizer_builder
+      # (the random 7B's), per tree of COMPARE_TREES (before, after). FRONTEND_ARGS adds flags.
+      tok=${MODEL_7B}; rc=0
+      if [ ! -f "$tok/tokenizer.json" ]; then
+        tok=/tmp/llama2-7b-tokenizer
+        [ -f "$tok/tokenizer.json" ] || python3 -c "from weights.random_checkpoint import resolve_config as r
+from weights.tokenizer_builder import write_tokenizer as w; w('$tok', r('llama-2-7b'))"
+      fi
+      for tree in ${COMPARE_TREES:-.baseline .}; do
+        tag=$(basename "$(realpath "$tree")")
+        for new in 1 64; do
+          (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m bench.frontend_bench --tokenizer "$tok" \
+            --new-tokens $new ${FRONTEND_ARGS:-} --json "$OUT/frontend_${tag}_$new.json" 2>&1 | tail -1)
+          [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        done
+      done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"
