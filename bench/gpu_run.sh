@@ -4,7 +4,7 @@
 #                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant,
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
 #                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8),
-#                                         spec (speculative decoding)
+#                                         spec (speculative decoding), frontend
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -117,15 +117,18 @@ for stage in $stages; do
       done ;;
     prefix)
       # The shared-prefix and multi-turn loads (bench.prefix_bench): the cache on with the launcher of
-      # each tree of COMPARE_TREES but the last (before), then on and off with this tree's (after).
+      # each tree of COMPARE_TREES but the last (before), then on and off with this tree's (after). The front end
+      # tokenizes with the tokenizers' own threads, as a user's would (TOKENIZERS_PARALLELISM unset).
       ensure_7b
       trees=(${COMPARE_TREES:-.baseline .})
       for tree in "${trees[@]:0:${#trees[@]}-1}"; do
         tag=$(basename "$(realpath "$tree")")
-        LAUNCHER_REPO=$tree python3 -m bench.prefix_bench --model-dir "$MODEL_7B" --cache on ${PREFIX_ARGS:-} \
+        LAUNCHER_REPO=$tree env -u TOKENIZERS_PARALLELISM python3 -m bench.prefix_bench --model-dir "$MODEL_7B" \
+          --cache on ${PREFIX_ARGS:-} \
           --json "$OUT/prefix_$tag.json" 2>&1 | tee "$OUT/prefix_$tag.log" | grep -v -E "it/s|s/it" | tail -11
       done
-      python3 -m bench.prefix_bench --model-dir "$MODEL_7B" --cache ${PREFIX_CACHE:-both} ${PREFIX_ARGS:-} \
+      env -u TOKENIZERS_PARALLELISM python3 -m bench.prefix_bench --model-dir "$MODEL_7B" \
+        --cache ${PREFIX_CACHE:-both} ${PREFIX_ARGS:-} \
         --json "$OUT/prefix.json" 2>&1 | tee "$OUT/prefix.log" | grep -v -E "it/s|s/it" | tail -11
       rc=${PIPESTATUS[0]} ;;
     stall)
@@ -275,6 +278,25 @@ for stage in $stages; do
       LLAMA2_7B_DIR=$MODEL_7B timeout ${SPEC_TIMEOUT:-360} python3 -m pytest -q -s -p no:cacheprovider \
         tests/gpu/test_speculation.py 2>&1 | tee "$OUT/spec.log" | grep -v -E "it/s|s/it" | tail -20
       rc=${PIPESTATUS[0]} ;;
+    frontend)
+      # The front end alone under issue 15's burst (bench.frontend_bench: 256 streamed prompts of ~3,000 tokens at
+      # once against a paced stand-in router, this machine's CPUs, no GPU): TTFT, ITL, mean validation and the
+      # front end's CPU seconds, 1 and 64 new tokens, with the Llama-2-7B tokenizer of weights.tokenizer_builder
+      # (the random 7B's), per tree of COMPARE_TREES (before, after). FRONTEND_ARGS adds flags.
+      tok=${MODEL_7B}; rc=0
+      if [ ! -f "$tok/tokenizer.json" ]; then
+        tok=/tmp/llama2-7b-tokenizer
+        [ -f "$tok/tokenizer.json" ] || python3 -c "from weights.random_checkpoint import resolve_config as r
+from weights.tokenizer_builder import write_tokenizer as w; w('$tok', r('llama-2-7b'))"
+      fi
+      for tree in ${COMPARE_TREES:-.baseline .}; do
+        tag=$(basename "$(realpath "$tree")")
+        for new in 1 64; do
+          (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m bench.frontend_bench --tokenizer "$tok" \
+            --new-tokens $new ${FRONTEND_ARGS:-} --json "$OUT/frontend_${tag}_$new.json" 2>&1 | tail -1)
+          [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        done
+      done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"

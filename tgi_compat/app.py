@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -55,6 +56,22 @@ EXPOSED_HEADERS = ["x-compute-type", "x-compute-time", "x-compute-characters", "
                    "x-prompt-tokens", "x-generated-tokens"]
 
 
+# Container allocations between two young collections while serving (Python's default: 700).
+SERVING_GC_THRESHOLDS = (20_000, 10, 10)
+
+
+def tune_collector_for_serving() -> None:
+    """Keep the cyclic garbage collector off the burst's critical path (it holds the GIL).
+
+    The objects alive when serving starts (torch, transformers, the tokenizer: about 300,000)
+    are frozen: a full collection walked them all (about 0.1 s) in the middle of a burst. Young
+    collections are rarer: at 700 allocations a burst of 256 long prompts ran ~120 of them, each
+    walking the young 3,000-id prompt lists again (~70 ms in all; ~30 ms at 20,000)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*SERVING_GC_THRESHOLDS)
+
+
 def cors_middleware(settings: ServerSettings) -> Middleware:
     """CORS as TGI's `--cors-allow-origin` (any origin when unset), with the request headers
     browsers send: `Authorization` (for `--api-key`) and `Content-Type`. A preflight from
@@ -77,7 +94,11 @@ def create_app(settings: ServerSettings, tokenizer, backend: Backend) -> Starlet
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        thresholds = gc.get_threshold()
+        tune_collector_for_serving()
         yield
+        gc.unfreeze()                  # collectable again at exit (finalizers of native objects run)
+        gc.set_threshold(*thresholds)
         if owns_tokenizer:
             tokenizer.close()
         if tracer is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -80,10 +81,15 @@ class GenerateService:
         self._record_success(best, valid, "generate")
         return GenerateOutcome(valid, best, others)
 
-    async def stream(self, request: GenerateRequest, full_text_default: bool) -> AsyncIterator[bytes]:
-        """SSE bytes of a streamed generation; every error is an in-band event."""
+    def stream(self, request: GenerateRequest, full_text_default: bool) -> AsyncIterator[bytes]:
+        """SSE bytes of a streamed generation; every error is an in-band event. The prompt's
+        tokenizing starts now, before the response does."""
+        return self._stream_events(request, full_text_default, self.validator.start_tokenizing(request))
+
+    async def _stream_events(self, request: GenerateRequest, full_text_default: bool,
+                             started: Future | None) -> AsyncIterator[bytes]:
         try:
-            async with contextlib.aclosing(self.stream_steps(request, full_text_default)) as steps:
+            async with contextlib.aclosing(self.stream_steps(request, full_text_default, started=started)) as steps:
                 async for valid, step in steps:
                     text = None
                     if step.result is not None:
@@ -92,17 +98,18 @@ class GenerateService:
         except TGIError as error:
             yield error_event(error)
 
-    async def stream_steps(self, request: GenerateRequest, full_text_default: bool,
-                           templated: bool = False) -> AsyncIterator[tuple[ValidRequest, GeneratedStep]]:
+    async def stream_steps(self, request: GenerateRequest, full_text_default: bool, templated: bool = False,
+                           started: Future | None = None) -> AsyncIterator[tuple[ValidRequest, GeneratedStep]]:
         """The steps of a streamed generation, for any wire format. Every failure is
-        recorded here and raised as a ``TGIError`` (a stream reports it in-band)."""
+        recorded here and raised as a ``TGIError`` (a stream reports it in-band).
+        ``started``: the validator's ``start_tokenizing(request)`` (cancelled if unused)."""
         request_id, timing = next_request_id(), Timing()
         self._record_received(request_id, request, stream=True)
         generated = 0
         try:
             _check_streamable(request)
             with self.limiter.permits(1):
-                valid = await self._validate(request_id, request, full_text_default, timing, templated)
+                valid = await self._validate(request_id, request, full_text_default, timing, templated, started)
                 steps = generate_steps(self.backend, self.tokenizer, valid, request_id, timing)
                 async for step in steps:
                     generated = step.index
@@ -119,11 +126,14 @@ class GenerateService:
             raise
         except Exception as error:
             raise self._unexpected(request_id, error, timing, "generate_stream") from error
+        finally:
+            if started is not None:
+                started.cancel()        # refused before check 14 (or 429): not tokenized if still waiting
 
     async def _validate(self, request_id: int, request: GenerateRequest, full_text_default: bool,
-                        timing: Timing, templated: bool = False) -> ValidRequest:
+                        timing: Timing, templated: bool = False, started: Future | None = None) -> ValidRequest:
         validator = self.templated_validator if templated else self.validator
-        valid = await validator.validate(request, full_text_default)
+        valid = await validator.validate(request, full_text_default, started)
         self.metrics.input_length.observe(valid.input_length)
         self.metrics.max_new_tokens.observe(valid.max_new_tokens)
         log.info("request %d validated: %d input tokens, max_new_tokens=%d, sampling=%s in %.1f ms",

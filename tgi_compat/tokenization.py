@@ -5,9 +5,11 @@ and calls its Rust backend directly: ``encode`` never changes the tokenizer's
 truncation/padding state, so it is safe from several worker threads at once.
 
 Encoding runs on ``--validation-workers`` threads. Each takes every text waiting (up to
-``MAX_BATCH``) into one ``encode_batch`` call, which runs in Rust in parallel and without
-the GIL; one ``encode`` per text holds the GIL, so a burst of long prompts (256 requests of
-3,000 tokens) would take turns with the event loop.
+``MAX_BATCH``) into one batch call, which runs in Rust in parallel and without the GIL;
+one ``encode`` per text holds the GIL, so a burst of long prompts (256 requests of 3,000
+tokens) would take turns with the event loop. A prompt needs only its ids: those go
+through ``encode_batch_fast``, which skips the character offsets (half the work of a
+long prompt); /tokenize asks for offsets and gets ``encode_batch``.
 """
 from __future__ import annotations
 
@@ -19,31 +21,38 @@ from concurrent.futures import Future
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 64     # texts per encode_batch call
+MAX_BATCH = 16     # texts per batch call: every text of a batch waits for its slowest (fewer wait longer)
 
 
 class Encoding:
     """A text's token ids, and each token's byte offsets into its UTF-8 form (computed on first
-    use: only /tokenize needs them, and for a long prompt they cost more than the encoding)."""
+    use: only /tokenize needs them, and for a long prompt they cost more than the encoding).
+    An encoding made without offsets (``raw`` None: ``encode(..., offsets=False)``) has none."""
 
     def __init__(self, ids: list[int], offsets: list[tuple[int, int]] | None = None, text: str = "",
-                 raw=None):
+                 raw=None, first: int = 0):
         self.ids = ids
         self._offsets = offsets
-        self._text, self._raw = text, raw      # the input and the tokenizers.Encoding, until offsets are asked
+        # the input, the tokenizers.Encoding and the index in it of ids[0], until offsets are asked
+        self._text, self._raw, self._first = text, raw, first
 
     @property
     def offsets(self) -> list[tuple[int, int]]:
         if self._offsets is None:
-            self._offsets = _byte_offsets(self._text, self._raw.offsets)
+            if self._raw is None:
+                raise ValueError("this encoding was made without offsets: encode it with offsets=True")
+            self._offsets = _byte_offsets(self._text, self._raw.offsets[self._first:])
             self._text, self._raw = "", None
         return self._offsets
 
     def keep_last(self, count: int | None) -> "Encoding":
-        """TGI's `truncate`: keep the last ``count`` tokens."""
+        """TGI's `truncate`: keep the last ``count`` tokens (their offsets stay uncomputed)."""
         if count is None or count >= len(self.ids):
             return self
-        return Encoding(self.ids[-count:], self.offsets[-count:])
+        if self._offsets is not None:
+            return Encoding(self.ids[-count:], self._offsets[-count:])
+        return Encoding(self.ids[-count:], text=self._text, raw=self._raw,
+                        first=self._first + len(self.ids) - count)
 
 
 class TokenizerAdapter:
@@ -63,14 +72,20 @@ class TokenizerAdapter:
     def close(self) -> None:
         self._encoder.close()
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> Encoding:
+    async def encode(self, text: str, add_special_tokens: bool = True, offsets: bool = False) -> Encoding:
         """Tokenize on the validation worker threads; ``add_special_tokens=False`` for text
-        that already holds them (a rendered chat template)."""
-        return await asyncio.wrap_future(self._encoder.submit(text, add_special_tokens))
+        that already holds them (a rendered chat template); ``offsets``: the encoding can
+        give each token's byte offsets (/tokenize), else it has the ids only."""
+        return await asyncio.wrap_future(self.submit(text, add_special_tokens, offsets))
+
+    def submit(self, text: str, add_special_tokens: bool = True, offsets: bool = False) -> Future:
+        """``encode`` started now, awaited later (``asyncio.wrap_future``); cancel what is not needed."""
+        return self._encoder.submit(text, add_special_tokens, offsets)
 
     def encode_sync(self, text: str, add_special_tokens: bool = True) -> Encoding:
+        """On the calling thread, with offsets (tests, tools)."""
         encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
-        return Encoding(list(encoding.ids), text=text, raw=encoding)
+        return Encoding(encoding.ids, text=text, raw=encoding)
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -93,8 +108,11 @@ class TemplatedTokenizer:
     def __getattr__(self, name: str):
         return getattr(self.adapter, name)
 
-    async def encode(self, text: str) -> Encoding:
-        return await self.adapter.encode(text, add_special_tokens=False)
+    async def encode(self, text: str, offsets: bool = False) -> Encoding:
+        return await self.adapter.encode(text, add_special_tokens=False, offsets=offsets)
+
+    def submit(self, text: str, offsets: bool = False) -> Future:
+        return self.adapter.submit(text, add_special_tokens=False, offsets=offsets)
 
     def encode_sync(self, text: str) -> Encoding:
         return self.adapter.encode_sync(text, add_special_tokens=False)
@@ -111,7 +129,8 @@ def _byte_offsets(text: str, char_offsets: list[tuple[int, int]]) -> list[tuple[
 
 
 class _BatchingEncoder:
-    """``workers`` threads; each takes the texts waiting (up to MAX_BATCH) into one ``encode_batch``."""
+    """``workers`` threads; each takes the texts waiting (up to MAX_BATCH) into one batch call per kind
+    (special tokens added or not, offsets or not)."""
 
     def __init__(self, adapter: TokenizerAdapter, workers: int, batchable: bool):
         self._adapter, self._batchable = adapter, batchable
@@ -121,9 +140,9 @@ class _BatchingEncoder:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, text: str, add_special_tokens: bool) -> Future:
+    def submit(self, text: str, add_special_tokens: bool, offsets: bool) -> Future:
         future: Future = Future()
-        self._pending.put((text, add_special_tokens, future))
+        self._pending.put((text, (add_special_tokens, offsets), future))
         return future
 
     def close(self) -> None:
@@ -135,10 +154,8 @@ class _BatchingEncoder:
             batch = self._take()
             if batch is None:
                 return
-            for special in (True, False):
-                group = [(text, future) for text, add, future in batch if add is special]
-                if group:
-                    self._encode(group, special)
+            for kind in dict.fromkeys(kind for _, kind, _ in batch):
+                self._encode([(text, future) for text, k, future in batch if k == kind], *kind)
 
     def _take(self) -> list | None:
         """The next item and every one waiting behind it (None: closed)."""
@@ -157,19 +174,27 @@ class _BatchingEncoder:
             batch.append(item)
         return [b for b in batch if b[2].set_running_or_notify_cancel()]      # drop cancelled requests
 
-    def _encode(self, group: list[tuple[str, Future]], special: bool) -> None:
-        if self._batchable and len(group) > 1:
+    def _encode(self, group: list[tuple[str, Future]], special: bool, offsets: bool) -> None:
+        """One batch call without the GIL (even for one text, unless it needs offsets); one by one
+        where the tokenizer cannot batch or the batch failed."""
+        if self._batchable and (len(group) > 1 or not offsets):
             try:
-                backend = self._adapter._backend
-                encodings = backend.encode_batch([text for text, _ in group], add_special_tokens=special)
+                encodings = self._encode_batch([text for text, _ in group], special, offsets)
             except Exception:  # noqa: BLE001  (one text's failure must not fail the others: one by one below)
-                log.debug("encode_batch failed; encoding one by one", exc_info=True)
+                log.debug("batch encoding failed; encoding one by one", exc_info=True)
             else:
                 for (text, future), encoding in zip(group, encodings):
-                    future.set_result(Encoding(list(encoding.ids), text=text, raw=encoding))
+                    future.set_result(encoding)
                 return
         for text, future in group:
             try:
                 future.set_result(self._adapter.encode_sync(text, special))
             except Exception as e:  # noqa: BLE001  (delivered to the request that sent the text)
                 future.set_exception(e)
+
+    def _encode_batch(self, texts: list[str], special: bool, offsets: bool) -> list[Encoding]:
+        backend = self._adapter._backend
+        if not offsets:
+            return [Encoding(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=special)]
+        encodings = backend.encode_batch(texts, add_special_tokens=special)
+        return [Encoding(e.ids, text=text, raw=e) for text, e in zip(texts, encodings)]

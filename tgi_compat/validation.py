@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from engine.protocol.messages import SamplingParams
@@ -196,8 +197,21 @@ class Validator:
         self.grammars = GrammarChecker()
         self.max_chars = settings.max_input_tokens * tokenizer.longest_token_chars * CHARS_MARGIN
 
-    async def tokenize(self, inputs: str, truncate: int | None) -> Encoding:
-        """The tokens of ``inputs`` (the last ``truncate`` of them); a text far too long for
+    def start_tokenizing(self, request: GenerateRequest) -> Future | None:
+        """Begin tokenizing a prompt as soon as its body is parsed; ``validate(..., started=)`` takes
+        the result at check 14, after checks 1-13 as ever (a stream's checks run once its response
+        has started, behind every request parsed before it: under a burst the worker threads would
+        wait for the event loop). None for a text check 14 refuses untokenized (or an empty one).
+        The caller cancels it when validation does not run."""
+        inputs = request.inputs
+        if not inputs or len(inputs) > self.max_chars:
+            return None
+        return self.tokenizer.submit(inputs)
+
+    async def tokenize(self, inputs: str, truncate: int | None, offsets: bool = False,
+                       started: Future | None = None) -> Encoding:
+        """The tokens of ``inputs`` (the last ``truncate`` of them; ``offsets``: with their byte
+        offsets; ``started``: ``start_tokenizing``'s encoding of them); a text far too long for
         --max-input-tokens without ``truncate`` is refused first, in constant time."""
         if truncate is None and len(inputs) > self.max_chars:
             longest = self.tokenizer.longest_token_chars
@@ -205,7 +219,9 @@ class Validator:
                 f"`inputs` must have less than {self.settings.max_input_tokens} tokens. Given: {len(inputs)} "
                 f"characters, at least {len(inputs) // (longest * CHARS_MARGIN)} tokens")
         try:
-            encoding = await self.tokenizer.encode(inputs)
+            if started is None:
+                started = self.tokenizer.submit(inputs, offsets=offsets)
+            encoding = await asyncio.wrap_future(started)
         except Exception as e:   # the Rust tokenizer's errors are not a fixed set
             raise InputValidationError(f"tokenizer error {e}") from e
         return encoding.keep_last(truncate)
@@ -213,19 +229,21 @@ class Validator:
     async def tokenize_bounded(self, inputs: str, truncate: int | None) -> Encoding:
         """/tokenize and /chat_tokenize: the same tokens, within the limits a prompt has (so an
         answer is never larger than what a request could send)."""
-        encoding = await self.tokenize(inputs, truncate)
+        encoding = await self.tokenize(inputs, truncate, offsets=True)
         if len(encoding.ids) > self.settings.max_input_tokens:
             raise InputValidationError(
                 f"`inputs` must have less than {self.settings.max_input_tokens} tokens. Given: {len(encoding.ids)}")
         return encoding
 
-    async def validate(self, request: GenerateRequest, return_full_text_default: bool) -> ValidRequest:
+    async def validate(self, request: GenerateRequest, return_full_text_default: bool,
+                       started: Future | None = None) -> ValidRequest:
+        """``started``: ``start_tokenizing(request)``, or None to tokenize at check 14."""
         p, s = request.parameters, self.settings
         params = check_parameters(p, s)
         if not request.inputs:
             raise InputValidationError("`inputs` cannot be empty")
         check_truncate(p.truncate, s)
-        encoding = await self.tokenize(request.inputs, p.truncate)
+        encoding = await self.tokenize(request.inputs, p.truncate, started=started)
         max_new_tokens = check_lengths(len(encoding.ids), p.max_new_tokens, s)
         grammar = await check_grammar(p, s, self.grammars)
         check_unsupported(p, s)

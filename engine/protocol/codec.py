@@ -1,11 +1,13 @@
 """The one codec for every message between processes: msgpack over multiprocess pipes.
 
 A message is a dataclass from ``engine.protocol.messages``; it travels as a
-msgpack map tagged with its class name. Lists of ints travel as raw little-endian int32
-bytes (msgpack ext type 1), never as msgpack lists.
+msgpack map tagged with its class name. Its lists of ints travel as raw little-endian int32
+bytes (msgpack ext type 1), never as msgpack lists. msgpack walks the rest in C: its
+``default`` hook turns each message into its map, its ``object_hook`` each map back.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from array import array
 from dataclasses import fields, is_dataclass
@@ -22,25 +24,39 @@ MESSAGE_TYPES = {name: cls for name, cls in vars(messages).items()
 
 
 def encode(message) -> bytes:
-    return msgpack.packb(_pack(message), use_bin_type=True)
+    return msgpack.packb(message, default=_pack_message, use_bin_type=True)
 
 
 def decode(data: bytes):
-    return _unpack(msgpack.unpackb(data, raw=False, ext_hook=_ext_hook, strict_map_key=False))
+    return msgpack.unpackb(data, raw=False, ext_hook=_ext_hook, object_hook=_unpack_message,
+                           strict_map_key=False)
 
 
-def _pack(value):
-    if is_dataclass(value):
-        body = {f.name: _pack(getattr(value, f.name)) for f in fields(value)}
+def _pack_message(value):
+    """msgpack's hook for what it cannot pack itself (it walks lists, maps and numbers in C):
+    a message becomes a map tagged with its class name, its int lists int32 bytes; a set a list."""
+    if is_dataclass(value) and not isinstance(value, type):
+        body = {name: _pack_sequence(item) if isinstance(item, _SEQUENCES) else item
+                for name in _field_names(type(value)) for item in (getattr(value, name),)}
         body["~"] = type(value).__name__
         return body
-    if isinstance(value, (list, tuple, frozenset, set)):
-        items = list(value)
-        packed = _int32_array(items)
-        if packed is not None:
-            return msgpack.ExtType(_INT32_LIST, packed.tobytes())
-        return [_pack(v) for v in items]
-    return value
+    if isinstance(value, (set, frozenset)):
+        return _pack_sequence(value)
+    raise TypeError(f"cannot encode a {type(value).__name__}: messages are dataclasses of plain values")
+
+
+_SEQUENCES = (list, tuple, set, frozenset)
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def _pack_sequence(value):
+    items = list(value)
+    packed = _int32_array(items)
+    return items if packed is None else msgpack.ExtType(_INT32_LIST, packed.tobytes())
 
 
 def _int32_array(items: list) -> array | None:
@@ -66,16 +82,12 @@ def _ext_hook(code: int, data: bytes):
     return values.tolist()
 
 
-def _unpack(value):
-    if isinstance(value, dict):
-        name = value.pop("~", None)
-        body = {k: _unpack(v) for k, v in value.items()}
-        if name is None:
-            return body
-        cls = MESSAGE_TYPES.get(name)
-        if cls is None:
-            raise ValueError(f"unknown message type {name!r}")
-        return cls(**body)
-    if isinstance(value, list):
-        return [_unpack(v) for v in value]
-    return value
+def _unpack_message(body: dict):
+    """msgpack's hook for each map it read (innermost first): a tagged map becomes its message."""
+    name = body.pop("~", None)
+    if name is None:
+        return body
+    cls = MESSAGE_TYPES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown message type {name!r}")
+    return cls(**body)

@@ -10,4 +10,5 @@ def test_frontend_bench_reports_the_burst(tmp_path):
     assert result["itl_s"]["count"] == 12 * 3 and result["itl_s"]["p50"] > 0
     assert 0 < result["validation_mean_s"] < result["wall_s"]
     assert result["frontend_cpu_s"] > 0 and result["cpu_us_per_event"] > 0
+    assert 0 <= result["event_loop_cpu_s"] <= result["frontend_cpu_s"]
     assert (tmp_path / "out.json").exists()

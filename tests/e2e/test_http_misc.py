@@ -1,6 +1,7 @@
-"""/info, health routes, /metrics, /tokenize, request ids in the logs."""
+"""/info, health routes, /metrics, /tokenize, request ids in the logs, startup objects frozen."""
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import time
@@ -8,6 +9,7 @@ import time
 import requests
 
 from tgi_compat import create_app
+from tgi_compat.app import SERVING_GC_THRESHOLDS
 
 from .conftest import make_settings, serve
 
@@ -57,6 +59,22 @@ def test_unhealthy_is_503(hf_tokenizer, engine_backend):
             response = requests.get(url + path, timeout=10)
             assert response.status_code == 503
             assert response.json() == {"error": "unhealthy", "error_type": "healthcheck"}
+
+
+def test_serving_tunes_the_garbage_collector(hf_tokenizer, engine_backend):
+    """What is alive when the app starts serving (torch, transformers, the tokenizer) is out of the
+    collector's reach and young collections are rarer: no collection walks it all in the middle of a
+    burst. The process's own settings come back at shutdown."""
+    outer = gc.get_threshold()        # another test's server may be running
+    gc.unfreeze()
+    gc.set_threshold(700, 10, 10)     # Python's default
+    try:
+        with serve(create_app(make_settings(), hf_tokenizer, engine_backend)):
+            assert gc.get_freeze_count() > 100_000
+            assert gc.get_threshold() == SERVING_GC_THRESHOLDS
+        assert gc.get_freeze_count() == 0 and gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*outer)
 
 
 def metric(text: str, name: str) -> float:

@@ -35,12 +35,14 @@ def settings(**overrides) -> ServerSettings:
                              **overrides})
 
 
-def validate(tokenizer, body: dict, **overrides):
+def validate(tokenizer, body: dict, started: bool = False, **overrides):
+    """``started``: tokenizing begins when the body is parsed (as for a stream), not at check 14."""
     validator = Validator(settings(**overrides), tokenizer)
     request = parse_generate_request(body)
     best_of = validate_best_of(request.parameters.best_of, validator.settings.max_best_of)
     assert best_of >= 1
-    return asyncio.run(validator.validate(request, return_full_text_default=False))
+    early = validator.start_tokenizing(request) if started else None
+    return asyncio.run(validator.validate(request, return_full_text_default=False, started=early))
 
 
 def body(inputs: str = "hello world", **parameters) -> dict:
@@ -97,17 +99,33 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.parametrize("started", [False, True], ids=["tokenized-at-check-14", "tokenizing-started-early"])
 @pytest.mark.parametrize("request_body,message", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
-def test_bad_parameters_give_tgi_messages(tokenizer, request_body, message):
+def test_bad_parameters_give_tgi_messages(tokenizer, request_body, message, started):
     if message is None:
         n = len(tokenizer.encode_sync(request_body["inputs"]).ids)
         message = f"`inputs` must have less than {MAX_INPUT} tokens. Given: {n}"
     with pytest.raises(InputValidationError) as caught:
-        validate(tokenizer, request_body)
+        validate(tokenizer, request_body, started=started)
     error = caught.value
     assert error.detail == message
     assert error.body() == {"error": f"Input validation error: {message}", "error_type": "validation"}
     assert error.status == 422
+
+
+@pytest.mark.parametrize("parameters", [{}, {"truncate": 3}, {"max_new_tokens": 5, "stop": ["x"]}])
+def test_tokenizing_started_early_validates_the_same(tokenizer, parameters):
+    text = "é snow ☃ hello world"
+    assert validate(tokenizer, body(text, **parameters), started=True) == validate(tokenizer, body(text, **parameters))
+
+
+def test_tokenizing_starts_early_only_for_a_text_check_14_would_tokenize(tokenizer):
+    validator = Validator(settings(), tokenizer)
+    assert validator.start_tokenizing(parse_generate_request(body(""))) is None
+    too_long = "x" * (validator.max_chars + 1)
+    assert validator.start_tokenizing(parse_generate_request(body(too_long))) is None
+    early = validator.start_tokenizing(parse_generate_request(body("hello world")))
+    assert early.result(timeout=10).ids == tokenizer.encode_sync("hello world").ids
 
 
 def test_best_of_disabled_when_max_best_of_is_one():

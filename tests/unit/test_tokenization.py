@@ -1,6 +1,7 @@
-"""The front end's encoder: concurrent texts go through encode_batch on the worker threads and come
-back exactly as one encode each gives them (ids, and byte offsets computed when asked); a text
-that fails fails alone."""
+"""The front end's encoder: concurrent texts go through encode_batch (with offsets) or
+encode_batch_fast (ids only) on the worker threads and come back exactly as one encode each gives
+them (ids, and byte offsets computed when asked, also after truncation); a text that fails fails
+alone."""
 import asyncio
 
 import pytest
@@ -22,13 +23,42 @@ TEXTS = ["hello world", "é ü — snow ☃ and \U0001F600", "", "x" * 500, "def
 
 
 def test_concurrent_encodes_equal_one_encode_each(adapter):
+    """Every kind mixed in one burst: special tokens added or not, offsets or not."""
+    def kind(i):
+        return {"add_special_tokens": i % 3 != 0, "offsets": i % 2 == 0}
+
     async def all_at_once():
-        return await asyncio.gather(*(adapter.encode(t, add_special_tokens=i % 3 != 0) for i, t in enumerate(TEXTS)))
+        return await asyncio.gather(*(adapter.encode(t, **kind(i)) for i, t in enumerate(TEXTS)))
 
     results = asyncio.run(all_at_once())
     for i, (text, got) in enumerate(zip(TEXTS, results)):
-        expected = adapter.encode_sync(text, i % 3 != 0)
-        assert got.ids == expected.ids and got.offsets == expected.offsets, text
+        expected = adapter.encode_sync(text, kind(i)["add_special_tokens"])
+        assert got.ids == expected.ids, text
+        if kind(i)["offsets"]:
+            assert got.offsets == expected.offsets, text
+        else:
+            with pytest.raises(ValueError, match="offsets=True"):
+                got.offsets
+
+
+def test_one_text_alone_equals_encode(adapter):
+    """A text that waits alone (no batch to join) gives the same ids, with or without offsets."""
+    for offsets in (False, True):
+        got = asyncio.run(adapter.encode(TEXTS[1], offsets=offsets))
+        expected = adapter.encode_sync(TEXTS[1])
+        assert got.ids == expected.ids
+        if offsets:
+            assert got.offsets == expected.offsets
+
+
+@pytest.mark.parametrize("count", [1, 3, 7])
+def test_truncated_offsets_are_the_last_tokens_offsets(adapter, count):
+    """keep_last before the offsets are computed gives the offsets of the tokens kept."""
+    full = adapter.encode_sync(TEXTS[1])
+    kept = asyncio.run(adapter.encode(TEXTS[1], offsets=True)).keep_last(count)
+    assert kept.ids == full.ids[-count:] and kept.offsets == full.offsets[-count:]
+    twice = adapter.encode_sync(TEXTS[1]).keep_last(count + 1).keep_last(count)
+    assert twice.ids == full.ids[-count:] and twice.offsets == full.offsets[-count:]
 
 
 def test_a_text_that_cannot_be_encoded_fails_alone(adapter):
