@@ -17,8 +17,9 @@ from weights.quant_formats import parse_quantization, quantized_shapes
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, starcoder2.FAMILY, mixtral.FAMILY,
                                 qwen2_moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, bloom.FAMILY)
-# Families whose projections may be GPTQ / AWQ / FP8 (LlamaFamilyModel._read; tests/unit/test_quantized_parity.py)
-QUANTIZED_FAMILIES = (llama.FAMILY, qwen3.FAMILY, gemma.FAMILY)
+# Families whose projections may be GPTQ / AWQ / FP8 (LlamaFamilyModel._read, Phi3Model._read,
+# Starcoder2Model._read; tests/unit/test_quantized_parity.py). MoE families are refused (experts stay float).
+QUANTIZED_FAMILIES = (llama.FAMILY, qwen3.FAMILY, gemma.FAMILY, phi3.FAMILY, starcoder2.FAMILY)
 MODEL_REGISTRY: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 
 

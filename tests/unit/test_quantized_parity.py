@@ -149,11 +149,11 @@ def test_quantize_flags_that_do_not_match_the_checkpoint_are_clear_errors(tmp_pa
         load_model_config(quantized, quantize="fp8")
 
 
-def test_a_quantized_checkpoint_of_another_family_is_a_clear_error(tmp_path):
-    path = save_tiny_model("phi3", tmp_path / "phi3")
+def test_a_quantized_checkpoint_of_a_moe_family_is_a_clear_error_that_lists_the_supported_ones(tmp_path):
+    path = save_tiny_model("mixtral", tmp_path / "mixtral")
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelConfigError, match="quantized weights .awq. are supported for LlamaForCausalLM.*, not "
-                                               "Phi3ForCausalLM"):
+    with pytest.raises(ModelConfigError, match="quantized weights .awq. are supported for LlamaForCausalLM.*"
+                                               "Phi3ForCausalLM, Starcoder2ForCausalLM, not MixtralForCausalLM"):
         load_model_config(path)

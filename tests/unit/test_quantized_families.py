@@ -1,0 +1,55 @@
+"""Quantized checkpoints beyond the Llama family's layout, and what hub writers add: Phi-3 (q|k|v and gate|up
+fused in the checkpoint: each part cut from the packed tensors) and StarCoder2 (biased projections, GeLU MLP)
+give transformers' greedy tokens on their dequantized float32 twins; AutoGPTQ's zero biases on layers without
+one are dropped (a non-zero one is refused), and biases of layers that have one (Qwen2's q/k/v) are applied."""
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.models.quantized import OutputRows
+from tests.quant_models import FORMATS, add_zero_biases, save_quantized_pair
+from tests.unit.test_quantized_parity import assert_matches, engine_outputs, load_shard, logprob_tol, reference
+from weights.checkpoint import CheckpointError, open_checkpoint
+
+
+@pytest.mark.parametrize("family,fmt", [("phi3", "gptq_act_order"), ("phi3", "fp8_tensor"),
+                                        ("starcoder2", "awq_g32"), ("starcoder2", "fp8_channel")])
+def test_phi3_and_starcoder2_quantized_checkpoints_match_transformers(family, fmt, tmp_path):
+    quantized, twin = save_quantized_pair(fmt, tmp_path, family=family)
+    assert_matches(engine_outputs(quantized), reference(twin, fmt), logprob_tol(fmt))
+
+
+def test_phi3_awq_on_two_shards_cuts_each_fused_part_on_its_own(tmp_path):
+    """Each rank holds half of q, of k, of v (and of gate, of up): words of AWQ's column packing per part."""
+    quantized, twin = save_quantized_pair("awq_g16", tmp_path, family="phi3")
+    assert_matches(engine_outputs(quantized, num_shards=2), reference(twin, "awq_g16", 2), logprob_tol("awq_g16"))
+
+
+def test_a_fused_part_off_the_packing_is_a_clear_error(tmp_path):
+    quantized, _ = save_quantized_pair("awq_g32", tmp_path, family="phi3")
+    with open_checkpoint(quantized) as checkpoint:
+        part = OutputRows(checkpoint, "model.layers.0.self_attn.qkv_proj", 64, 96, FORMATS["awq_g32"])
+        assert part.shape("model.layers.0.self_attn.qkv_proj.qweight") == (64, 4)
+        assert torch.equal(part.read("model.layers.0.self_attn.qkv_proj.scales"),
+                           checkpoint.read("model.layers.0.self_attn.qkv_proj.scales")[:, 64:96])
+        with pytest.raises(CheckpointError, match="output rows 64:100 .* not on multiples of 8"):
+            OutputRows(checkpoint, "model.layers.0.self_attn.qkv_proj", 64, 100, FORMATS["awq_g32"])
+
+
+def test_autogptq_zero_biases_are_dropped_and_real_ones_applied(tmp_path):
+    """Qwen2: q/k/v carry biases (read and applied); o/gate/up/down get AutoGPTQ's zeros."""
+    quantized, twin = save_quantized_pair("gptq_act_order", tmp_path, family="qwen2")
+    added = add_zero_biases(quantized)
+    assert "model.layers.0.mlp.down_proj.bias" in added and "model.layers.0.self_attn.q_proj.bias" not in added
+    assert_matches(engine_outputs(quantized), reference(twin, "gptq_act_order"), 1e-3)
+
+
+def test_a_non_zero_bias_on_a_layer_without_one_is_refused_by_name(tmp_path):
+    quantized, _ = save_quantized_pair("gptq_g32", tmp_path)
+    add_zero_biases(quantized)
+    path = quantized / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.layers.1.mlp.up_proj.bias"][3] = 0.5
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.bias is a non-zero bias"):
+        load_shard(quantized, 0, 1)
