@@ -27,6 +27,11 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(MODEL_REGISTRY)
 
 
+def quantized_architectures() -> tuple[str, ...]:
+    """The architectures whose GPTQ / AWQ / FP8 checkpoints (and --quantize fp8) load."""
+    return tuple(a for f in QUANTIZED_FAMILIES for a in f.architectures)
+
+
 def family_for(architecture: str | None) -> Family:
     try:
         return MODEL_REGISTRY[architecture]
@@ -51,8 +56,8 @@ def load_model_config(model_dir: str | Path, rope_scaling: tuple[str, float] | N
         return config
     if family not in QUANTIZED_FAMILIES:
         raise ModelConfigError(f"quantized weights ({quantization.method}) are supported for "
-                               f"{', '.join(a for f in QUANTIZED_FAMILIES for a in f.architectures)}, not "
-                               f"{config.architecture}: serve an unquantized checkpoint of this model")
+                               f"{', '.join(quantized_architectures())}, not {config.architecture} (mixture-of-"
+                               f"experts models are not quantized): serve an unquantized checkpoint of this model")
     return replace(config, quantization=quantization)
 
 

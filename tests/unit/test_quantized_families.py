@@ -44,8 +44,9 @@ def test_autogptq_zero_biases_are_dropped_and_real_ones_applied(tmp_path):
     assert_matches(engine_outputs(quantized), reference(twin, "gptq_act_order"), 1e-3)
 
 
-def test_a_non_zero_bias_on_a_layer_without_one_is_refused_by_name(tmp_path):
-    quantized, _ = save_quantized_pair("gptq_g32", tmp_path)
+@pytest.mark.parametrize("fmt", ["gptq_g32", "awq_g32"])
+def test_a_non_zero_bias_on_a_layer_without_one_is_refused_by_name(fmt, tmp_path):
+    quantized, _ = save_quantized_pair(fmt, tmp_path)
     add_zero_biases(quantized)
     path = quantized / "model.safetensors"
     tensors = load_file(str(path))

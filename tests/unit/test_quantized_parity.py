@@ -155,5 +155,6 @@ def test_a_quantized_checkpoint_of_a_moe_family_is_a_clear_error_that_lists_the_
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelConfigError, match="quantized weights .awq. are supported for LlamaForCausalLM.*"
-                                               "Phi3ForCausalLM, Starcoder2ForCausalLM, not MixtralForCausalLM"):
+                                               "Phi3ForCausalLM, Starcoder2ForCausalLM, not MixtralForCausalLM "
+                                               ".mixture-of-experts"):
         load_model_config(path)
