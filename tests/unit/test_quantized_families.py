@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.models.quantized import OutputRows
+from kernels.fp8_gemm import Fp8Weight
 from tests.quant_models import FORMATS, add_zero_biases, save_quantized_pair
 from tests.unit.test_quantized_parity import assert_matches, engine_outputs, load_shard, logprob_tol, reference
 from weights.checkpoint import CheckpointError, open_checkpoint
@@ -54,3 +55,15 @@ def test_a_non_zero_bias_on_a_layer_without_one_is_refused_by_name(fmt, tmp_path
     save_file(tensors, str(path), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.bias is a non-zero bias"):
         load_shard(quantized, 0, 1)
+
+
+@pytest.mark.parametrize("family", ["phi3", "starcoder2"])
+def test_quantize_fp8_at_load_holds_the_weights_of_the_fp8_checkpoint(family, tmp_path):
+    """--quantize fp8 on the float checkpoint (Phi-3: each fused part's rows quantized per channel) gives the
+    weights and scales of the per-channel FP8 checkpoint written from the same model."""
+    quantized, _ = save_quantized_pair("fp8_channel", tmp_path, family=family)
+    at_load, written = load_shard(tmp_path / "float", 0, 1, quantize="fp8"), load_shard(quantized, 0, 1)
+    for a, b in ((at_load.layers[1].attention.qkv, written.layers[1].attention.qkv),
+                 (at_load.layers[1].mlp.down, written.layers[1].mlp.down)):
+        assert isinstance(a.weight, Fp8Weight) and torch.equal(a.weight.scale, b.weight.scale)
+        assert torch.equal(a.weight.weight.view(torch.uint8), b.weight.weight.view(torch.uint8))
