@@ -67,12 +67,13 @@ def test_other_families_with_quantized_linear_layers_match_transformers(family, 
     assert_matches(engine_outputs(quantized), reference(twin, fmt), logprob_tol(fmt))
 
 
-@pytest.mark.parametrize("fmt", ["gptq_act_order", "awq_g16", "fp8_channel"])
-def test_triton_kernels_under_the_interpreter_match_transformers(fmt, tmp_path):
+@pytest.mark.parametrize("family,fmt", [("llama", "gptq_act_order"), ("llama", "awq_g16"), ("llama", "fp8_channel"),
+                                        ("starcoder2", "gptq_g32")])
+def test_triton_kernels_under_the_interpreter_match_transformers(family, fmt, tmp_path):
     """Prefill (22 tokens: dot tiles), decode of two rows (16-row dots), then of one (the FMA path; the
-    first request stops early) through the kernels; fewer tokens than the other tests: the interpreter
-    is slow."""
-    quantized, twin = save_quantized_pair(fmt, tmp_path)
+    first request stops early) through the kernels (StarCoder2: with the layers' biases); fewer tokens
+    than the other tests: the interpreter is slow."""
+    quantized, twin = save_quantized_pair(fmt, tmp_path, family=family)
     hf = reference(twin, fmt)
     config = EngineConfig(model_dir=str(quantized), device="cpu", kernel_backend="triton", num_slots=128,
                           dtype="float32", max_requests=4, max_prefill_tokens=32)
