@@ -86,12 +86,13 @@ class QuantConfig:
         return (LINEAR_BIAS,) + (GPTQ_IGNORED if self.method == "gptq" and not self.desc_act else ())
 
     def unused_biases(self, names, expected) -> list[str]:
-        """The biases of quantized layers in the checkpoint's ``names`` that the model (``expected`` names)
-        has no place for: the loader drops them when they are zeros."""
+        """The linear layers' biases in the checkpoint's ``names`` that the model (``expected`` names) has no
+        place for (let through the strict check by ``ignored_names``): the loader drops them when they are
+        zeros."""
         if self.method == "fp8":
             return []
         pattern = re.compile(LINEAR_BIAS)
-        return [n for n in names if pattern.match(n) and n not in expected and self.quantizes(n[:-5] + ".weight")]
+        return [n for n in names if pattern.match(n) and n not in expected]
 
 
 # ---- quantization_config ----------------------------------------------------------------------
