@@ -20,9 +20,12 @@ def test_phi3_and_starcoder2_quantized_checkpoints_match_transformers(family, fm
     assert_matches(engine_outputs(quantized), reference(twin, fmt), logprob_tol(fmt))
 
 
-def test_phi3_awq_on_two_shards_cuts_each_fused_part_on_its_own(tmp_path):
-    """Each rank holds half of q, of k, of v (and of gate, of up): words of AWQ's column packing per part."""
-    quantized, twin = save_quantized_pair("awq_g16", tmp_path, family="phi3")
+@pytest.mark.parametrize("family", ["phi3", "starcoder2"])
+def test_two_shards_match_transformers(family, tmp_path):
+    """Phi-3: each rank holds half of q, of k, of v (and of gate, of up): words of AWQ's column packing per
+    part. StarCoder2: column-parallel biases split with their layer, row-parallel ones added once, after
+    the all-reduce of the 4-bit partial products."""
+    quantized, twin = save_quantized_pair("awq_g16", tmp_path, family=family)
     assert_matches(engine_outputs(quantized, num_shards=2), reference(twin, "awq_g16", 2), logprob_tol("awq_g16"))
 
 
