@@ -1,9 +1,8 @@
 """Quantized models through the launched server: greedy tokens equal transformers' on the dequantized model.
 
 A GPTQ act-order checkpoint on two shards (gloo: packed columns and whole groups sliced by the real
-launcher), a Phi-3 AWQ checkpoint (fused packed tensors) and a float checkpoint served with
-``--quantize fp8`` (its reference: the per-channel FP8 weights dequantized, activations rounded to FP8 per
-token as the FP8 GEMM does).
+launcher) and a float checkpoint served with ``--quantize fp8`` (its reference:
+the per-channel FP8 weights dequantized, activations rounded to FP8 per token as the FP8 GEMM does).
 """
 import pytest
 import requests
@@ -16,17 +15,16 @@ from tests.tiny_models import load_hf
 
 PROMPTS = ["hello world", "def main(): return 0"]
 NEW_TOKENS = 12
-CASES = {   # name: (family, format written, served directory, launcher flags)
-    "gptq_two_shards": ("llama", "gptq_act_order", "quantized", ["--num-shard", "2", "--master-port", "PORT"]),
-    "quantize_fp8": ("llama", "fp8_channel", "float", ["--quantize", "fp8"]),
-    "phi3_awq": ("phi3", "awq_g16", "quantized", []),    # q|k|v and gate|up cut from fused packed tensors
+CASES = {   # name: (format written, served directory, launcher flags)
+    "gptq_two_shards": ("gptq_act_order", "quantized", ["--num-shard", "2", "--master-port", "PORT"]),
+    "quantize_fp8": ("fp8_channel", "float", ["--quantize", "fp8"]),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_server_answers_with_transformers_greedy_tokens_on_the_dequantized_model(case, tmp_path):
-    family, fmt, served, flags = CASES[case]
-    quantized, twin = save_quantized_pair(fmt, tmp_path, family=family, tokenizer=True)
+    fmt, served, flags = CASES[case]
+    quantized, twin = save_quantized_pair(fmt, tmp_path, tokenizer=True)
     path = quantized if served == "quantized" else tmp_path / "float"
     hf = load_hf(twin)
     if fmt.startswith("fp8"):
