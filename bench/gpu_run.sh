@@ -4,7 +4,8 @@
 #                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant,
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
 #                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8),
-#                                         spec (speculative decoding), frontend
+#                                         wquant_families (quantized Phi-3 / StarCoder2), spec (speculative
+#                                         decoding), frontend
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -297,6 +298,14 @@ from weights.tokenizer_builder import write_tokenizer as w; w('$tok', r('llama-2
           [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         done
       done ;;
+    wquant_families)
+      # Quantized Phi-3 (parts cut from fused packed qkv / gate_up) and StarCoder2 (biased layers): tiny GPTQ /
+      # AWQ / FP8 checkpoints through the Triton GEMMs on the GPU, float32 greedy tokens == transformers on the
+      # dequantized twins (tests/gpu/test_quantized.py). About a minute (estimated).
+      timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_quantized.py \
+        -k test_phi3_and_starcoder2_quantized_greedy_tokens_equal_transformers 2>&1 \
+        | tee "$OUT/wquant_families.log" | grep -v -E "it/s|s/it" | tail -20
+      rc=${PIPESTATUS[0]} ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"

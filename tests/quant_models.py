@@ -70,7 +70,19 @@ def save_quantized_pair(fmt: str, path: Path, family: str = "llama", seed: int =
     return quantized, twin
 
 
-ROW_PARALLEL = ("o_proj", "down_proj")
+def add_zero_biases(quantized: Path) -> list[str]:
+    """Give every 4-bit layer of the checkpoint in ``quantized`` that has no bias a float16 zero one, as
+    AutoGPTQ writes them (e.g. TheBloke's Llama-2-7B-GPTQ); returns the names added."""
+    path = quantized / "model.safetensors"
+    tensors = load_file(str(path))
+    added = {name.removesuffix("scales") + "bias": torch.zeros(t.shape[1], dtype=torch.float16)
+             for name, t in tensors.items() if name.endswith(".scales")}
+    added = {name: t for name, t in added.items() if name not in tensors}
+    save_file({**tensors, **added}, str(path), metadata={"format": "pt"})
+    return sorted(added)
+
+
+ROW_PARALLEL = ("o_proj", "down_proj", "c_proj")
 
 
 def fake_quantize_activations(model, num_shards: int = 1) -> None:

@@ -497,13 +497,13 @@ class _Parser(argparse.ArgumentParser):
     registry imports torch; a launcher that only parses flags starts without it)."""
 
     def format_help(self) -> str:
-        from engine.models import supported_architectures
+        from engine.models import quantized_architectures, supported_architectures
         from engine.models.bloom import DEFAULT_CONTEXT
 
         return (super().format_help() + "\nSupported architectures (config.json `architectures`): "
                 f"{', '.join(supported_architectures())}. BloomForCausalLM (ALiBi, no max_position_embeddings in "
                 f"config.json) serves a {DEFAULT_CONTEXT}-token context, TGI's default for such configs. Quantized "
-                f"checkpoints (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2): GPTQ 4-bit "
+                f"checkpoints ({', '.join(quantized_architectures())}): GPTQ 4-bit "
                 f"(group 128 / -1, act-order), AWQ 4-bit GEMM, FP8 (fp8, compressed-tensors per-tensor or "
                 f"per-channel); --quantize fp8 quantizes a float checkpoint at load.\n")
 

@@ -43,10 +43,13 @@ FP8_MAX = 448.0               # largest float8_e4m3fn
 METHODS = ("gptq", "awq", "fp8")
 # --quantize values: gptq / awq / compressed-tensors must match the checkpoint, fp8 also quantizes a float one
 QUANTIZE_FLAGS = ("gptq", "awq", "fp8", "compressed-tensors")
-# Quantized linear layers: the 2-D ``*_proj.weight`` tensors of the decoder layers.
-LINEAR_PATTERN = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
+# Quantized linear layers: the 2-D ``*_proj.weight`` (and StarCoder2's ``mlp.c_fc.weight``) tensors of the
+# decoder layers; their biases (AutoGPTQ writes one for every layer, zeros where the model has none).
+LINEAR_PATTERN = re.compile(r"^model\.layers\.\d+\..*(_proj|\.c_fc)\.weight$")
+LINEAR_BIAS = r"^model\.layers\.\d+\..*(_proj|\.c_fc)\.bias$"
 # The names a quantized checkpoint may hold beside the ones the engine reads: static activation scales
-# (the engine quantizes activations per token, dynamically), GPTQ's g_idx without act-order.
+# (the engine quantizes activations per token, dynamically), GPTQ's g_idx without act-order, and 4-bit
+# layers' biases where the model has none (the loader checks that they are zeros: ``unused_biases``).
 FP8_IGNORED = (r"\.input_scale$",)
 GPTQ_IGNORED = (r"\.g_idx$",)
 # Files older GPTQ / AWQ repos keep their quantization config in (config.json without quantization_config)
@@ -80,7 +83,16 @@ class QuantConfig:
     def ignored_names(self) -> tuple[str, ...]:
         if self.method == "fp8":
             return FP8_IGNORED
-        return GPTQ_IGNORED if self.method == "gptq" and not self.desc_act else ()
+        return (LINEAR_BIAS,) + (GPTQ_IGNORED if self.method == "gptq" and not self.desc_act else ())
+
+    def unused_biases(self, names, expected) -> list[str]:
+        """The linear layers' biases in the checkpoint's ``names`` that the model (``expected`` names) has no
+        place for (let through the strict check by ``ignored_names``): the loader drops them when they are
+        zeros."""
+        if self.method == "fp8":
+            return []
+        pattern = re.compile(LINEAR_BIAS)
+        return [n for n in names if pattern.match(n) and n not in expected]
 
 
 # ---- quantization_config ----------------------------------------------------------------------

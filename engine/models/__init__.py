@@ -17,13 +17,19 @@ from weights.quant_formats import parse_quantization, quantized_shapes
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, starcoder2.FAMILY, mixtral.FAMILY,
                                 qwen2_moe.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, bloom.FAMILY)
-# Families whose projections may be GPTQ / AWQ / FP8 (LlamaFamilyModel._read; tests/unit/test_quantized_parity.py)
-QUANTIZED_FAMILIES = (llama.FAMILY, qwen3.FAMILY, gemma.FAMILY)
+# Families whose projections may be GPTQ / AWQ / FP8 (LlamaFamilyModel._read, Phi3Model._read,
+# Starcoder2Model._read; tests/unit/test_quantized_parity.py). MoE families are refused (experts stay float).
+QUANTIZED_FAMILIES = (llama.FAMILY, qwen3.FAMILY, gemma.FAMILY, phi3.FAMILY, starcoder2.FAMILY)
 MODEL_REGISTRY: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 
 
 def supported_architectures() -> tuple[str, ...]:
     return tuple(MODEL_REGISTRY)
+
+
+def quantized_architectures() -> tuple[str, ...]:
+    """The architectures whose GPTQ / AWQ / FP8 checkpoints (and --quantize fp8) load."""
+    return tuple(a for f in QUANTIZED_FAMILIES for a in f.architectures)
 
 
 def family_for(architecture: str | None) -> Family:
@@ -50,8 +56,8 @@ def load_model_config(model_dir: str | Path, rope_scaling: tuple[str, float] | N
         return config
     if family not in QUANTIZED_FAMILIES:
         raise ModelConfigError(f"quantized weights ({quantization.method}) are supported for "
-                               f"{', '.join(a for f in QUANTIZED_FAMILIES for a in f.architectures)}, not "
-                               f"{config.architecture}: serve an unquantized checkpoint of this model")
+                               f"{', '.join(quantized_architectures())}, not {config.architecture} (mixture-of-"
+                               f"experts models are not quantized): serve an unquantized checkpoint of this model")
     return replace(config, quantization=quantization)
 
 

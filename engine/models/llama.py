@@ -28,7 +28,7 @@ from engine.models.config import sliding_layers as config_sliding_layers
 from engine.models.layers import (Attention, GatedMLP, Linear, LMHead, RowParallelLinear, Rotary,
                                   VocabParallelEmbedding)
 from engine.models.parallel import FULL, Slice, TensorParallel, read
-from engine.models.quantized import LinearWeight, read_linear
+from engine.models.quantized import LinearWeight, drop_zero_biases, read_linear
 from engine.ops import KernelOps
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.kv_cache import KV_SCALE_PATTERNS, KVCache
@@ -165,6 +165,7 @@ class LlamaFamilyModel:
         q = self.config.quantization
         checkpoint.check(quantized_shapes(self.checkpoint_shapes(), q),
                          ignore_unexpected=IGNORED_CHECKPOINT_NAMES + (q.ignored_names if q else ()))
+        drop_zero_biases(checkpoint, self.checkpoint_shapes(), q)
         tensors = {}
         slices = self.weight_slices()
         for name in checkpoint.progress(list(slices), desc=f"Loading weights (shard {self.tp.rank})"):

@@ -99,13 +99,18 @@ def read_fused(checkpoint, name: str, part_rows: list[int], slices: list[Slice],
     q | k | v, ``gate_up_proj`` = gate | up): part i has ``part_rows[i]`` rows and the rank holds its
     ``slices[i]`` of them; the pieces come back concatenated in part order. (An equal split of the
     fused rows would hand rank 0 only q rows.)"""
-    pieces, offset = [], 0
+    return torch.cat([checkpoint.read_rows(name, start, stop, dtype=dtype, device=device)
+                      for start, stop in fused_ranges(part_rows, slices)])
+
+
+def fused_ranges(part_rows: list[int], slices: list[Slice]) -> list[tuple[int, int]]:
+    """(start, stop) rows of the fused tensor that a rank holds, one per part (``read_fused``)."""
+    ranges, offset = [], 0
     for rows, piece in zip(part_rows, slices):
         if piece.dim is None:
-            start, stop = offset, offset + rows
+            ranges.append((offset, offset + rows))
         else:
             step = rows // piece.parts
-            start, stop = offset + piece.part * step, offset + (piece.part + 1) * step
-        pieces.append(checkpoint.read_rows(name, start, stop, dtype=dtype, device=device))
+            ranges.append((offset + piece.part * step, offset + (piece.part + 1) * step))
         offset += rows
-    return torch.cat(pieces)
+    return ranges

@@ -9,6 +9,8 @@ differs is the checkpoint and the rope:
   (``parallel.read_fused``): an equal split of the fused rows would be wrong.
 - ``longrope`` (older name ``su``) rope scaling: short and long factors and the cos/sin factor
   (``config.parse_rope``, ``layers.Rotary``). ``partial_rotary_factor`` < 1 is refused there.
+- GPTQ / AWQ / FP8 checkpoints fuse the packed tensors the same way: each part is cut from them along
+  the output rows (``quantized.read_fused_linear``; 4-bit part boundaries on multiples of 8).
 - Phi-3-mini-4k has ``sliding_window`` 2047, on every layer (as transformers' Phi-3 attention):
   the attention kernels apply it (``ScoreMods``); the context is the model's.
 """
@@ -23,6 +25,7 @@ from engine.models.config import Family, ModelConfigError, shared_fields
 from engine.models.layers import Attention, GatedMLP, Linear, RowParallelLinear
 from engine.models.llama import DecoderLayer, LlamaConfig, LlamaFamilyModel
 from engine.models.parallel import FULL, Slice, read_fused
+from engine.models.quantized import LinearWeight, read_fused_linear
 from engine.worker.kv_cache import KV_SCALE_PATTERNS
 
 ARCHITECTURES = ("Phi3ForCausalLM",)
@@ -86,10 +89,12 @@ class Phi3Model(LlamaFamilyModel):
             return [c.intermediate_size] * 2, [tp.column()] * 2
         return None
 
-    def _read(self, checkpoint, name: str, piece: Slice) -> torch.Tensor:
-        parts = self.fused_parts(name)
+    def _read(self, checkpoint, name: str, piece: Slice) -> LinearWeight:
+        parts, q = self.fused_parts(name), self.config.quantization
         if parts is None:
             return super()._read(checkpoint, name, piece)
+        if q is not None and q.quantizes(name):
+            return read_fused_linear(checkpoint, name.removesuffix(".weight"), *parts, q, self.dtype, self.device)
         return read_fused(checkpoint, name, *parts, self.dtype, self.device)
 
     def _layer(self, t: dict[str, torch.Tensor], p: str) -> DecoderLayer:

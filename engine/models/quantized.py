@@ -17,15 +17,18 @@ cuts (``weights.quant_formats`` has the layouts):
 A row-parallel slice must hold whole groups: ``K / shards`` a multiple of ``group_size``, else
 ``ShardingError``. AWQ is repacked to GPTQ's packing (one 4-bit layout for the kernel); zeros are
 unpacked to the model dtype; act-order layers are sorted by group (``sorted_by_group``). ``fuse`` joins
-parts of a fused layer (q|k|v, gate|up) along N.
+parts of a fused layer (q|k|v, gate|up) along N; ``read_fused_linear`` reads the parts of a layer that the
+checkpoint fuses (Phi-3's ``qkv_proj``, ``gate_up_proj``), each part's output rows through ``OutputRows``.
+``drop_zero_biases`` checks the biases 4-bit writers add to layers that have none (AutoGPTQ: zeros).
 """
 from __future__ import annotations
 
 import torch
 
-from engine.models.parallel import ShardingError, Slice
+from engine.models.parallel import FULL, ShardingError, Slice, fused_ranges
 from kernels.fp8_gemm import Fp8Weight
 from kernels.quant_gemm import Int4Weight
+from weights.checkpoint import CheckpointError
 from weights.quant_formats import AWQ_ORDER, PACK, QuantConfig, fp8_quantize, pack_int4, unpack_int4
 
 LinearWeight = torch.Tensor | Int4Weight | Fp8Weight
@@ -131,3 +134,70 @@ def fuse(parts: list[LinearWeight]) -> LinearWeight:
         raise ValueError("the fused parts of a 4-bit layer (q/k/v or gate/up) have different groups")
     return Int4Weight(torch.cat([p.qweight for p in parts], dim=1), torch.cat([p.scales for p in parts], dim=1),
                       torch.cat([p.zeros for p in parts], dim=1), first.g_idx, first.group_size, first.perm)
+
+
+# ---- fused checkpoint tensors ----------------------------------------------------------------------
+
+# (output axis, values per stored element along it) of each tensor of a quantized layer; None: not cut
+OUTPUT_AXES = {
+    "gptq": {"qweight": (1, 1), "qzeros": (1, PACK), "scales": (1, 1), "g_idx": None},
+    "awq": {"qweight": (1, PACK), "qzeros": (1, PACK), "scales": (1, 1)},
+    "fp8": {"weight": (0, 1), "weight_scale": (0, 1)},
+}
+
+
+class OutputRows:
+    """The checkpoint as one part of a fused quantized layer sees it: the layer's tensors cut to output rows
+    ``start:stop`` (packed tensors: their words; a per-tensor FP8 scale: whole), for ``read_linear``."""
+
+    def __init__(self, checkpoint, module: str, start: int, stop: int, q: QuantConfig):
+        packed = q.method != "fp8"
+        if packed and (start % PACK or stop % PACK):
+            raise CheckpointError(f"{module}: a fused part holds output rows {start}:{stop} (on this shard), not "
+                                  f"on multiples of {PACK}, the 4-bit packing of the zeros (and AWQ's weights) "
+                                  f"along the output rows: this fused layer cannot be cut into its parts; serve "
+                                  f"it on fewer shards or an unquantized checkpoint")
+        self.checkpoint, self.module, self.start, self.stop, self.q = checkpoint, module, start, stop, q
+
+    def _axis(self, name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        axis = OUTPUT_AXES[self.q.method][name.rsplit(".", 1)[-1]]
+        if axis is None or len(shape) <= axis[0] or shape[axis[0]] == 1:
+            return None     # g_idx, a per-tensor FP8 scale
+        return axis
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        shape = self.checkpoint.shape(name)
+        axis = self._axis(name, shape)
+        if axis is None:
+            return shape
+        dim, pack = axis
+        return shape[:dim] + ((self.stop - self.start) // pack,) + shape[dim + 1:]
+
+    def read(self, name: str, dtype=None, device=None) -> torch.Tensor:
+        tensor = self.checkpoint.read(name, dtype=dtype, device=device)
+        axis = self._axis(name, tuple(tensor.shape))
+        if axis is None:
+            return tensor
+        dim, pack = axis
+        return tensor.narrow(dim, self.start // pack, (self.stop - self.start) // pack).contiguous()
+
+
+def read_fused_linear(checkpoint, module: str, part_rows: list[int], slices: list[Slice], q: QuantConfig,
+                      dtype, device) -> LinearWeight:
+    """This rank's parts of a quantized layer the checkpoint fuses along its output rows (Phi-3's q | k | v,
+    gate | up; ``parallel.read_fused`` for a float one), joined (``fuse``)."""
+    return fuse([read_linear(OutputRows(checkpoint, module, start, stop, q), module, FULL, q, dtype, device)
+                 for start, stop in fused_ranges(part_rows, slices)])
+
+
+# ---- biases the model has no place for --------------------------------------------------------------
+
+def drop_zero_biases(checkpoint, expected, q: QuantConfig | None) -> None:
+    """The biases 4-bit writers put on every quantized layer (AutoGPTQ: zeros where the model has none) are
+    dropped where the family's layer has no bias; a non-zero one would change the model: a clear error."""
+    if q is None:
+        return
+    for name in q.unused_biases(checkpoint.names(), expected):
+        if torch.count_nonzero(checkpoint.read(name)):
+            raise CheckpointError(f"{name} is a non-zero bias of a quantized layer, but this model's layer has no "
+                                  f"bias (the config enables none): the checkpoint does not match its config.json")

@@ -9,7 +9,8 @@ Per layer, with T new tokens of a ragged batch:
     h = gelu_tanh(h @ w_c_fc.T + b_c_fc) @ w_c_proj.T + b_c_proj     (no gate)
 
 Biases everywhere when ``use_bias`` (the default); embeddings tied unless the config says
-otherwise. The sliding window (4096 in every released checkpoint) applies on every layer, inside the
+otherwise. The projections may be GPTQ / AWQ / FP8 (``engine.models.quantized``; biases stay in the model
+dtype). The sliding window (4096 in every released checkpoint) applies on every layer, inside the
 attention kernels (``ScoreMods``); the context is the model's.
 """
 from __future__ import annotations
@@ -23,10 +24,12 @@ from engine.models.config import Family, ModelConfig, ModelConfigError, shared_f
 from engine.models.layers import (Attention, GeluMLP, LayerNorm, Linear, LMHead, RowParallelLinear, Rotary,
                                   VocabParallelEmbedding)
 from engine.models.parallel import FULL, Slice, TensorParallel, read
+from engine.models.quantized import LinearWeight, drop_zero_biases, read_linear
 from engine.ops import KernelOps
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.kv_cache import KV_SCALE_PATTERNS, KVCache
 from kernels.score_mods import ScoreMods
+from weights.quant_formats import quantized_shapes
 
 ARCHITECTURES = ("Starcoder2ForCausalLM",)
 IGNORED_CHECKPOINT_NAMES = (r"rotary_emb\.inv_freq$", *KV_SCALE_PATTERNS)   # KV scales: the worker reads them
@@ -132,11 +135,21 @@ class Starcoder2Model:
 
     def load_weights(self, checkpoint) -> None:
         """Strictly check the checkpoint, then read this shard's slice of every tensor once."""
-        checkpoint.check(self.checkpoint_shapes(), ignore_unexpected=IGNORED_CHECKPOINT_NAMES)
+        q = self.config.quantization
+        checkpoint.check(quantized_shapes(self.checkpoint_shapes(), q),
+                         ignore_unexpected=IGNORED_CHECKPOINT_NAMES + (q.ignored_names if q else ()))
+        drop_zero_biases(checkpoint, self.checkpoint_shapes(), q)
         slices = self.weight_slices()
-        tensors = {name: read(checkpoint, name, slices[name], self.dtype, self.device)
+        tensors = {name: self._read(checkpoint, name, slices[name])
                    for name in checkpoint.progress(list(slices), desc=f"Loading weights (shard {self.tp.rank})")}
         self._assemble(tensors)
+
+    def _read(self, checkpoint, name: str, piece: Slice) -> LinearWeight:
+        """This shard's ``piece`` of one tensor; a quantized layer's weight from its quantized tensors."""
+        q = self.config.quantization
+        if q is not None and q.quantizes(name):
+            return read_linear(checkpoint, name.removesuffix(".weight"), piece, q, self.dtype, self.device)
+        return read(checkpoint, name, piece, self.dtype, self.device)
 
     def _assemble(self, t: dict[str, torch.Tensor]) -> None:
         c, tp = self.config, self.tp

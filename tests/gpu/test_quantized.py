@@ -5,6 +5,7 @@ their references, and float32 greedy parity with transformers on a dequantized t
   and prefill (512 rows) sizes, GPTQ groups of 128 (act-order gathered per row or sorted by group as
   loaded, without act-order, one group) and FP8,
   in bfloat16 and float16, against ``int4_gemm_ref`` / ``fp8_gemm_ref``;
+- Phi-3 and StarCoder2: tiny GPTQ / AWQ / FP8 checkpoints (tests.quant_models), greedy parity as below;
 - parity: a random Llama-2-7B-shaped model cut to QUANT_LAYERS layers (default 4) written as GPTQ
   (act-order), AWQ and FP8 checkpoints beside their dequantized float32 twins; our engine (Triton
   kernels, float32) on the quantized one gives transformers' greedy tokens on the twin (FP8: the
@@ -26,7 +27,7 @@ from kernels.fp8_gemm import Fp8Weight, fp8_gemm, fp8_gemm_ref
 from kernels.quant_gemm import Int4Weight, int4_gemm, int4_gemm_ref
 from tests.gpu.greedy import (Greedy, _top, describe, engine_greedy, near_tie_problem, prompts, release_memory,
                               transformers_greedy)
-from tests.quant_models import fake_quantize_activations
+from tests.quant_models import fake_quantize_activations, save_quantized_pair
 from weights.quant_formats import (AWQ_ORDER, QuantConfig, act_order_g_idx, dequantize_linear, fp8_quantize, pack_int4,
                                    unpack_int4)
 from weights.random_checkpoint import quant_config, write_random_checkpoint
@@ -160,6 +161,33 @@ def test_float32_greedy_tokens_equal_transformers_on_the_dequantized_twin(name, 
     ours = engine_greedy(all_prompts, new_tokens=new_tokens, model_dir=str(quantized), dtype="float32")
     print(f"\n{name}: " + describe(ours, ref, "ours fp32", "transformers fp32"))
     if name == "fp8":
+        assert [near_tie_problem(a, b, "ours", "transformers") for a, b in zip(ours, ref)] == [None] * len(ours)
+    else:
+        assert [g.tokens for g in ours] == [g.tokens for g in ref]
+
+
+# ---- Phi-3 (fused packed tensors) and StarCoder2 (biases, GeLU MLP) through the GPU kernels ---------------
+
+FAMILY_FORMATS = [("phi3", "gptq_act_order"), ("phi3", "awq_g16"), ("phi3", "fp8_tensor"),
+                  ("starcoder2", "awq_g32"), ("starcoder2", "gptq_g32"), ("starcoder2", "fp8_channel")]
+
+
+@pytest.mark.parametrize("family,fmt", FAMILY_FORMATS)
+def test_phi3_and_starcoder2_quantized_greedy_tokens_equal_transformers(family, fmt, tmp_path):
+    """Tiny checkpoints (tests.quant_models) through the Triton GEMMs on the GPU, float32: Phi-3's parts cut
+    from its fused packed tensors, StarCoder2's biased layers. Prompt + generation stay under Phi-3's
+    original context (64), where transformers uses the short rope factors as we do."""
+    quantized, twin = save_quantized_pair(fmt, tmp_path, family=family)
+    generator = torch.Generator().manual_seed(1)
+    all_prompts = [torch.randint(3, 384, (n,), generator=generator).tolist() for n in (7, 30)]
+    new_tokens = 24
+    if fmt.startswith("fp8"):
+        ref = fp8_reference(str(twin), all_prompts, new_tokens)
+    else:
+        ref = transformers_greedy(str(twin), torch.float32, all_prompts, new_tokens=new_tokens)
+    ours = engine_greedy(all_prompts, new_tokens=new_tokens, model_dir=str(quantized), dtype="float32")
+    print(f"\n{family} {fmt}: " + describe(ours, ref, "ours fp32", "transformers fp32"))
+    if fmt.startswith("fp8"):
         assert [near_tie_problem(a, b, "ours", "transformers") for a, b in zip(ours, ref)] == [None] * len(ours)
     else:
         assert [g.tokens for g in ours] == [g.tokens for g in ref]

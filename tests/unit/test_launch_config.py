@@ -223,7 +223,8 @@ def test_help_explains_every_flag_its_default_and_its_variable(monkeypatch):
     assert "a HOSTNAME equal to this machine's name is ignored" in text
     assert "Supported architectures (config.json `architectures`): LlamaForCausalLM, MistralForCausalLM" in text
     assert "BloomForCausalLM (ALiBi, no max_position_embeddings in config.json) serves a 4096-token context" in text
-    assert "Quantized checkpoints (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2): GPTQ" in text
+    assert "Quantized checkpoints (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, " in text
+    assert "Phi3ForCausalLM, Starcoder2ForCausalLM): GPTQ" in text and "MixtralForCausalLM):" not in text
     assert "--quantize fp8 quantizes" in text
 
 

@@ -167,3 +167,13 @@ def test_the_launcher_accepts_the_quantize_values_the_loader_applies():
     from weights.quant_formats import QUANTIZE_FLAGS
 
     assert set(QUANTIZE_SUPPORTED) == set(QUANTIZE_FLAGS) and set(QUANTIZE_FLAGS) <= set(QUANTIZE_CHOICES)
+
+
+def test_linear_biases_the_model_has_no_place_for_are_listed_for_the_zero_check():
+    names = ["model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.down_proj.bias",
+             "model.layers.0.mlp.c_fc.bias", "model.layers.0.input_layernorm.bias", "lm_head.bias"]
+    expected = {"model.layers.0.self_attn.q_proj.bias": (8,)}
+    gptq = QuantConfig("gptq", group_size=32)
+    assert gptq.unused_biases(names, expected) == ["model.layers.0.mlp.down_proj.bias", "model.layers.0.mlp.c_fc.bias"]
+    assert QuantConfig("fp8").unused_biases(names, expected) == []
+    assert gptq.quantizes("model.layers.3.mlp.c_fc.weight") and not gptq.quantizes("model.layers.3.mlp.c_fc.bias")

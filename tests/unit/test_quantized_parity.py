@@ -67,12 +67,13 @@ def test_other_families_with_quantized_linear_layers_match_transformers(family, 
     assert_matches(engine_outputs(quantized), reference(twin, fmt), logprob_tol(fmt))
 
 
-@pytest.mark.parametrize("fmt", ["gptq_act_order", "awq_g16", "fp8_channel"])
-def test_triton_kernels_under_the_interpreter_match_transformers(fmt, tmp_path):
+@pytest.mark.parametrize("family,fmt", [("llama", "gptq_act_order"), ("llama", "awq_g16"), ("llama", "fp8_channel"),
+                                        ("starcoder2", "gptq_g32")])
+def test_triton_kernels_under_the_interpreter_match_transformers(family, fmt, tmp_path):
     """Prefill (22 tokens: dot tiles), decode of two rows (16-row dots), then of one (the FMA path; the
-    first request stops early) through the kernels; fewer tokens than the other tests: the interpreter
-    is slow."""
-    quantized, twin = save_quantized_pair(fmt, tmp_path)
+    first request stops early) through the kernels (StarCoder2: with the layers' biases); fewer tokens
+    than the other tests: the interpreter is slow."""
+    quantized, twin = save_quantized_pair(fmt, tmp_path, family=family)
     hf = reference(twin, fmt)
     config = EngineConfig(model_dir=str(quantized), device="cpu", kernel_backend="triton", num_slots=128,
                           dtype="float32", max_requests=4, max_prefill_tokens=32)
@@ -149,11 +150,12 @@ def test_quantize_flags_that_do_not_match_the_checkpoint_are_clear_errors(tmp_pa
         load_model_config(quantized, quantize="fp8")
 
 
-def test_a_quantized_checkpoint_of_another_family_is_a_clear_error(tmp_path):
-    path = save_tiny_model("phi3", tmp_path / "phi3")
+def test_a_quantized_checkpoint_of_a_moe_family_is_a_clear_error_that_lists_the_supported_ones(tmp_path):
+    path = save_tiny_model("mixtral", tmp_path / "mixtral")
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelConfigError, match="quantized weights .awq. are supported for LlamaForCausalLM.*, not "
-                                               "Phi3ForCausalLM"):
+    with pytest.raises(ModelConfigError, match="quantized weights .awq. are supported for LlamaForCausalLM.*"
+                                               "Phi3ForCausalLM, Starcoder2ForCausalLM, not MixtralForCausalLM "
+                                               ".mixture-of-experts"):
         load_model_config(path)
