@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from engine.models.config import DTYPES, Family, ModelConfig, ModelConfigError, RopeConfig, as_tuple
-from engine.models.layers import (Attention, GeluMLP, LayerNorm, Linear, LMHead, RowParallelLinear,
-                                  VocabParallelEmbedding)
+from engine.models.layers import (Attention, GeluMLP, LayerNorm, LayerNormDecoderLayer, Linear, LMHead,
+                                  RowParallelLinear, VocabParallelEmbedding, run_layernorm_layers)
 from engine.models.parallel import FULL, Slice, TensorParallel, read
 from engine.ops import KernelOps
 from engine.worker.forward_batch import ForwardBatch
@@ -130,14 +130,6 @@ def interleaved_to_qkv(t: torch.Tensor, heads: int, head_dim: int) -> torch.Tens
     return t.reshape(heads, 3, head_dim, -1).transpose(0, 1).reshape(t.shape)
 
 
-@dataclass
-class DecoderLayer:
-    input_norm: LayerNorm
-    attention: Attention
-    post_norm: LayerNorm
-    mlp: GeluMLP
-
-
 class BloomModel:
     def __init__(self, config: BloomConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device,
                  max_positions: int, tp: TensorParallel = TensorParallel()):
@@ -151,7 +143,7 @@ class BloomModel:
         self.embed_norm: LayerNorm | None = None
         self.lm_head: LMHead | None = None
         self.final_norm: LayerNorm | None = None
-        self.layers: list[DecoderLayer] = []
+        self.layers: list[LayerNormDecoderLayer] = []
 
     # ---- weights -------------------------------------------------------------------
 
@@ -197,7 +189,7 @@ class BloomModel:
     def _linear(self, t: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor]:
         return t.pop(name + ".weight"), t.pop(name + ".bias")
 
-    def _layer(self, t: dict[str, torch.Tensor], p: str) -> DecoderLayer:
+    def _layer(self, t: dict[str, torch.Tensor], p: str) -> LayerNormDecoderLayer:
         c, tp, heads = self.config, self.tp, self.num_heads
         weight, bias = self._linear(t, p + "self_attention.query_key_value")
         qkv = Linear(interleaved_to_qkv(weight, heads, c.head_dim), interleaved_to_qkv(bias, heads, c.head_dim))
@@ -207,8 +199,8 @@ class BloomModel:
         up = Linear(*self._linear(t, p + "mlp.dense_h_to_4h"))
         down_weight, down_bias = self._linear(t, p + "mlp.dense_4h_to_h")
         mlp = GeluMLP(up, RowParallelLinear(down_weight, tp, down_bias), "tanh")
-        return DecoderLayer(self._norm(t, p + "input_layernorm"), attention,
-                            self._norm(t, p + "post_attention_layernorm"), mlp)
+        return LayerNormDecoderLayer(self._norm(t, p + "input_layernorm"), attention,
+                                     self._norm(t, p + "post_attention_layernorm"), mlp)
 
     # ---- forward -------------------------------------------------------------------
 
@@ -217,14 +209,7 @@ class BloomModel:
         """Final-normed hidden states [T, hidden] of every new token."""
         ops = self.ops
         residual = self.embed_norm(ops, self.embed_tokens(batch.input_ids))
-        hidden = self.layers[0].input_norm(ops, residual)
-        for index, layer in enumerate(self.layers):
-            attn = layer.attention(ops, hidden, batch, kv_cache.layer(index), kv_cache.req_to_token, None)
-            hidden = layer.post_norm.add(ops, attn, residual)
-            mlp = layer.mlp(ops, hidden)
-            next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
-            hidden = next_norm.add(ops, mlp, residual)
-        return hidden
+        return run_layernorm_layers(ops, self.layers, self.final_norm, residual, batch, kv_cache, None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, vocab] float32 logits (the GEMM in the model dtype, as transformers does)."""

@@ -15,6 +15,7 @@ all-reduce; vocab: rows split by token id):
 | ``GatedMLP`` | gate|up fused, down | ``down(act(gate) * up)`` (SiLU or GeLU-tanh) |
 | ``GeluMLP`` | up (c_fc), down (c_proj), biased | ``down(gelu(up))`` |
 | ``LayerNorm`` | weight, bias, eps (replicated) | LayerNorm, or the residual add + LayerNorm |
+| ``LayerNormDecoderLayer`` | LayerNorms, attention, GeLU MLP | ``run_layernorm_layers``: StarCoder2, Bloom |
 | ``Rotary`` | the cos/sin table | the table and positions the rotary kernel reads |
 | ``Attention`` | qkv (fused), o, score mods | rotary + KV store, prefill or decode attention over the cache (with the layer's sliding window / soft-cap / ALiBi), o |
 | ``QKNormAttention`` | as ``Attention``, + q/k norms | per-head RMSNorm of q and k before rotary (Qwen3) |
@@ -219,3 +220,26 @@ class QKNormAttention(Attention):
         q = ops.rmsnorm(q.reshape(-1, d), self.q_norm, self.eps).view(tokens, self.num_heads, d)
         k = ops.rmsnorm(k.reshape(-1, d), self.k_norm, self.eps).view(tokens, self.num_kv_heads, d)
         return q, k, v
+
+
+@dataclass
+class LayerNormDecoderLayer:
+    """A pre-norm decoder layer with LayerNorms and a non-gated GeLU MLP (StarCoder2, Bloom)."""
+    input_norm: LayerNorm
+    attention: Attention
+    post_norm: LayerNorm
+    mlp: GeluMLP
+
+
+def run_layernorm_layers(ops, layers: list[LayerNormDecoderLayer], final_norm: LayerNorm, residual: torch.Tensor,
+                         batch, kv_cache, rotary) -> torch.Tensor:
+    """The final-normed hidden states after ``layers``; each residual add is fused into the next norm.
+    ``residual`` (the embeddings) is updated in place; ``rotary``: None for a model without rotary."""
+    hidden = layers[0].input_norm(ops, residual)
+    for index, layer in enumerate(layers):
+        attn = layer.attention(ops, hidden, batch, kv_cache.layer(index), kv_cache.req_to_token, rotary)
+        hidden = layer.post_norm.add(ops, attn, residual)
+        mlp = layer.mlp(ops, hidden)
+        next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else final_norm
+        hidden = next_norm.add(ops, mlp, residual)
+    return hidden

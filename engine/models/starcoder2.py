@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from engine.models.config import Family, ModelConfig, ModelConfigError, shared_fields
-from engine.models.layers import (Attention, GeluMLP, LayerNorm, Linear, LMHead, RowParallelLinear, Rotary,
-                                  VocabParallelEmbedding)
+from engine.models.layers import (Attention, GeluMLP, LayerNorm, LayerNormDecoderLayer, Linear, LMHead,
+                                  RowParallelLinear, Rotary, VocabParallelEmbedding, run_layernorm_layers)
 from engine.models.parallel import FULL, Slice, TensorParallel, read
 from engine.models.quantized import LinearWeight, drop_zero_biases, read_linear
 from engine.ops import KernelOps
@@ -90,14 +90,6 @@ def checkpoint_shapes(c: Starcoder2Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-@dataclass
-class DecoderLayer:
-    input_norm: LayerNorm
-    attention: Attention
-    post_norm: LayerNorm
-    mlp: GeluMLP
-
-
 class Starcoder2Model:
     def __init__(self, config: Starcoder2Config, ops: KernelOps, dtype: torch.dtype, device: torch.device,
                  max_positions: int, tp: TensorParallel = TensorParallel()):
@@ -110,7 +102,7 @@ class Starcoder2Model:
         self.embed_tokens: VocabParallelEmbedding | None = None
         self.lm_head: LMHead | None = None
         self.final_norm: LayerNorm | None = None
-        self.layers: list[DecoderLayer] = []
+        self.layers: list[LayerNormDecoderLayer] = []
 
     # ---- weights -------------------------------------------------------------------
 
@@ -165,7 +157,7 @@ class Starcoder2Model:
     def _bias(self, t: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
         return t.pop(name + ".bias") if self.config.use_bias else None
 
-    def _layer(self, t: dict[str, torch.Tensor], p: str) -> DecoderLayer:
+    def _layer(self, t: dict[str, torch.Tensor], p: str) -> LayerNormDecoderLayer:
         c, tp = self.config, self.tp
         qkv_names = [p + f"self_attn.{n}_proj" for n in "qkv"]
         qkv = Linear.fused([t.pop(n + ".weight") for n in qkv_names],
@@ -175,8 +167,9 @@ class Starcoder2Model:
                               ScoreMods(window=c.sliding_window) if c.sliding_window else None)
         up = Linear(t.pop(p + "mlp.c_fc.weight"), self._bias(t, p + "mlp.c_fc"))
         down = RowParallelLinear(t.pop(p + "mlp.c_proj.weight"), tp, self._bias(t, p + "mlp.c_proj"))
-        return DecoderLayer(self._norm(t, p + "input_layernorm"), attention,
-                            self._norm(t, p + "post_attention_layernorm"), GeluMLP(up, down, c.gelu_approximate))
+        mlp = GeluMLP(up, down, c.gelu_approximate)
+        return LayerNormDecoderLayer(self._norm(t, p + "input_layernorm"), attention,
+                                     self._norm(t, p + "post_attention_layernorm"), mlp)
 
     # ---- forward -------------------------------------------------------------------
 
@@ -186,14 +179,7 @@ class Starcoder2Model:
         ops = self.ops
         rotary = self.rotary(batch)
         residual = self.embed_tokens(batch.input_ids)
-        hidden = self.layers[0].input_norm(ops, residual)
-        for index, layer in enumerate(self.layers):
-            attn = layer.attention(ops, hidden, batch, kv_cache.layer(index), kv_cache.req_to_token, rotary)
-            hidden = layer.post_norm.add(ops, attn, residual)
-            mlp = layer.mlp(ops, hidden)
-            next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
-            hidden = next_norm.add(ops, mlp, residual)
-        return hidden
+        return run_layernorm_layers(ops, self.layers, self.final_norm, residual, batch, kv_cache, rotary)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, vocab] float32 logits (the GEMM in the model dtype, as transformers does)."""
