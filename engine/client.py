@@ -11,6 +11,7 @@ away, a stop sequence) aborts the request in the router, which frees its KV slot
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -18,6 +19,8 @@ from typing import AsyncIterator, Callable, Protocol
 
 from engine.protocol.codec import decode, encode
 from engine.protocol.messages import Abort, Events, GenerationRequest, RouterStatus, StepStats, TokenEvent
+
+_STATUS_NOT_NUMBERS = ("healthy", "error")
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +129,9 @@ class RouterClient(_EventRouting):
         return self._status.healthy
 
     def stats(self) -> dict:
+        """Every number of the router's last status (queue, batch, KV, prefix cache, speculation counters)."""
         s = self._status
-        return {"queue_size": s.queue_size, "batch_size": s.batch_size, "kv_used": s.kv_used,
-                "kv_capacity": s.kv_capacity, "prefix_cache_tokens": s.prefix_cache_tokens,
-                "prefix_cache_lookup_tokens": s.prefix_cache_lookup_tokens,
-                "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
-                "prefix_cache_evicted_tokens": s.prefix_cache_evicted_tokens}
+        return {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in _STATUS_NOT_NUMBERS}
 
     def _submit(self, request: GenerationRequest) -> None:
         if not self._status.healthy and self._status.error == ROUTER_GONE:

@@ -80,3 +80,17 @@ def test_when_the_router_is_gone_pending_and_new_requests_fail_at_once():
     failed, late = asyncio.run(run())
     assert "router process is gone" in failed.error and "router process is gone" in late.error
     assert not client.healthy()
+
+
+def test_stats_carry_every_number_of_the_routers_status():
+    """/metrics reads the router's counters through ``stats()``: a status field left out there never
+    reaches it (the speculation counters once stayed 0 behind a launched server)."""
+    router_end, frontend_end = multiprocessing.Pipe()
+    client = RouterClient(frontend_end)
+    status = RouterStatus(healthy=True, queue_size=1, batch_size=2, kv_used=3, kv_capacity=4, prefix_cache_tokens=5,
+                          prefix_cache_lookup_tokens=6, prefix_cache_hit_tokens=7, prefix_cache_evicted_tokens=8,
+                          speculation_drafted_tokens=9, speculation_accepted_tokens=10)
+    router_end.send_bytes(encode(status))
+    assert client.wait_ready(timeout=5) == status
+    numbers = {name: value for name, value in vars(status).items() if name not in ("healthy", "error")}
+    assert client.stats() == numbers and set(numbers.values()) == set(range(1, 11))
