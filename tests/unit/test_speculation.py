@@ -330,3 +330,17 @@ def test_an_abort_with_a_verify_row_in_flight_frees_every_slot_and_drops_its_tok
     assert not sched.has_work() and sched.schedule().released == [1]
     cached = sched.cache.match([5, 6, 7, 5, 6, 7, 5, 6, 7])
     assert cached.length <= 6        # prompt + its first token at most: no draft's slot entered the tree
+
+
+# ---- the tokens-per-step replay (bench/spec_bench.py steps) ---------------------------
+
+def test_the_step_replay_counts_rows_waits_and_drafts_of_the_real_scheduler():
+    from bench.spec_bench import noise, replay
+
+    quoting = ([7, 1, 2, 3, 4, 5, 6, 8], [1, 2, 3, 4, 5, 6, 8, 9, 10])     # copies its prompt, then 9 10
+    plain = replay([quoting], 0)
+    assert plain == {"tokens": 8, "rows": 8, "verify_rows": 0, "waits": 0, "drafted": 0, "accepted": 0}
+    spec = replay([quoting], 4)
+    assert spec["tokens"] == 8 and spec["rows"] < 8 and spec["accepted"] >= 4 and spec["verify_rows"] >= 1
+    assert 1 <= spec["waits"] <= spec["verify_rows"]    # a verify row's successor waits for its result
+    assert replay(noise(2, 16), 4)["accepted"] == 0
