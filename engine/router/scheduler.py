@@ -55,9 +55,10 @@ row of it is in flight (``verifying``): it skips a step (the pipeline's depth). 
 in flight (or its prompt's last chunk) it drafts without waiting: the drafter guesses the unknown
 token from where it copies (``NgramDrafter.propose``'s ``ahead``) and a wrong guess only gets the
 drafts rejected, so finding nothing to draft costs no step. A request whose drafts are all
-rejected decodes plain pipelined rows for a pause that doubles with each such miss in a row (up
-to ``max_draft_pause`` rows; an accepted draft ends the streak), so loads whose drafts fail lose
-at most one step in ``max_draft_pause`` + 2 to speculation. The slots of rejected drafts are freed
+rejected twice in a row decodes plain pipelined rows for a pause that doubles with each further
+such miss (2, 4, .. up to ``max_draft_pause`` rows; an accepted draft ends the streak), so loads
+whose drafts fail lose at most one step in ``max_draft_pause`` + 2 to speculation; two tokens in
+a row that the drafter foresaw (``RESUME_STREAK``, scored for free on every token) end a pause. The slots of rejected drafts are freed
 when the result comes (``SlotAllocator.truncate``), before any of them could enter the prefix
 cache. Drafts take only slots free beyond the step's own needs, and admission reserves a
 speculating request's whole remaining length at once (accepted drafts grow it faster than one
@@ -167,8 +168,10 @@ class Request:
         return not self.verifying
 
     def draft_missed(self, max_pause: int) -> None:
+        """A verify row had nothing accepted: the second such row in a row starts a pause of 2 plain
+        rows, each further one doubles it (a lone miss inside copied text costs no pause)."""
         self.draft_misses += 1
-        self.draft_pause = min(2 ** self.draft_misses, max_pause)
+        self.draft_pause = min(2 ** (self.draft_misses - 1), max_pause) if self.draft_misses > 1 else 0
 
 
 @dataclass
