@@ -5,7 +5,7 @@
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
 #                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8),
 #                                         wquant_families (quantized Phi-3 / StarCoder2), spec (speculative
-#                                         decoding), frontend
+#                                         decoding), spec_lengths (its draft lengths), frontend
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -277,8 +277,19 @@ for stage in $stages; do
       # prompts with --speculate 2 vs 0 (>= 0.95x)
       ensure_7b
       LLAMA2_7B_DIR=$MODEL_7B timeout ${SPEC_TIMEOUT:-360} python3 -m pytest -q -s -p no:cacheprovider \
-        tests/gpu/test_speculation.py 2>&1 | tee "$OUT/spec.log" | grep -v -E "it/s|s/it" | tail -20
+        tests/gpu/test_speculation.py -k "not with_4_and_8_drafts" 2>&1 | tee "$OUT/spec.log" \
+        | grep -v -E "it/s|s/it" | tail -20
       rc=${PIPESTATUS[0]} ;;
+    spec_lengths)
+      # speculative decoding's draft length (tests/gpu/test_speculation.py, the last test): the demo model's batch-1
+      # decode tokens/s on the rename prompts with --speculate 0, 4 and 8, speed-up and acceptance of each, outputs
+      # identical; the CPU replay (bench.spec_bench steps) prints the tokens per forward step and waiting steps
+      timeout ${SPEC_TIMEOUT:-360} python3 -m pytest -q -s -p no:cacheprovider \
+        "tests/gpu/test_speculation.py::test_demo_model_rename_prompts_with_4_and_8_drafts_keep_the_tokens" 2>&1 \
+        | tee "$OUT/spec_lengths.log" | grep -v -E "it/s|s/it" | tail -20
+      rc=${PIPESTATUS[0]}
+      timeout 300 python3 -m bench.spec_bench steps --references "$OUT/spec_refs.json" --json "$OUT/spec_steps.json" \
+        2>&1 | tee -a "$OUT/spec_lengths.log" | grep speculate ;;
     frontend)
       # The front end alone under issue 15's burst (bench.frontend_bench: 256 streamed prompts of ~3,000 tokens at
       # once against a paced stand-in router, this machine's CPUs, no GPU): TTFT, ITL, mean validation and the

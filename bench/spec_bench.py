@@ -1,8 +1,9 @@
 """Speculative decoding (--speculate): what it gains and what a verify step costs.
 
-    python -m bench.spec_bench demo [--new-tokens 256]                 # batch-1 tokens/s, speculate 0 vs 4
+    python -m bench.spec_bench demo [--new-tokens 256] [--speculate 4,8] # batch-1 tokens/s, speculate 0 vs 4
     python -m bench.spec_bench verify --model-dir /tmp/llama2-7b       # verify step vs plain decode step
     python -m bench.spec_bench load --model-dir /tmp/llama2-7b         # random prompts, speculate 0 vs 2
+    python -m bench.spec_bench steps [--references /tmp/spec_refs.json] # tokens per forward step (CPU, exact)
 
 demo: the bundled demo model, one request at a time, on prompts that quote their input ("the same
 function, renamed": real standard-library sources read with inspect.getsource, then the first line
@@ -12,6 +13,16 @@ verify: B requests prefilled to --context tokens; the wall time of one ``ModelWo
 plain decode step ([FED_BACK] per row) and of a verify step (4 drafts per row), and their ratio.
 load: N random prompts (no repetition to find) all queued at once, output tokens/s with --speculate
 0 and 2 (drafts rarely hit: the cost of trying).
+steps: what decides the speed-up, exactly and on any machine. The demo model's greedy outputs
+(--speculate 0) of the rename prompts and of random prompts (the small model soon repeats itself)
+are computed once (cached in --references); "noise" pairs random prompts with random tokens as
+outputs (nothing to draft: what trying costs). The real Scheduler, pipelined as the Router runs
+it, then replays each request alone against a shard that verifies drafts greedily against that
+output (greedy verification is exact, so the rows, drafts and accepted counts are the real
+engine's). Per --speculate N: verify rows, drafted, accepted, acceptance rate, output tokens per
+forward step of the request (plain decoding = 1.0), the steps that wait (the request runs but has
+no row to plan: its verify row's result decides the next position; plain rows are pipelined and
+never wait) per forward step, and tokens per (step + wait), the speed-up if a wait cost a whole step.
 """
 from __future__ import annotations
 
@@ -26,7 +37,8 @@ from pathlib import Path
 import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.protocol.messages import FED_BACK, SamplingParams, Step, StepRow
+from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, StepResult, StepRow
+from engine.router.scheduler import SchedulerConfig
 
 DEMO = Path(__file__).resolve().parents[1] / "weights" / "demo"
 
@@ -64,33 +76,39 @@ def decode_tokens_per_s(engine: Engine, prompts: list[list[int]], new_tokens: in
 
 
 def demo(args) -> dict:
+    """--speculate 0 and each of ``args.speculate`` (default 4): the first one's speed-up and acceptance
+    as the summary's top keys, every one's under "by_speculate"."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO)
     prompts = [rename_prompt(tokenizer, f) for f in stdlib_functions()]
+    lengths = [int(n) for n in str(getattr(args, "speculate", None) or "4").split(",")]
     results, outputs = {}, {}
-    for speculate in (0, 4):
+    for speculate in [0, *lengths]:
         engine = Engine(EngineConfig(model_dir=str(DEMO), max_requests=8, speculate=speculate))
         decode_tokens_per_s(engine, prompts[:2], 32)                       # warm-up (compiles)
         engine.router.scheduler.speculation.drafted_tokens = engine.router.scheduler.speculation.accepted_tokens = 0
         rate, outputs[speculate] = decode_tokens_per_s(engine, prompts, args.new_tokens)
         stats = engine.router.scheduler.speculation
         results[speculate] = {"tokens_per_s": round(rate, 1), "drafted": stats.drafted_tokens,
-                              "accepted": stats.accepted_tokens}
+                              "accepted": stats.accepted_tokens,
+                              "acceptance_rate": round(stats.accepted_tokens / max(stats.drafted_tokens, 1), 3)}
         engine.close()
         del engine
         gc.collect()
-    spec = results[4]
-    summary = {"speculate0_tokens_per_s": results[0]["tokens_per_s"], "speculate4_tokens_per_s": spec["tokens_per_s"],
-               "speedup": round(spec["tokens_per_s"] / results[0]["tokens_per_s"], 3),
-               "acceptance_rate": round(spec["accepted"] / max(spec["drafted"], 1), 3),
-               "accepted_per_step_bonus_excluded": spec["accepted"], "drafted": spec["drafted"],
-               "outputs_identical": outputs[0] == outputs[4]}
-    print(f"demo batch 1 ({len(prompts)} rename prompts x {args.new_tokens} tokens): speculate 0 "
-          f"{summary['speculate0_tokens_per_s']} tokens/s, speculate 4 {summary['speculate4_tokens_per_s']} tokens/s, "
-          f"speed-up {summary['speedup']}x, acceptance {summary['acceptance_rate']}, identical "
-          f"{summary['outputs_identical']}")
-    return summary
+    for speculate in lengths:
+        results[speculate]["speedup"] = round(results[speculate]["tokens_per_s"] / results[0]["tokens_per_s"], 3)
+        results[speculate]["outputs_identical"] = outputs[speculate] == outputs[0]
+        print(f"demo batch 1 ({len(prompts)} rename prompts x {args.new_tokens} tokens): speculate 0 "
+              f"{results[0]['tokens_per_s']} tokens/s, speculate {speculate} {results[speculate]['tokens_per_s']} "
+              f"tokens/s, speed-up {results[speculate]['speedup']}x, acceptance "
+              f"{results[speculate]['acceptance_rate']}, identical {results[speculate]['outputs_identical']}")
+    first = results[lengths[0]]
+    return {"speculate0_tokens_per_s": results[0]["tokens_per_s"],
+            f"speculate{lengths[0]}_tokens_per_s": first["tokens_per_s"], "speedup": first["speedup"],
+            "acceptance_rate": first["acceptance_rate"], "accepted_per_step_bonus_excluded": first["accepted"],
+            "drafted": first["drafted"], "outputs_identical": all(results[n]["outputs_identical"] for n in lengths),
+            "by_speculate": {str(n): results[n] for n in lengths}}
 
 
 def verify(args) -> dict:
@@ -174,20 +192,148 @@ def load(args) -> dict:
     return {"load_tokens_per_s": {str(k): round(v, 1) for k, v in results.items()}, "load_ratio": round(ratio, 3)}
 
 
+def references(args) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """{"rename"/"random": [(prompt, greedy output)]} of the demo model (speculate 0), cached in a file."""
+    path = Path(args.references) if args.references else None
+    if path is not None and path.exists():
+        cached = json.loads(path.read_text())
+        if cached.get("new_tokens") == args.new_tokens:
+            return {name: [tuple(pair) for pair in pairs] for name, pairs in cached["workloads"].items()}
+    from transformers import AutoTokenizer
+
+    from .workloads import random_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO)
+    prompts = {"rename": [rename_prompt(tokenizer, f) for f in stdlib_functions()],
+               "random": random_prompts(4, 64, 256, tokenizer.vocab_size, seed=2)}
+    engine = Engine(EngineConfig(model_dir=str(DEMO), max_requests=8, speculate=0))
+    workloads = {}
+    for name, group in prompts.items():
+        requests = [GenerationRequest(i, p, args.new_tokens, SamplingParams(), stop_token_ids=[])
+                    for i, p in enumerate(group)]
+        outputs = engine.generate(requests)
+        workloads[name] = [(p, [e.token_id for e in outputs[i]]) for i, p in enumerate(group)]
+    engine.close()
+    if path is not None:
+        path.write_text(json.dumps({"new_tokens": args.new_tokens, "workloads": workloads}))
+    return workloads
+
+
+class ReferenceShards:
+    """A shard that 'decodes' a known greedy output: a prompt's last chunk samples its first token, a
+    decode row the token after its fed one, and a verify row accepts its drafts while they equal the
+    output (exactly the worker's greedy verification). Results come back in order, like the worker's."""
+
+    def __init__(self):
+        self.outputs: dict[int, tuple[int, list[int]]] = {}    # request id -> (prompt length, output)
+        self.results = []
+
+    def submit(self, step: Step) -> None:
+        rows = []
+        for row in step.rows:
+            if not row.sample:
+                rows.append(RowResult(row.request_id))
+                continue
+            prompt_len, output = self.outputs[row.request_id]
+            first = row.start_pos + len(row.input_ids) - prompt_len if row.input_ids[0] != FED_BACK \
+                else row.start_pos + 1 - prompt_len
+            drafts = row.input_ids[1:] if row.input_ids[0] == FED_BACK else []
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == output[first + kept]:
+                kept += 1
+            tokens = [RowResult(row.request_id, token_id=t, logprob=0.0) for t in output[first : first + kept + 1]]
+            tokens[0].following = tokens[1:]
+            rows.append(tokens[0])
+        self.results.append(StepResult(rows))
+
+    def collect(self, timeout=None):
+        return self.results.pop(0)
+
+
+def replay(pairs: list[tuple[list[int], list[int]]], speculate: int) -> dict:
+    """Each (prompt, output) alone through the real Scheduler against ``ReferenceShards``, pipelined as
+    ``Router.step`` does (a step submitted, then the oldest in flight collected once two are or nothing
+    new could be planned): the counts of ``steps`` (module docstring)."""
+    from collections import deque
+
+    from engine.router.allocator import SlotAllocator
+    from engine.router.scheduler import Request, Scheduler
+
+    totals = {"tokens": 0, "rows": 0, "verify_rows": 0, "waits": 0, "drafted": 0, "accepted": 0}
+    for prompt, output in pairs:
+        longest = len(prompt) + len(output)
+        scheduler = Scheduler(SlotAllocator(num_slots=longest + 64, max_requests=2),
+                              SchedulerConfig(max_seq_len=longest, speculate=speculate))
+        shards, in_flight, generated = ReferenceShards(), deque(), []
+        shards.outputs[0] = (len(prompt), output)
+        scheduler.add(Request(0, list(prompt), len(output), SamplingParams(), seed=0))
+        while scheduler.has_work() or in_flight:
+            step = scheduler.schedule()
+            if step.rows or step.released:
+                shards.submit(step)
+                in_flight.append(step)
+                decode = [row.input_ids for row in step.rows if row.input_ids[0] == FED_BACK]
+                totals["rows"] += len(decode)
+                totals["verify_rows"] += sum(len(ids) > 1 for ids in decode)
+                if len(in_flight) < 2:
+                    continue
+            elif any(r.remaining > 0 and not r.in_prefill for r in scheduler.running):
+                totals["waits"] += 1          # tokens left to plan, but the next row needs the result in flight
+            done = in_flight.popleft()
+            generated += [res.token_id for _, res, _ in scheduler.process(done, shards.collect())]
+        if generated != output:
+            raise AssertionError("the replay changed the output: speculation must not")
+        totals["tokens"] += len(output) - 1
+        totals["drafted"] += scheduler.speculation.drafted_tokens
+        totals["accepted"] += scheduler.speculation.accepted_tokens
+    return totals
+
+
+def noise(count: int, new_tokens: int, vocab_size: int = 32000) -> list[tuple[list[int], list[int]]]:
+    """Random prompts whose 'outputs' are random tokens too (no model): nothing to draft, what trying
+    costs (the waits) on loads like the random-prompt ones of ``load``."""
+    from .workloads import random_prompts
+
+    prompts = random_prompts(count, 64, 512, vocab_size, seed=3)
+    return list(zip(prompts, random_prompts(count, new_tokens, new_tokens, vocab_size, seed=4)))
+
+
+def steps(args) -> dict:
+    workloads = {**references(args), "noise": noise(8, args.new_tokens)}
+    results = {}
+    for name, pairs in workloads.items():
+        for speculate in [0] + [int(n) for n in (args.speculate or "2,4,6,8").split(",")]:
+            t = replay(pairs, speculate)
+            summary = {"verify_rows": t["verify_rows"], "drafted": t["drafted"], "accepted": t["accepted"],
+                       "acceptance_rate": round(t["accepted"] / max(t["drafted"], 1), 3),
+                       "tokens_per_step": round(t["tokens"] / t["rows"], 3),
+                       "waiting_steps": round(t["waits"] / t["rows"], 3),
+                       "tokens_per_step_and_wait": round(t["tokens"] / (t["rows"] + t["waits"]), 3)}
+            results[f"{name}/speculate{speculate}"] = summary
+            print(f"{name:6} speculate {speculate}: {t['rows']} rows ({t['verify_rows']} verify), drafted "
+                  f"{t['drafted']}, accepted {t['accepted']} ({summary['acceptance_rate']}), tokens/step "
+                  f"{summary['tokens_per_step']}, waits/step {summary['waiting_steps']}, tokens/(step + wait) "
+                  f"{summary['tokens_per_step_and_wait']}")
+    return results
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["demo", "verify", "load"])
+    parser.add_argument("what", choices=["demo", "verify", "load", "steps"])
     parser.add_argument("--model-dir", help="checkpoint directory (verify, load)")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per request")
     parser.add_argument("--batch-sizes", default="1,32", help="verify: comma-separated batch sizes")
     parser.add_argument("--context", type=int, default=512, help="verify: tokens each request holds")
     parser.add_argument("--repeats", type=int, default=20, help="verify: timed steps per measurement")
     parser.add_argument("--requests", type=int, default=64, help="load: requests queued at once")
+    parser.add_argument("--speculate", help="steps (default 2,4,6,8), demo (default 4): comma-separated draft "
+                                            "lengths")
+    parser.add_argument("--references", help="steps: cache of the greedy outputs (computed when missing)")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
-    if args.what != "demo" and not args.model_dir:
+    if args.what in ("verify", "load") and not args.model_dir:
         parser.error(f"{args.what} needs --model-dir")
-    result = {"demo": demo, "verify": verify, "load": load}[args.what](args)
+    result = {"demo": demo, "verify": verify, "load": load, "steps": steps}[args.what](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

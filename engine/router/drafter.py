@@ -1,11 +1,24 @@
 """N-gram drafts (prompt lookup) for speculative decoding, on the router side.
 
 A request's next tokens often repeat its own earlier ones (code edits, extraction, chat that
-quotes its input). ``NgramDrafter`` matches the last ``n`` tokens of the request's prompt +
-output (``n`` from ``max_ngram`` down to 1) against their most recent earlier occurrence and
-proposes the tokens that followed it. The shard verifies the drafts exactly
+quotes its input). ``NgramDrafter`` proposes the tokens that followed an earlier occurrence of
+the request's newest tokens (prompt + output). The shard verifies the drafts exactly
 (``engine.worker.model_worker``): a draft only decides how many tokens one forward pass may
 produce, never which.
+
+Where it copies from:
+
+  * the copy pointer: once a proposal came from source position ``s``, the request is copying
+    from there; while every token since equals the source's (the drafts were accepted, the
+    corrected token happened to match too), the next proposal continues at ``s`` plus the tokens
+    since. It keeps following the quoted text where a shorter suffix's latest occurrence would
+    jump elsewhere (``self.x`` in a function that is being copied occurs all over its source);
+  * else the longest suffix (``max_ngram`` tokens down to 1) that occurred before, at its latest
+    occurrence.
+
+``ahead`` > 0 proposes for the positions after tokens not known yet (a plain row in flight): the
+source's next ``ahead`` tokens stand for them, so the drafts are the tokens after those; a wrong
+guess only gets the drafts rejected.
 
 The index is incremental: ``follow[n][ngram]`` is the position right after the latest
 occurrence of ``ngram`` whose next token is known, so a proposal costs ``max_ngram`` dict
@@ -13,7 +26,8 @@ look-ups whatever the request's length.
 """
 from __future__ import annotations
 
-MAX_NGRAM = 3     # longest suffix matched (TGI's prompt lookup and vLLM's default use 3 or less)
+MAX_NGRAM = 3     # longest suffix matched (TGI's prompt lookup, vLLM's default): 8 found the same drafts on the
+                  # rename prompts once the copy pointer follows the quote, at an index entry more per token each
 
 
 class NgramDrafter:
@@ -25,31 +39,66 @@ class NgramDrafter:
         self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self.follow: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
+        self.source: int | None = None     # copy pointer: the source position of ``tokens[self.target]``
+        self.target = 0                    # (the position the last proposal started predicting at)
+        self.streak = 0                    # newest tokens in a row that the drafter foresaw (``extend(score=True)``)
 
-    def extend(self, tokens: list[int]) -> None:
-        """Index new tokens appended to the request's sequence."""
+    def extend(self, tokens: list[int], score: bool = False) -> None:
+        """Index new tokens appended to the request's sequence; with ``score``, count in ``streak``
+        whether each is the one a proposal would have drafted (a free test of drafting, even while
+        the request does not draft)."""
         own, follow = self.tokens, self.follow
         for token in tokens:
+            if score:
+                self.streak = self.streak + 1 if self.foresee() == token else 0
             end = len(own)      # the n-grams ending just before ``token`` are now followed by it
             for n in range(1, min(self.max_ngram, end) + 1):
                 follow[n][tuple(own[end - n : end])] = end
             own.append(token)
 
-    def propose(self, max_drafts: int) -> list[int]:
-        """Up to ``max_drafts`` tokens that followed the latest earlier occurrence of the longest
-        matching suffix; [] when no suffix occurred before."""
-        own = self.tokens
+    def propose(self, max_drafts: int, ahead: int = 0) -> list[int]:
+        """Up to ``max_drafts`` tokens for the positions after the known tokens and ``ahead`` unknown
+        ones (module docstring); [] when nothing occurred before."""
         if max_drafts <= 0:
             return []
-        for n in range(min(self.max_ngram, len(own)), 0, -1):
-            start = self.follow[n].get(tuple(own[-n:]))
-            if start is not None:
-                return own[start : start + max_drafts]
-        return []
+        start = self._copied_source()
+        if start is None:
+            start = latest_match(self.follow, self.tokens, self.max_ngram)
+        if start is None or start + ahead >= len(self.tokens):
+            self.source = None
+            return []
+        self.source, self.target = start, len(self.tokens)
+        return self.tokens[start + ahead : start + ahead + max_drafts]
+
+    def foresee(self) -> int | None:
+        """The token a proposal would draft first now (the copy pointer is left as it is)."""
+        start = self._copied_source()
+        if start is None:
+            start = latest_match(self.follow, self.tokens, self.max_ngram)
+        return None if start is None else self.tokens[start]
+
+    def _copied_source(self) -> int | None:
+        """Where the copy pointer stands now, if every token since the last proposal followed it."""
+        if self.source is None:
+            return None
+        since = len(self.tokens) - self.target
+        start = self.source + since
+        if start >= len(self.tokens) or self.tokens[self.target :] != self.tokens[self.source : start]:
+            return None
+        return start
+
+
+def latest_match(follow: list[dict[tuple[int, ...], int]], tokens: list[int], max_ngram: int) -> int | None:
+    """The position after the latest earlier occurrence of the longest suffix of ``tokens``."""
+    for n in range(min(max_ngram, len(tokens)), 0, -1):
+        start = follow[n].get(tuple(tokens[-n:]))
+        if start is not None:
+            return start
+    return None
 
 
 def propose_ngram(tokens: list[int], max_drafts: int, max_ngram: int = MAX_NGRAM) -> list[int]:
-    """The reference of ``NgramDrafter.propose`` by a plain backward search (tests)."""
+    """The reference of a proposal without a copy pointer, by a plain backward search (tests)."""
     for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
         suffix = tokens[-n:]
         for end in range(len(tokens) - 1, n - 1, -1):      # an occurrence ending before the last token

@@ -50,12 +50,15 @@ through verify rows ``[FED_BACK, d1 .. dn]``, whose drafts ``d`` come
 from ``engine.router.drafter`` (prompt lookup in the request's own tokens); the shard returns
 the accepted drafts plus one corrected or bonus token, each through the stop criteria here in
 order (never a token past ``max_new_tokens``: n <= remaining - 1). A verify row's result decides
-the next row's position (1 to n + 1 tokens come back), and drafting needs the newest token, so a
-drafting request is not planned while a row of it is in flight: it skips a step (the pipeline's
-depth). A request whose drafts miss (none found, or all rejected) decodes plain pipelined rows
-for a pause that doubles with each miss in a row (up to ``max_draft_pause`` rows; an accepted
-draft ends the streak), so loads with nothing to draft lose at most one step in
-``max_draft_pause`` + 2 to speculation. The slots of rejected drafts are freed
+the next row's position (1 to n + 1 tokens come back), so a request is not planned while a verify
+row of it is in flight (``verifying``): it skips a step (the pipeline's depth). Behind a plain row
+in flight (or its prompt's last chunk) it drafts without waiting: the drafter guesses the unknown
+token from where it copies (``NgramDrafter.propose``'s ``ahead``) and a wrong guess only gets the
+drafts rejected, so finding nothing to draft costs no step. A request whose drafts are all
+rejected twice in a row decodes plain pipelined rows for a pause that doubles with each further
+such miss (2, 4, .. up to ``max_draft_pause`` rows; an accepted draft ends the streak), so loads
+whose drafts fail lose at most one step in ``max_draft_pause`` + 2 to speculation; two tokens in
+a row that the drafter foresaw (``RESUME_STREAK``, scored for free on every token) end a pause. The slots of rejected drafts are freed
 when the result comes (``SlotAllocator.truncate``), before any of them could enter the prefix
 cache. Drafts take only slots free beyond the step's own needs, and admission reserves a
 speculating request's whole remaining length at once (accepted drafts grow it faster than one
@@ -82,6 +85,7 @@ MAX_SKIPPED = 16     # waiting requests tried per step after one did not fit
 DEFER_MIN_TOKENS = 128   # wait for a running prefill that will cache at least this many more prompt tokens
 MIN_PROMPT_CHUNK = 16    # prompt tokens a step always carries while prompts wait (progress beside any decode batch)
 MAX_DRAFT_PAUSE = 32     # plain (pipelined) decode rows, at most, between draft attempts after misses
+RESUME_STREAK = 2        # tokens in a row the drafter foresaw that end a draft pause
 
 
 @dataclass(frozen=True)
@@ -129,8 +133,9 @@ class Request:
     cached_len: int = 0                # leading tokens whose slots lie on the lock path (in the tree)
     lock_node: TreeNode | None = None  # the prefix cache node this request locks (with its ancestors)
     drafter: NgramDrafter | None = None  # set when the request speculates (its known tokens indexed)
-    draft_misses: int = 0              # draft attempts in a row that found nothing or had nothing accepted
+    draft_misses: int = 0              # verify rows in a row that had nothing accepted
     draft_pause: int = 0               # plain decode rows to plan before drafting again
+    verifying: bool = False            # a verify row is in flight: its result decides the next position
 
     @property
     def remaining(self) -> int:
@@ -160,11 +165,13 @@ class Request:
         """Whether the next step may carry a decode (or verify) row of this request."""
         if self.in_prefill or self.remaining <= 0:
             return False
-        return not (self.drafting and self.pending)      # drafts need the newest token
+        return not self.verifying
 
     def draft_missed(self, max_pause: int) -> None:
+        """A verify row had nothing accepted: the second such row in a row starts a pause of 2 plain
+        rows, each further one doubles it (a lone miss inside copied text costs no pause)."""
         self.draft_misses += 1
-        self.draft_pause = min(2 ** self.draft_misses, max_pause)
+        self.draft_pause = min(2 ** (self.draft_misses - 1), max_pause) if self.draft_misses > 1 else 0
 
 
 @dataclass
@@ -413,11 +420,10 @@ class Scheduler:
         drafts = []
         if request.drafting:
             room = spare.take(min(self.config.speculate, request.remaining - 1))
-            drafts = request.drafter.propose(room)
+            drafts = request.drafter.propose(room, ahead=request.pending)   # behind a plain row: guessed
             spare.give_back(room - len(drafts))
             self.speculation.drafted_tokens += len(drafts)
-            if room and not drafts:
-                request.draft_missed(self.config.max_draft_pause)
+            request.verifying = bool(drafts)
         elif request.speculates:
             request.draft_pause -= 1
         row = StepRow(
@@ -474,12 +480,16 @@ class Scheduler:
                 break
         self.speculation.accepted_tokens += len(res.following)
         if decode and len(row.input_ids) > 1:
+            request.verifying = False
             if res.following:
                 request.draft_misses = 0
             else:
                 request.draft_missed(self.config.max_draft_pause)
         if request.speculates:
-            request.drafter.extend(request.generated[len(request.drafter.tokens) - len(request.prompt_ids) :])
+            request.drafter.extend(request.generated[len(request.drafter.tokens) - len(request.prompt_ids) :],
+                                   score=True)
+            if request.drafter.streak >= RESUME_STREAK:
+                request.draft_pause = 0             # the drafter foresaw the newest tokens: draft again
             if decode:
                 self.allocator.truncate(request.request_id, request.held_tokens - 1)
         return reason

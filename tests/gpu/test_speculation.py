@@ -30,3 +30,12 @@ def test_random_prompt_load_is_no_slower_than_5_percent_with_speculate_2(llama2_
     result = spec_bench.load(Namespace(model_dir=llama2_7b_dir, requests=64, new_tokens=128))
     print(result)
     assert result["load_ratio"] >= 0.95, result
+
+
+def test_demo_model_rename_prompts_with_4_and_8_drafts_keep_the_tokens():
+    """Stage ``spec_lengths``: batch-1 tokens/s with --speculate 4 and 8 beside 0 (the numbers the
+    CPU replay ``python -m bench.spec_bench steps`` explains: tokens per step, waiting steps)."""
+    summary = spec_bench.demo(Namespace(new_tokens=256, speculate="4,8"))
+    print(summary)
+    assert summary["outputs_identical"]
+    assert all(r["accepted"] > 0 for r in summary["by_speculate"].values()), summary

@@ -28,6 +28,71 @@ def test_ngram_drafter_matches_a_backward_search():
             assert drafter.propose(n) == propose_ngram(tokens, n)
 
 
+def propose_copying(tokens: list[int], proposals: list[tuple[int, int, int]], max_drafts: int, ahead: int,
+                    max_ngram: int) -> list[int]:
+    """The reference of ``NgramDrafter.propose`` with its copy pointer: ``proposals`` holds (length of
+    ``tokens`` then, source, ahead) of every earlier proposal that drafted; the latest one's source
+    goes on while the tokens since equal its continuation, else the longest and latest match."""
+    if proposals:
+        length, source, _ = proposals[-1]
+        since = len(tokens) - length
+        if source + since < len(tokens) and tokens[length:] == tokens[source : source + since]:
+            return tokens[source + since + ahead : source + since + ahead + max_drafts]
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n : end] == tokens[-n:]:
+                return tokens[end + ahead : end + ahead + max_drafts]
+    return []
+
+
+def test_ngram_drafter_with_its_copy_pointer_matches_the_reference():
+    rng = random.Random(1)
+    for _ in range(200):
+        max_ngram = rng.choice([1, 2, 3, 8])
+        drafter, proposals = NgramDrafter(max_ngram), []
+        source = [rng.randint(0, 6) for _ in range(rng.randint(1, 30))]
+        drafter.extend(source)
+        for _ in range(30):               # mostly copies of the source, sometimes a token of its own
+            start = rng.randrange(len(source))
+            new = source[start : start + rng.randint(1, 6)] if rng.random() < 0.7 else [rng.randint(0, 6)]
+            drafter.extend(new)
+            max_drafts, ahead = rng.randint(1, 5), rng.choice([0, 0, 1])
+            expected = propose_copying(drafter.tokens, proposals, max_drafts, ahead, max_ngram)
+            got = drafter.propose(max_drafts, ahead)
+            assert got == expected
+            if got:
+                proposals.append((len(drafter.tokens), drafter.source, ahead))
+            else:
+                proposals.clear()
+
+
+def test_the_copy_pointer_follows_the_quoted_text_where_the_latest_match_jumps_elsewhere():
+    drafter = NgramDrafter(max_ngram=2)
+    drafter.extend([10, 1, 2, 3, 4, 5, 6, 0, 3, 4, 99, 0, 10, 1])     # (3 4) occurs last before 99
+    assert drafter.propose(3) == [2, 3, 4]
+    drafter.extend([2, 3, 4])                 # the drafts were accepted: the copy goes on at 5
+    assert drafter.propose(2) == [5, 6]
+    assert NgramDrafter(max_ngram=2).propose(1) == []
+    plain = NgramDrafter(max_ngram=2)
+    plain.extend(drafter.tokens)
+    assert plain.propose(2) == [99, 0]        # no pointer: the latest occurrence of (3 4)
+    drafter.extend([7])                       # the output left the quote: back to the latest match
+    assert drafter.propose(2) == []
+
+
+def test_proposals_ahead_of_unknown_tokens_skip_the_guesses_and_the_streak_counts_foreseen_tokens():
+    drafter = NgramDrafter()
+    drafter.extend([4, 5, 6, 7, 8, 4, 5])
+    assert drafter.propose(2, ahead=1) == [7, 8] and drafter.propose(2, ahead=0) == [6, 7]
+    assert drafter.propose(3, ahead=3) == [4, 5] and drafter.propose(1, ahead=5) == []
+    drafter.extend([6, 7], score=True)        # both foreseen
+    assert drafter.streak == 2
+    drafter.extend([1], score=True)           # 8 was foreseen
+    assert drafter.streak == 0
+    drafter.extend([2, 3])                    # not scored: the streak stays
+    assert drafter.streak == 0 and drafter.tokens[-3:] == [1, 2, 3]
+
+
 def test_ngram_drafter_prefers_the_longest_and_latest_match():
     drafter = NgramDrafter()
     drafter.extend([1, 2, 3, 9, 9, 2, 3, 7, 7, 5, 1, 2, 3])
@@ -178,17 +243,18 @@ def test_drafts_only_take_spare_slots():
     assert out == plain and scheduler.speculation.drafted_tokens > 0
 
 
-def test_verify_rows_wait_for_their_result_and_carry_at_most_remaining_minus_one_drafts():
+def test_verify_rows_behind_a_plain_row_guess_its_token_and_the_next_waits_for_their_result():
     alloc = SlotAllocator(num_slots=200, max_requests=4)
     sched = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4, prefix_caching=False))
     sched.add(_request(1, [5, 6, 7, 5, 6], 4))
     prefill = sched.schedule()
-    assert sched.schedule().rows == []                  # its token is in flight: no drafting blind
-    sched.process(prefill, StepResult([RowResult(1, token_id=7)]))
-    verify = sched.schedule()
+    verify = sched.schedule()                    # behind the prompt's token in flight: guessed to be 7
     (row,) = verify.rows
     assert row.input_ids == [FED_BACK, 5, 6] and row.start_pos == 5 and len(row.slots) == 3   # remaining 3
+    assert sched.schedule().rows == []           # a verify row in flight decides the next position
     assert alloc.held(1) == 8
+    sched.process(prefill, StepResult([RowResult(1, token_id=7)]))
+    assert sched.schedule().rows == []
     result = RowResult(1, token_id=5, following=[RowResult(1, token_id=9)])    # 5 accepted, 6 rejected: 9
     events = sched.process(verify, StepResult([result]))
     assert [(e[1].token_id, e[2]) for e in events] == [(5, None), (9, None)]
@@ -199,22 +265,46 @@ def test_verify_rows_wait_for_their_result_and_carry_at_most_remaining_minus_one
     assert last.input_ids == [FED_BACK] and last.start_pos == 7      # one token left: no drafts
 
 
-def test_a_request_whose_drafts_miss_decodes_pipelined_between_rarer_attempts():
-    """Nothing to draft (every token new): the pauses double, so few steps lose the request's row."""
-    alloc = SlotAllocator(num_slots=300, max_requests=4)
-    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=300, speculate=4, prefix_caching=False))
-    sched.add(_request(1, list(range(1, 21)), 200))
-    in_flight, rows, fresh = deque([sched.schedule()]), [], iter(range(1000, 2000))
-    for _ in range(80):                                   # the router's loop: plan N + 1, then see N
+def _pipelined(sched, alloc, steps: int, next_token) -> list[int]:
+    """The router's loop for one request (plan N + 1, then see N); the rows of each planned step."""
+    in_flight, rows = deque([sched.schedule()]), []
+    for _ in range(steps):
         step = sched.schedule()
         rows.append(len(step.rows))
         in_flight.append(step)
         done = in_flight.popleft()
-        sched.process(done, StepResult([RowResult(1, token_id=next(fresh)) for _ in done.rows]))
+        sched.process(done, StepResult([RowResult(1, token_id=next_token()) for _ in done.rows]))
         alloc.check_integrity()
+    return rows
+
+
+def test_a_request_with_nothing_to_draft_decodes_pipelined_without_losing_a_step():
+    alloc = SlotAllocator(num_slots=300, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=300, speculate=4, prefix_caching=False))
+    sched.add(_request(1, list(range(1, 21)), 200))
+    fresh = iter(range(1000, 2000))                          # every token new: no draft is ever found
+    rows = _pipelined(sched, alloc, 80, lambda: next(fresh))
+    assert rows == [1] * 80 and sched.speculation.drafted_tokens == 0
+
+
+def test_rejected_drafts_pause_drafting_for_doubling_stretches_until_the_drafter_foresees_tokens_again():
+    """Drafts found but always rejected (tokens 1..5 that the drafter never foresees): few steps lose
+    the request's row. Then the output repeats
+    the prompt: the drafter foresees two tokens in a row and drafting resumes within the pause."""
+    alloc = SlotAllocator(num_slots=300, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=300, speculate=4, prefix_caching=False))
+    sched.add(_request(1, [1, 2, 3] * 4 + list(range(7, 20)), 200))
+    contrary = lambda: (sched.running[0].drafter.foresee() or 0) % 5 + 1     # never the token foreseen
+    rows = _pipelined(sched, alloc, 80, contrary)
+    (request,) = sched.running
+    assert request.drafter.streak == 0
     skipped = [i for i, n in enumerate(rows) if n == 0]
-    assert 1 <= len(skipped) <= 6 and sched.speculation.drafted_tokens == 0, skipped
-    assert sched.running[0].draft_pause > 0 and sched.running[0].draft_misses >= 4
+    # attempts after pauses of 0, 2, 4, 8, 16, 32, 32 rows: 7 in 80 steps, each losing one step
+    assert 1 <= len(skipped) <= 7 and request.draft_misses >= 4 and request.draft_pause >= 6, skipped
+    quoted = iter(range(7, 20))                             # the output quotes the prompt now
+    drafted = sched.speculation.drafted_tokens
+    _pipelined(sched, alloc, 6, lambda: next(quoted))       # fewer rows than the pause left
+    assert sched.speculation.drafted_tokens > drafted
 
 
 def _request(rid, prompt, new, **params):
@@ -241,3 +331,17 @@ def test_an_abort_with_a_verify_row_in_flight_frees_every_slot_and_drops_its_tok
     assert not sched.has_work() and sched.schedule().released == [1]
     cached = sched.cache.match([5, 6, 7, 5, 6, 7, 5, 6, 7])
     assert cached.length <= 6        # prompt + its first token at most: no draft's slot entered the tree
+
+
+# ---- the tokens-per-step replay (bench/spec_bench.py steps) ---------------------------
+
+def test_the_step_replay_counts_rows_waits_and_drafts_of_the_real_scheduler():
+    from bench.spec_bench import noise, replay
+
+    quoting = ([7, 1, 2, 3, 4, 5, 6, 8], [1, 2, 3, 4, 5, 6, 8, 9, 10])     # copies its prompt, then 9 10
+    plain = replay([quoting], 0)
+    assert plain == {"tokens": 8, "rows": 8, "verify_rows": 0, "waits": 0, "drafted": 0, "accepted": 0}
+    spec = replay([quoting], 4)
+    assert spec["tokens"] == 8 and spec["rows"] < 8 and spec["accepted"] >= 4 and spec["verify_rows"] >= 1
+    assert 1 <= spec["waits"] <= spec["verify_rows"]    # a verify row's successor waits for its result
+    assert replay(noise(2, 16), 4)["accepted"] == 0

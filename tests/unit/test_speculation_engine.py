@@ -104,8 +104,8 @@ class OracleDrafter(NgramDrafter):
         super().__init__()
         self.prompt_len, self.expected = prompt_len, expected
 
-    def propose(self, max_drafts: int) -> list[int]:
-        done = len(self.tokens) - self.prompt_len
+    def propose(self, max_drafts: int, ahead: int = 0) -> list[int]:
+        done = len(self.tokens) - self.prompt_len + ahead      # ahead: tokens in flight (guessed right)
         drafts = self.expected[done : done + max_drafts]
         return [t if (done + i) % 3 else (t + 1) % 300 for i, t in enumerate(drafts)]
 
