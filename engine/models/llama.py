@@ -27,8 +27,8 @@ from engine.models.config import Family, ModelConfig, ModelConfigError, shared_f
 from engine.models.config import sliding_layers as config_sliding_layers
 from engine.models.layers import (Attention, GatedMLP, Linear, LMHead, RowParallelLinear, Rotary,
                                   VocabParallelEmbedding)
-from engine.models.parallel import FULL, Slice, TensorParallel, read
-from engine.models.quantized import LinearWeight, drop_zero_biases, read_linear
+from engine.models.parallel import FULL, Slice, TensorParallel
+from engine.models.quantized import LinearWeight, drop_zero_biases, read_weight
 from engine.ops import KernelOps
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.kv_cache import KV_SCALE_PATTERNS, KVCache
@@ -175,10 +175,7 @@ class LlamaFamilyModel:
     def _read(self, checkpoint, name: str, piece: Slice) -> LinearWeight:
         """This shard's ``piece`` of one tensor (a family with fused checkpoint tensors reads their parts);
         the weight of a quantized linear layer comes from its quantized tensors (``engine.models.quantized``)."""
-        q = self.config.quantization
-        if q is not None and q.quantizes(name):
-            return read_linear(checkpoint, name.removesuffix(".weight"), piece, q, self.dtype, self.device)
-        return read(checkpoint, name, piece, self.dtype, self.device)
+        return read_weight(checkpoint, name, piece, self.config.quantization, self.dtype, self.device)
 
     def _assemble(self, t: dict[str, torch.Tensor]) -> None:
         c, tp = self.config, self.tp

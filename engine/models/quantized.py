@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.parallel import FULL, ShardingError, Slice, fused_ranges
+from engine.models.parallel import FULL, ShardingError, Slice, fused_ranges, read
 from kernels.fp8_gemm import Fp8Weight
 from kernels.quant_gemm import Int4Weight
 from weights.checkpoint import CheckpointError
@@ -39,6 +39,14 @@ def read_linear(checkpoint, module: str, piece: Slice, q: QuantConfig, dtype, de
     if q.method == "fp8":
         return _read_fp8(checkpoint, module, piece, q, device)
     return _read_int4(checkpoint, module, piece, q, dtype, device)
+
+
+def read_weight(checkpoint, name: str, piece: Slice, q: QuantConfig | None, dtype, device) -> LinearWeight:
+    """This shard's ``piece`` of the tensor ``name``: a quantized linear layer's weight from its quantized
+    tensors, any other tensor as stored (cast to ``dtype``)."""
+    if q is not None and q.quantizes(name):
+        return read_linear(checkpoint, name.removesuffix(".weight"), piece, q, dtype, device)
+    return read(checkpoint, name, piece, dtype, device)
 
 
 def _along(piece: Slice, dim: int) -> Slice:
