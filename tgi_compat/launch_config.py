@@ -49,6 +49,9 @@ def _flag(help_text: str, default=None, *, choices=None, env: str | None = None,
     return field(default=default, metadata=meta, repr=not secret)
 
 
+MAX_SPECULATE = 32    # drafts per verify row: past this a row costs more than an n-gram draft can return
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     # ---- the model ----
@@ -71,8 +74,9 @@ class LaunchConfig:
                                   "from n-gram lookup in the request's own prompt and output; the output is "
                                   "exactly that of --speculate 0 (greedy: the same tokens; sampling: the same "
                                   "distribution, the same tokens per seed; penalties and grammars included). "
-                                  "Default: 0 (off)",
-                                  minimum=0)
+                                  f"Default: 0 (off); at most {MAX_SPECULATE} (each verify row computes 1 + N "
+                                  "positions, and its warm-up sizes the KV cache for them)",
+                                  minimum=0, maximum=MAX_SPECULATE)
     kv_cache_dtype: str | None = _flag("KV cache dtype: fp8_e4m3fn or fp8_e5m2 (per-tensor scales from the "
                                        "checkpoint's k_scale/v_scale or kv_scale, else 1.0) or int8 (our extension, "
                                        "LightLLM's: one scale per token and KV head); about twice the KV slots. "

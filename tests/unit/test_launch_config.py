@@ -151,6 +151,16 @@ def test_speculate_reaches_the_scheduler():
         parse_args(["--speculate", "-1"], {})
 
 
+def test_speculate_past_its_bound_is_refused_with_the_bound(capsys):
+    """A huge --speculate would size the warm-up (and the KV cache) for max_requests x (1 + N) positions."""
+    from tgi_compat.launch_config import MAX_SPECULATE
+
+    assert parse_args(["--speculate", str(MAX_SPECULATE)], {}).speculate == MAX_SPECULATE
+    with pytest.raises(SystemExit):
+        parse_args(["--speculate", str(MAX_SPECULATE + 1)], {})
+    assert f"must be <= {MAX_SPECULATE}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--max-input-tokens", "5", "--max-input-length", "5"],
      "Both `max_input_tokens` (5) and `max_input_length` (5) are set"),
