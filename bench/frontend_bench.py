@@ -20,7 +20,9 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
+import signal
 import time
 
 import aiohttp
@@ -59,7 +61,6 @@ def paced_router(conn, step_s: float) -> None:
 
 
 def serve(tokenizer_dir: str, port: int, workers: int, conn, profile: str | None) -> None:
-    import signal
     import sys
 
     import uvicorn
@@ -113,10 +114,10 @@ def process_cpu_s(pid: int, thread: int | None = None) -> float:
     """User + system CPU seconds of a live process, or of one of its threads (Linux /proc)."""
     path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     fields = open(path).read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / __import__("os").sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def main(argv=None) -> dict:
+def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.frontend_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", required=True, help="a model directory with its tokenizer")
@@ -128,7 +129,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", help="write the front end's cProfile stats here")
     parser.add_argument("--json")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _measure_burst(args) -> dict:
+    """Start the stand-in router and the front end, send the burst; times, CPU seconds and /metrics."""
     port, context = free_port(), multiprocessing.get_context("spawn")
     router_end, frontend_end = context.Pipe()
     router = context.Process(target=paced_router, args=(router_end, args.step_ms / 1000), daemon=True)
@@ -149,22 +154,26 @@ def main(argv=None) -> dict:
         loop_cpu = process_cpu_s(server.pid, server.pid) - loop_before
         metrics = requests.get(url + "/metrics", timeout=10).text
         if args.profile:
-            import os
-            import signal
-
             os.kill(server.pid, signal.SIGUSR1)
             time.sleep(2)
     finally:
         server.terminate()
         router.terminate()
         server.join(5)
+    return dict(times=times, wall=wall, cpu=cpu, loop_cpu=loop_cpu, metrics=metrics)
+
+
+def main(argv=None) -> dict:
+    args = _parse_args(argv)
+    run = _measure_burst(args)
+    times, cpu, metrics = run["times"], run["cpu"], run["metrics"]
     count = load.parse_gauge(metrics, "tgi_request_validation_duration_count") or 1
     events = args.requests * args.new_tokens
     result = {"requests": args.requests, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-              "step_ms": args.step_ms, "wall_s": round(wall, 3),
+              "step_ms": args.step_ms, "wall_s": round(run["wall"], 3),
               "ttft_s": load.describe([t[0] for t in times]),
               "itl_s": load.describe([b - a for t in times for a, b in zip(t, t[1:])]),
-              "frontend_cpu_s": round(cpu, 3), "event_loop_cpu_s": round(loop_cpu, 3),
+              "frontend_cpu_s": round(cpu, 3), "event_loop_cpu_s": round(run["loop_cpu"], 3),
               "cpu_us_per_event": round(1e6 * cpu / events, 1),
               "validation_mean_s": round(load.parse_gauge(metrics, "tgi_request_validation_duration_sum") / count, 4)}
     print(f"{args.requests} requests of ~{args.prompt_tokens} tokens at once, {args.new_tokens} new each, "
@@ -178,7 +187,6 @@ def main(argv=None) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
-
 
 if __name__ == "__main__":
     main()

@@ -109,3 +109,17 @@ def running(model_dir: str | Path, *args: str, expect_clean_exit: bool = True):
         code = srv.stop()
     if expect_clean_exit:
         assert code == 0, srv.output()
+
+
+def assert_server_greedy_equals(url: str, tokenizer, hf, prompts: list[str], new_tokens: int, label) -> None:
+    """Each prompt through ``/generate`` (greedy) gives transformers' ``hf.generate`` tokens (up to an EOS)."""
+    import torch
+
+    for prompt in prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[0, len(ids):]
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "details": True}}
+        details = requests.post(url + "/generate", json=body, timeout=60).json()["details"]
+        got = [t["id"] for t in details["tokens"]]
+        assert got == expected.tolist()[: len(got)], (label, prompt)
+        assert len(got) == new_tokens or details["finish_reason"] == "eos_token"

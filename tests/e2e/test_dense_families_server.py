@@ -14,7 +14,7 @@ import requests
 import torch
 import transformers
 
-from tests.e2e.server import LaunchedServer, free_port
+from tests.e2e.server import LaunchedServer, assert_server_greedy_equals, free_port
 from tests.tiny_models import load_hf, save_tiny_server_model
 
 PROMPTS = ["hello world", "def main(): return 0"]
@@ -32,14 +32,7 @@ def test_server_answers_with_transformers_greedy_tokens(family, tmp_path):
                          "--max-input-tokens", "64")
     try:
         srv.wait_healthy()
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt)["input_ids"]
-            expected = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):]
-            body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}}
-            details = requests.post(srv.url + "/generate", json=body, timeout=60).json()["details"]
-            got = [t["id"] for t in details["tokens"]]
-            assert got == expected.tolist()[: len(got)], (family, prompt)
-            assert len(got) == NEW_TOKENS or details["finish_reason"] == "eos_token"
+        assert_server_greedy_equals(srv.url, tokenizer, hf, PROMPTS, NEW_TOKENS, family)
     finally:
         assert srv.stop() == 0, srv.output()
 

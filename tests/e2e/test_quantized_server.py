@@ -5,11 +5,9 @@ launcher) and a float checkpoint served with ``--quantize fp8`` (its reference:
 the per-channel FP8 weights dequantized, activations rounded to FP8 per token as the FP8 GEMM does).
 """
 import pytest
-import requests
-import torch
 import transformers
 
-from tests.e2e.server import LaunchedServer, free_port
+from tests.e2e.server import LaunchedServer, assert_server_greedy_equals, free_port
 from tests.quant_models import fake_quantize_activations, save_quantized_pair
 from tests.tiny_models import load_hf
 
@@ -34,14 +32,7 @@ def test_server_answers_with_transformers_greedy_tokens_on_the_dequantized_model
     srv = LaunchedServer(path, *args, "--dtype", "float32", "--max-total-tokens", "128", "--max-input-tokens", "64")
     try:
         srv.wait_healthy()
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt)["input_ids"]
-            expected = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):]
-            body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}}
-            details = requests.post(srv.url + "/generate", json=body, timeout=60).json()["details"]
-            got = [t["id"] for t in details["tokens"]]
-            assert got == expected.tolist()[: len(got)], (case, prompt)
-            assert len(got) == NEW_TOKENS or details["finish_reason"] == "eos_token"
+        assert_server_greedy_equals(srv.url, tokenizer, hf, PROMPTS, NEW_TOKENS, case)
     finally:
         assert srv.stop() == 0, srv.output()
 

@@ -44,6 +44,14 @@ def transformers_greedy(model_dir: str, dtype: torch.dtype, all_prompts: list[li
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="cuda",
                                                                attn_implementation=attention_implementation(model_dir),
                                                                **load)
+    runs = greedy_runs(model, all_prompts, new_tokens)
+    del model
+    release_memory()
+    return runs
+
+
+def greedy_runs(model, all_prompts: list[list[int]], new_tokens: int) -> list[Greedy]:
+    """A loaded transformers model's greedy tokens, their logprobs and top-N, one prompt at a time."""
     runs = []
     for prompt in all_prompts:
         out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=new_tokens, do_sample=False,
@@ -52,8 +60,6 @@ def transformers_greedy(model_dir: str, dtype: torch.dtype, all_prompts: list[li
         logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
         top = [_top(lp) for lp in logprobs]
         runs.append(Greedy(tokens, [lp[t].item() for lp, t in zip(logprobs, tokens)], top))
-    del model
-    release_memory()
     return runs
 
 

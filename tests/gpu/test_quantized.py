@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from engine.models.quantized import sorted_by_group
 from kernels.fp8_gemm import Fp8Weight, fp8_gemm, fp8_gemm_ref
 from kernels.quant_gemm import Int4Weight, int4_gemm, int4_gemm_ref
-from tests.gpu.greedy import (Greedy, _top, describe, engine_greedy, near_tie_problem, prompts, release_memory,
+from tests.gpu.greedy import (describe, engine_greedy, greedy_runs, near_tie_problem, prompts, release_memory,
                               transformers_greedy)
 from tests.quant_models import fake_quantize_activations, save_quantized_pair
 from weights.quant_formats import (AWQ_ORDER, QuantConfig, act_order_g_idx, dequantize_linear, fp8_quantize, pack_int4,
@@ -134,13 +134,7 @@ def fp8_reference(model_dir, all_prompts, new_tokens):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device_map="cuda")
     fake_quantize_activations(model)
-    runs = []
-    for prompt in all_prompts:
-        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        tokens = out.sequences[0, len(prompt):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
-        runs.append(Greedy(tokens, [lp[t].item() for lp, t in zip(logprobs, tokens)], [_top(lp) for lp in logprobs]))
+    runs = greedy_runs(model, all_prompts, new_tokens)
     del model
     release_memory()
     return runs
