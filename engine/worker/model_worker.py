@@ -362,7 +362,6 @@ class ModelWorker:
             logits = logits[to_device(positions, torch.int64, self.device)]
         return sampled, logits
 
-
     def _map_cached_prefixes(self, step: Step) -> None:
         """req_to_token[row, 0:k] = the cached prefix slots a request's first row brings (prefix cache)."""
         rows = [r for r in step.rows if r.prefix_slots]
