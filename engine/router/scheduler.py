@@ -58,7 +58,8 @@ drafts rejected, so finding nothing to draft costs no step. A request whose draf
 rejected twice in a row decodes plain pipelined rows for a pause that doubles with each further
 such miss (2, 4, .. up to ``max_draft_pause`` rows; an accepted draft ends the streak), so loads
 whose drafts fail lose at most one step in ``max_draft_pause`` + 2 to speculation; two tokens in
-a row that the drafter foresaw (``RESUME_STREAK``, scored for free on every token) end a pause. The slots of rejected drafts are freed
+a row that the drafter foresaw (``RESUME_STREAK``, scored for free on every token) end a pause.
+The slots of rejected drafts are freed
 when the result comes (``SlotAllocator.truncate``), before any of them could enter the prefix
 cache. Drafts take only slots free beyond the step's own needs, and admission reserves a
 speculating request's whole remaining length at once (accepted drafts grow it faster than one
