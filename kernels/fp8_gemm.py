@@ -5,8 +5,11 @@ channel; a per-tensor checkpoint scale is repeated per channel at load), ``w[n, 
 scale[n]``. Activations are quantized per token, dynamically, inside the kernel: ``x_scale[m] =
 max_k |x[m, k]| / 448``, ``x_fp8 = round_fp8(x / x_scale)`` (``quantize_per_token`` is the same in torch).
 Program ``(m, n)`` first reads its rows of x for their scales, then multiplies its ``[BLOCK_M, BLOCK_K]``
-x tiles, quantized on the fly, and ``[BLOCK_N, BLOCK_K]`` weight tiles in fp8 with float32 accumulation
-(products of two fp8 values are exact in float32), then applies ``x_scale[m] * scale[n]`` and the bias
+x tiles, quantized on the fly (split-K programs each read whole rows for the scales and multiply their
+chunk of K), and ``[BLOCK_N, BLOCK_K]`` weight tiles in fp8 with float32 accumulation
+(products of two fp8 values are exact in float32; Hopper's fp8 tensor cores add them with fewer bits, so
+each tile's dot starts from zero and is added to the float32 accumulator: a promotion every BLOCK_K), then
+applies ``x_scale[m] * scale[n]`` and the bias
 once. ``fp8_gemm_ref`` is the same maths in float32 torch.
 """
 from __future__ import annotations
@@ -20,7 +23,8 @@ import triton.language as tl
 
 from ._checks import check_last_dim_contiguous, check_shape, check_tensor
 from ._rounding import round_to
-from .skinny_gemm import device_sms
+from .quant_gemm import fill_split_k
+from .skinny_gemm import REDUCE_BLOCK, _split_k_reduce_kernel, device_sms
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -43,28 +47,31 @@ class Fp8Config(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1   # K chunks summed by skinny_gemm's reduce kernel (decode: more programs reading weights)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x as float8_e4m3fn [M, K], float32 scales [M]) with ``x ~= x_fp8 * scale[:, None]``."""
     x32 = x.float()
-    scale = (x32.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    amax = x32.abs().amax(dim=1)
+    # a tensor divisor: torch divides a CUDA tensor by a Python number as a product with its reciprocal,
+    # one rounding away from the kernel's amax / 448
+    scale = (amax / amax.new_full((), FP8_MAX)).clamp(min=1e-12)
     return (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 @triton.jit
-def _to_fp8(v, EMULATE_CAST: tl.constexpr):
-    """float32 ``v`` (within +-448) to float8_e4m3fn, rounded to nearest even. The GPU's cast does that; the
-    CPU interpreter's drops the carry when the mantissa rounds up, so there the value is rounded by hand
-    first (normals: 3 mantissa bits; subnormals: multiples of 2^-9) and the cast is then exact."""
-    if EMULATE_CAST:
-        a = tl.abs(v)
-        bits = a.to(tl.uint32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-        subnormal = (a + 16384.0) - 16384.0          # float32's spacing at 2^14 is 2^-9
-        rounded = tl.where(a >= 0.015625, normal, subnormal)
-        v = tl.where(v < 0, -rounded, rounded)
-    return v.to(tl.float8e4nv)
+def _to_fp8(v):
+    """float32 ``v`` (within +-448) to float8_e4m3fn, rounded to nearest even as torch's cast. Neither cast
+    is trusted to do that alone (the CPU interpreter's drops the carry when the mantissa rounds up; an H100
+    run differed from torch's in some elements), so the value is rounded by hand first (normals: 3 mantissa
+    bits; subnormals: multiples of 2^-9) and the cast is then exact."""
+    a = tl.abs(v)
+    bits = a.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    subnormal = (a + 16384.0) - 16384.0          # float32's spacing at 2^14 is 2^-9
+    rounded = tl.where(a >= 0.015625, normal, subnormal)
+    return tl.where(v < 0, -rounded, rounded).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -78,22 +85,23 @@ def _row_amax(x_ptrs, m_mask, offs_k, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.cons
 
 
 @triton.jit
-def _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K, EMULATE_CAST: tl.constexpr):
+def _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K):
     """acc += fp8(x tile / x_scale) @ w tile.T at K offset ``k0``."""
     k_ok = (k0 + offs_k) < K
     x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
     x = tl.minimum(tl.maximum(tl.math.div_rn(x, x_scale[:, None]), -448.0), 448.0)
     w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-    return tl.dot(_to_fp8(x, EMULATE_CAST), tl.trans(w), acc)
+    return acc + tl.dot(_to_fp8(x), tl.trans(w))
 
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
-    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr, EMULATE_CAST: tl.constexpr,
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+    stride_split, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -103,27 +111,35 @@ def _fp8_gemm_kernel(
     # the rows' dynamic scales (quantize_per_token's), then the fp8 products
     x_scale = tl.maximum(tl.math.div_rn(_row_amax(x_ptrs, m_mask, offs_k, K, BLOCK_M, BLOCK_K), 448.0), 1e-12)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
-        k0 = 0
-        while k0 < K:
-            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K, EMULATE_CAST)
+        k0 = k_begin
+        while k0 < k_end:
+            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K)
             k0 += BLOCK_K
     else:
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K, EMULATE_CAST)
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * x_scale[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        tl.store(out_ptr + pid_k * stride_split + out_offs, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, round_to(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _config(M: int, N: int, num_sms: int) -> Fp8Config:
-    """Not tuned on a GPU yet (first guesses). Decode batches: 16-row tiles, narrow column blocks (more
-    programs to read the weights); more rows: 64-row tiles, 128 columns wide once they fill the SMs."""
+def _config(M: int, N: int, K: int, num_sms: int) -> Fp8Config:
+    """Decode batches: 16-row tiles of 128 columns, K split for about two programs an SM, the best of a sweep
+    on one H100 for each Llama-2-7B shape at one row (bench.quant_gemm_bench; 2.0x faster than the first
+    guess, still slower than bfloat16's skinny GEMM). More rows (fp8_linear sends bfloat16 to cuBLASLt):
+    64-row tiles, 128 columns wide once they fill the SMs (untuned)."""
     if M <= 16:
-        return Fp8Config(16, 32, 128, 4, 4)
+        return Fp8Config(16, 128, 128, 4, 4, fill_split_k(triton.cdiv(N, 128), K, 128, 1.9, num_sms))
     wide = triton.cdiv(M, 64) * triton.cdiv(N, 128) >= num_sms
     return Fp8Config(64, 128 if wide else 64, 128, 8 if wide else 4, 3)
 
@@ -151,14 +167,47 @@ def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = Fp8Config(*config) if config is not None else _config(M, N, device_sms(x.device))
-    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
+    cfg = Fp8Config(*config) if config is not None else _config(M, N, K, device_sms(x.device))
+    k_tiles = triton.cdiv(K, cfg.block_k)
+    tiles_per_split = triton.cdiv(k_tiles, cfg.split_k)
+    splits, k_per_split = triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * cfg.block_k
+    partial = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    bias_arg = bias if bias is not None else out
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
     _fp8_gemm_kernel[grid](
-        x, weight.weight, weight.scale, bias if bias is not None else out, out, M, N, K,
-        x.stride(0), weight.weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        x, weight.weight, weight.scale, bias_arg, partial, M, N, K, k_per_split,
+        x.stride(0), weight.weight.stride(0), partial.stride(-2), partial.stride(0) if splits > 1 else 0,
+        HAS_BIAS=bias is not None, SPLIT=splits > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        WHILE_LOOP=not x.is_cuda, EMULATE_CAST=not x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        WHILE_LOOP=not x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        _split_k_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
+            partial, bias_arg, out, N, partial.stride(0), partial.stride(1), out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=splits, BLOCK=REDUCE_BLOCK, PDL=False, num_warps=4)
     return out
+
+
+FUSED_ROWS = 16   # up to here fp8_linear runs the Triton GEMM; more rows: cuBLASLt's FP8 GEMM (H100 runs below)
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on an FP8 weight, activations quantized per token either way. Decode rows (up to
+    FUSED_ROWS), CPU runs, float32 and odd shapes take ``fp8_gemm``; more bfloat16 rows on Hopper take torch's
+    ``_scaled_mm`` with row-wise scales (the same fp8 products on cuBLASLt): on one H100 our GEMM's best config
+    took 306 us for Llama-2-7B's qkv at 512 rows against 71 us for cuBLAS in bfloat16 (bench.quant_gemm_bench)."""
+    if not _scaled_mm_fits(x, weight):
+        return fp8_gemm(x, weight, bias)
+    _check(x, weight, bias)
+    x_fp8, x_scale = quantize_per_token(x)
+    out = torch._scaled_mm(x_fp8, weight.weight.t(), scale_a=x_scale[:, None], scale_b=weight.scale[None, :],
+                           out_dtype=x.dtype)
+    return out + bias if bias is not None else out
+
+
+def _scaled_mm_fits(x: torch.Tensor, weight: Fp8Weight) -> bool:
+    n, k = weight.shape
+    return (x.shape[0] > FUSED_ROWS and x.is_cuda and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
 def fp8_gemm_ref(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
