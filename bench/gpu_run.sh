@@ -5,7 +5,8 @@
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
 #                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8),
 #                                         wquant_families (quantized Phi-3 / StarCoder2), spec (speculative
-#                                         decoding), spec_lengths (its draft lengths), frontend
+#                                         decoding), spec_lengths (its draft lengths), frontend, quant_gemm
+#                                         (the 4-bit and FP8 GEMMs' config sweep)
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -309,6 +310,12 @@ from weights.tokenizer_builder import write_tokenizer as w; w('$tok', r('llama-2
           [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         done
       done ;;
+    quant_gemm)
+      # the 4-bit and FP8 GEMMs alone (bench.quant_gemm_bench): the default and a sweep of configs per Llama-2-7B
+      # shape at 1 and 512 rows beside bfloat16, and the linear layers' ms per step (QUANT_GEMM_ARGS adds flags)
+      timeout 420 python3 -m bench.quant_gemm_bench ${QUANT_GEMM_ARGS:-} --json "$OUT/quant_gemm.json" 2>&1 \
+        | tee "$OUT/quant_gemm.log" | tail -30
+      rc=${PIPESTATUS[0]} ;;
     wquant_families)
       # Quantized Phi-3 (parts cut from fused packed qkv / gate_up) and StarCoder2 (biased layers): tiny GPTQ /
       # AWQ / FP8 checkpoints through the Triton GEMMs on the GPU, float32 greedy tokens == transformers on the

@@ -84,12 +84,12 @@ class TritonOps(KernelOps):
         penalties.apply_penalties(logits, counts, pool_rows, repetition, frequency, presence)
 
     def linear(self, x, weight, bias=None):
-        """F.linear semantics on the weight's format: 4-bit (GPTQ / AWQ) and FP8 through their GEMMs;
-        dense: small decode batches take the skinny GEMM."""
+        """F.linear semantics on the weight's format: 4-bit (GPTQ / AWQ) and FP8 through their GEMMs for decode
+        rows, dequantized / cuBLASLt for more; dense: small decode batches take the skinny GEMM."""
         if isinstance(weight, quant_gemm.Int4Weight):
-            return quant_gemm.int4_gemm(x, weight, bias)
+            return quant_gemm.int4_linear(x, weight, bias)
         if isinstance(weight, fp8_gemm.Fp8Weight):
-            return fp8_gemm.fp8_gemm(x, weight, bias)
+            return fp8_gemm.fp8_linear(x, weight, bias)
         return skinny_gemm.linear(x, weight, bias)
 
     def fused_moe(self, x, w_gate_up, w_down, topk_weights, topk_ids):

@@ -1,7 +1,8 @@
 """Quantized linear layers on one GPU (issue 19): the 4-bit and FP8 GEMMs on Llama-2-7B's shapes against
 their references, and float32 greedy parity with transformers on a dequantized twin.
 
-- kernels: every Llama-2-7B projection shape (fused qkv, o, fused gate_up, down) at decode (1, 4, 16 rows)
+- kernels (and ``int4_linear`` / ``fp8_linear``, which route many rows to cuBLAS): every Llama-2-7B projection
+  shape (fused qkv, o, fused gate_up, down) at decode (1, 4, 16 rows)
   and prefill (512 rows) sizes, GPTQ groups of 128 (act-order gathered per row or sorted by group as
   loaded, without act-order, one group) and FP8,
   in bfloat16 and float16, against ``int4_gemm_ref`` / ``fp8_gemm_ref``;
@@ -23,8 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.models.quantized import sorted_by_group
-from kernels.fp8_gemm import Fp8Weight, fp8_gemm, fp8_gemm_ref
-from kernels.quant_gemm import Int4Weight, int4_gemm, int4_gemm_ref
+from kernels.fp8_gemm import Fp8Weight, fp8_gemm, fp8_gemm_ref, fp8_linear
+from kernels.quant_gemm import Int4Weight, int4_gemm, int4_gemm_ref, int4_linear
 from tests.gpu.greedy import (describe, engine_greedy, greedy_runs, near_tie_problem, prompts, release_memory,
                               transformers_greedy)
 from tests.quant_models import fake_quantize_activations, save_quantized_pair
@@ -67,7 +68,9 @@ def test_int4_gemm_on_7b_shapes(name, rows, dtype, variant):
     if variant == "act_order_sorted":
         served = sorted_by_group(replace(weight, g_idx=None), weight.g_idx)
         assert served.g_idx is None and served.perm is not None
-    assert_close(int4_gemm(x, served), int4_gemm_ref(x, weight), dtype)
+    expected = int4_gemm_ref(x, weight)
+    assert_close(int4_gemm(x, served), expected, dtype)
+    assert_close(int4_linear(x, served), expected, dtype)      # past FUSED_ROWS: dequantized, then cuBLAS
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -77,7 +80,9 @@ def test_fp8_gemm_on_7b_shapes(name, rows, dtype):
     n, k = SHAPES[name]
     weight, scale = fp8_quantize(torch.randn(n, k, device="cuda") * 0.02)
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
-    assert_close(fp8_gemm(x, Fp8Weight(weight, scale)), fp8_gemm_ref(x, Fp8Weight(weight, scale)), dtype)
+    expected = fp8_gemm_ref(x, Fp8Weight(weight, scale))
+    assert_close(fp8_gemm(x, Fp8Weight(weight, scale)), expected, dtype)
+    assert_close(fp8_linear(x, Fp8Weight(weight, scale)), expected, dtype)    # bf16 past FUSED_ROWS: _scaled_mm
 
 
 def test_awq_repacking_matches_the_gptq_layout():

@@ -2,16 +2,17 @@
 import pytest
 import torch
 
-from kernels.quant_gemm import Int4Config, Int4Weight, _config, int4_dequantize, int4_gemm, int4_gemm_ref
+from kernels.quant_gemm import (Int4Config, Int4Weight, _config, int4_dequantize, int4_dequantize_kn, int4_gemm,
+                                int4_gemm_ref)
 from weights.quant_formats import act_order_g_idx, pack_int4
 
 TOL = {torch.float16: (2e-2, 1e-2), torch.bfloat16: (1.5e-1, 2e-2), torch.float32: (1e-4, 1e-5)}
-N, K = 40, 96          # N: a masked last column block of 16; K: 3 tiles of 32
+N, K = 40, 288         # N: a masked last column block of 16; K: 9 tiles of 32, or 2 of 128 and a masked third
 CONFIGS = {
     "fma": Int4Config(1, 16, 32, 1, 4, 1),
-    "fma_split2": Int4Config(1, 16, 32, 2, 4, 1),      # tiles 2 + 1
-    "dot": Int4Config(16, 16, 32, 1, 4, 1),
-    "dot_split3": Int4Config(16, 16, 32, 3, 4, 1),
+    "fma_split2": Int4Config(1, 16, 32, 2, 4, 1),      # tiles 5 + 4
+    "dot": Int4Config(16, 16, 128, 1, 4, 1),
+    "dot_split3": Int4Config(16, 16, 128, 3, 4, 1),    # tiles 1 + 1 + 1
     "default": None,
 }
 
@@ -55,7 +56,7 @@ def test_int4_gemm_matches_reference(device, dtype, rows, group, act_order, has_
 def test_prefill_tiles_match_reference(device):
     weight, _ = make_weight(N, K, 32, torch.float32, device)
     x = torch.randn(37, K, device=device)      # more rows than one 16-row tile, ragged
-    out = int4_gemm(x, weight, config=Int4Config(16, 16, 32, 1, 4, 1))
+    out = int4_gemm(x, weight, config=Int4Config(16, 16, 128, 1, 4, 1))
     torch.testing.assert_close(out, int4_gemm_ref(x, weight), atol=1e-4, rtol=1e-5)
 
 
@@ -70,13 +71,15 @@ def test_default_configs_split_decode_and_tile_prefill():
 
 def test_bad_inputs_are_clear_errors(device):
     weight, _ = make_weight(N, K, 32, torch.float32, device)
-    with pytest.raises(ValueError, match=r"x has shape \(2, 64\); expected \(\*, 96\)"):
+    with pytest.raises(ValueError, match=r"x has shape \(2, 64\); expected \(\*, 288\)"):
         int4_gemm(torch.randn(2, 64, device=device), weight)
     with pytest.raises(ValueError, match="scales has dtype torch.float32 but must match torch.float16"):
         int4_gemm(torch.randn(2, K, device=device).half(), weight)
     short = Int4Weight(weight.qweight, weight.scales[:2], weight.zeros[:2], None, 32)
-    with pytest.raises(ValueError, match="2 groups of 32 rows do not cover K = 96"):
+    with pytest.raises(ValueError, match="2 groups of 32 rows do not cover K = 288"):
         int4_gemm(torch.randn(2, K, device=device), short)
+    with pytest.raises(ValueError, match="the dot path .* takes block_k in multiples of 128"):
+        int4_gemm(torch.randn(2, K, device=device), weight, config=Int4Config(16, 16, 64, 1, 4, 1))
 
 
 @pytest.mark.parametrize("uniform", [True, False])
@@ -96,3 +99,13 @@ def test_rows_sorted_by_group_read_x_through_perm(device, uniform):
     torch.testing.assert_close(int4_gemm_ref(x, sorted_weight), expected, atol=1e-4, rtol=1e-5)
     for config in (CONFIGS["fma"], CONFIGS["dot"]):
         torch.testing.assert_close(int4_gemm(x, sorted_weight, config=config), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group,act_order", [(32, False), (-1, False), (16, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_kernel_equals_the_reference(device, dtype, group, act_order):
+    """The Triton dequantization (int4_linear's many-row path) gives int4_dequantize's weight, transposed,
+    rounded once to the dtype."""
+    weight, _ = make_weight(N, K, group, dtype, device, act_order)
+    expected = int4_dequantize(weight).T.to(dtype)
+    assert torch.equal(int4_dequantize_kn(weight, dtype), expected)
