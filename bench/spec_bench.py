@@ -41,6 +41,8 @@ from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, 
 from engine.router.scheduler import SchedulerConfig
 
 DEMO = Path(__file__).resolve().parents[1] / "weights" / "demo"
+DRAFTS = 4              # verify: drafts per verify row
+WARMUP_STEPS = 3        # verify: untimed steps before each measurement
 
 
 def stdlib_functions() -> list:
@@ -96,6 +98,7 @@ def demo(args) -> dict:
         engine.close()
         del engine
         gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None   # the next engine sizes its KV cache
     for speculate in lengths:
         results[speculate]["speedup"] = round(results[speculate]["tokens_per_s"] / results[0]["tokens_per_s"], 3)
         results[speculate]["outputs_identical"] = outputs[speculate] == outputs[0]
@@ -122,18 +125,30 @@ def verify(args) -> dict:
     worker = ModelWorker(WorkerConfig(
         model_dir=args.model_dir, dtype=resolve_dtype(None, config, device), device=device,
         kernel_backend="triton" if device.type == "cuda" else "torch", max_requests=max(sizes),
-        max_seq_len=args.context + 8 * args.repeats + 64, warmup_tokens=max(4096, 5 * max(sizes)), speculate=4))
+        max_seq_len=args.context + 8 * args.repeats + 64, num_slots=max(sizes) * _slots_per_request(args, DRAFTS),
+        warmup_tokens=max(4096, 5 * max(sizes)), speculate=DRAFTS))
     results = []
     for batch_size in sizes:
         fixture = DecodeFixture(worker, batch_size, args.context, first_id=batch_size * 100_000)
-        plain = _step_ms(worker, lambda: fixture.next_step(), args.repeats)
-        verify_ms = _step_ms(worker, lambda: _verify_step(fixture, drafts=4), args.repeats)
-        fixture.close()
+        try:
+            plain = _step_ms(worker, lambda: fixture.next_step(), args.repeats)
+            verify_ms = _step_ms(worker, lambda: _verify_step(fixture, drafts=DRAFTS), args.repeats)
+        finally:
+            fixture.close()
         results.append({"batch_size": batch_size, "decode_ms": round(plain, 3), "verify4_ms": round(verify_ms, 3),
                         "ratio": round(verify_ms / plain, 3)})
         print(f"batch {batch_size}, context {args.context}: decode step {plain:.3f} ms, verify step (4 drafts) "
               f"{verify_ms:.3f} ms, ratio {verify_ms / plain:.3f}")
     return {"verify": results}
+
+
+def _slots_per_request(args, drafts: int) -> int:
+    """The KV slots one request of ``verify`` holds at most (exactly: the CPU test runs with no more): its
+    context, a slot per decode step and per verify step (warm-up and timed; each keeps one, the next
+    truncates the rest) and the last verify step's drafts. Sized explicitly, for the largest batch: sized
+    from free memory the worker got what the earlier engines of the same process left it, too few slots
+    for batch 32 (asked for 512, 492 free)."""
+    return args.context + 2 * (WARMUP_STEPS + args.repeats) + drafts
 
 
 def _verify_step(fixture, drafts: int) -> Step:
@@ -151,7 +166,7 @@ def _verify_step(fixture, drafts: int) -> Step:
 
 
 def _step_ms(worker, make_step, repeats: int) -> float:
-    for _ in range(3):
+    for _ in range(WARMUP_STEPS):
         worker.execute(make_step())          # warm-up (compiles)
     times = []
     for _ in range(repeats):
