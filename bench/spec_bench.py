@@ -8,7 +8,9 @@
 demo: the bundled demo model, one request at a time, on prompts that quote their input ("the same
 function, renamed": real standard-library sources read with inspect.getsource, then the first line
 of the renamed copy); output tokens/s of the decode phase with --speculate 0 and 4, their ratio and
-the acceptance rate (accepted / drafted tokens).
+the acceptance rate (accepted / drafted tokens); then, untimed, each engine runs the prompts again
+asking for the top 5 tokens of every step, and each prompt is reported identical, parting at a
+near-tie (step k), or NOT at a near-tie (tests/gpu/greedy.py ``near_tie_problem``).
 verify: B requests prefilled to --context tokens; the wall time of one ``ModelWorker.execute`` of a
 plain decode step ([FED_BACK] per row) and of a verify step (4 drafts per row), and their ratio.
 load: N random prompts (no repetition to find) all queued at once, output tokens/s with --speculate
@@ -77,17 +79,57 @@ def decode_tokens_per_s(engine: Engine, prompts: list[list[int]], new_tokens: in
     return tokens / seconds, outputs
 
 
+def top_tokens_pass(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list:
+    """One request at a time, as timed, asking for the top ``TOP_N`` tokens of every step (untimed): a
+    ``tests.gpu.greedy.Greedy`` per prompt."""
+    from tests.gpu.greedy import TOP_N, Greedy
+
+    runs = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(GenerationRequest(i, prompt, new_tokens, SamplingParams(top_n_tokens=TOP_N),
+                                             stop_token_ids=[]))
+        events = []
+        while engine.has_work():
+            events.extend(engine.step())
+        runs.append(Greedy([e.token_id for e in events], [e.logprob for e in events],
+                           [dict(zip(e.top_ids, e.top_logprobs)) for e in events]))
+    return runs
+
+
+def compare_prompts(plain: list, speculating: list) -> list[str]:
+    """Per prompt, the two greedy runs (``Greedy``): "identical", "near-tie at step k" or "NOT a near-tie
+    at step k" (tests/gpu/greedy.py ``near_tie_problem``: at the first difference each run's token is
+    among the other's top ``TOP_N``, where a bfloat16 verify row and a decode step may round apart)."""
+    from tests.gpu.greedy import first_difference, near_tie_problem
+
+    verdicts = []
+    for a, b in zip(plain, speculating):
+        k = first_difference(a, b)
+        if k is None and len(a.tokens) == len(b.tokens):
+            verdicts.append("identical")
+        elif k is None:
+            verdicts.append(f"NOT a near-tie at step {min(len(a.tokens), len(b.tokens))}: lengths differ")
+        elif near_tie_problem(a, b, "speculate 0", "speculating") is None:
+            verdicts.append(f"near-tie at step {k}")
+        else:
+            verdicts.append(f"NOT a near-tie at step {k}")
+    return verdicts
+
+
 def demo(args) -> dict:
     """--speculate 0 and each of ``args.speculate`` (default 4): the first one's speed-up and acceptance
-    as the summary's top keys, every one's under "by_speculate"."""
+    as the summary's top keys, every one's under "by_speculate". After its timed pass each engine runs
+    the prompts once more asking for the top tokens (untimed): per prompt, the speculating run is
+    identical to --speculate 0's, parts at a near-tie, or not ("prompts", ``compare_prompts``)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO)
-    prompts = [rename_prompt(tokenizer, f) for f in stdlib_functions()]
+    prompts = [rename_prompt(tokenizer, f) for f in stdlib_functions()][: getattr(args, "prompts", None)]
     lengths = [int(n) for n in str(getattr(args, "speculate", None) or "4").split(",")]
-    results, outputs = {}, {}
+    results, outputs, tops = {}, {}, {}
     for speculate in [0, *lengths]:
-        engine = Engine(EngineConfig(model_dir=str(DEMO), max_requests=8, speculate=speculate))
+        engine = Engine(EngineConfig(model_dir=str(DEMO), max_requests=8, speculate=speculate,
+                                     kernel_backend=getattr(args, "kernel_backend", None)))
         decode_tokens_per_s(engine, prompts[:2], 32)                       # warm-up (compiles)
         engine.router.scheduler.speculation.drafted_tokens = engine.router.scheduler.speculation.accepted_tokens = 0
         rate, outputs[speculate] = decode_tokens_per_s(engine, prompts, args.new_tokens)
@@ -95,22 +137,36 @@ def demo(args) -> dict:
         results[speculate] = {"tokens_per_s": round(rate, 1), "drafted": stats.drafted_tokens,
                               "accepted": stats.accepted_tokens,
                               "acceptance_rate": round(stats.accepted_tokens / max(stats.drafted_tokens, 1), 3)}
+        tops[speculate] = top_tokens_pass(engine, prompts, args.new_tokens)
+        results[speculate]["top_pass_equals_timed"] = [r.tokens for r in tops[speculate]] == outputs[speculate]
         engine.close()
         del engine
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None   # the next engine sizes its KV cache
     for speculate in lengths:
-        results[speculate]["speedup"] = round(results[speculate]["tokens_per_s"] / results[0]["tokens_per_s"], 3)
-        results[speculate]["outputs_identical"] = outputs[speculate] == outputs[0]
+        r = results[speculate]
+        r["speedup"] = round(r["tokens_per_s"] / results[0]["tokens_per_s"], 3)
+        r["outputs_identical"] = outputs[speculate] == outputs[0]
+        r["prompts"] = compare_prompts(tops[0], tops[speculate])
+        r["identical_prompts"] = r["prompts"].count("identical")
+        r["not_near_tie_prompts"] = sum(v.startswith("NOT") for v in r["prompts"])
+        ties = [v.removeprefix("near-tie at step ") for v in r["prompts"] if v.startswith("near-tie")]
         print(f"demo batch 1 ({len(prompts)} rename prompts x {args.new_tokens} tokens): speculate 0 "
-              f"{results[0]['tokens_per_s']} tokens/s, speculate {speculate} {results[speculate]['tokens_per_s']} "
-              f"tokens/s, speed-up {results[speculate]['speedup']}x, acceptance "
-              f"{results[speculate]['acceptance_rate']}, identical {results[speculate]['outputs_identical']}")
+              f"{results[0]['tokens_per_s']} tokens/s, speculate {speculate} {r['tokens_per_s']} "
+              f"tokens/s, speed-up {r['speedup']}x, acceptance {r['acceptance_rate']}, identical "
+              f"{r['outputs_identical']}: {r['identical_prompts']}/{len(prompts)} prompts identical, "
+              f"{len(ties)} part at a near-tie (steps {', '.join(ties) or '-'}), {r['not_near_tie_prompts']} "
+              f"NOT at a near-tie")
+        for i, verdict in enumerate(r["prompts"]):
+            if verdict.startswith("NOT"):
+                print(f"  prompt {i}: {verdict}")
     first = results[lengths[0]]
     return {"speculate0_tokens_per_s": results[0]["tokens_per_s"],
             f"speculate{lengths[0]}_tokens_per_s": first["tokens_per_s"], "speedup": first["speedup"],
             "acceptance_rate": first["acceptance_rate"], "accepted_per_step_bonus_excluded": first["accepted"],
             "drafted": first["drafted"], "outputs_identical": all(results[n]["outputs_identical"] for n in lengths),
+            "identical_prompts": min(results[n]["identical_prompts"] for n in lengths),
+            "not_near_tie_prompts": sum(results[n]["not_near_tie_prompts"] for n in lengths),
             "by_speculate": {str(n): results[n] for n in lengths}}
 
 
@@ -343,6 +399,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--requests", type=int, default=64, help="load: requests queued at once")
     parser.add_argument("--speculate", help="steps (default 2,4,6,8), demo (default 4): comma-separated draft "
                                             "lengths")
+    parser.add_argument("--prompts", type=int, help="demo: only the first N rename prompts (a smoke run)")
     parser.add_argument("--references", help="steps: cache of the greedy outputs (computed when missing)")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)

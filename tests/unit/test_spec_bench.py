@@ -13,3 +13,26 @@ def test_verify_runs_every_batch_size_with_its_contexts_in_the_kv_cache(tmp_path
     result = spec_bench.verify(Namespace(model_dir=str(model_dir), batch_sizes="1,32", context=128, repeats=2))
     assert [r["batch_size"] for r in result["verify"]] == [1, 32]
     assert all(r["decode_ms"] > 0 and r["verify4_ms"] > 0 for r in result["verify"])
+
+
+def test_compare_prompts_tells_identical_runs_near_ties_and_real_differences():
+    from tests.gpu.greedy import Greedy
+
+    def run(tokens, tops):
+        return Greedy(tokens, [0.0] * len(tokens), [dict.fromkeys(t, -1.0) for t in tops])
+
+    plain = [run([5, 6, 7], [[5, 9], [6, 8], [7, 1]])] * 3
+    speculating = [run([5, 6, 7], [[5, 9], [6, 8], [7, 1]]),
+                   run([5, 8, 3], [[5, 9], [8, 6], [3, 2]]),      # 8 in plain's top at step 1, 6 in its own
+                   run([5, 6, 9], [[5, 9], [6, 8], [9, 4]])]      # 9 is not among plain's top at step 2
+    assert spec_bench.compare_prompts(plain, speculating) == [
+        "identical", "near-tie at step 1", "NOT a near-tie at step 2"]
+
+
+def test_demo_reports_each_prompt_from_an_untimed_pass_with_top_tokens():
+    """The demo model on the CPU (float32, the torch kernels): the speculating run's tokens are plain
+    decoding's on every prompt."""
+    summary = spec_bench.demo(Namespace(new_tokens=24, prompts=2, speculate="4", kernel_backend="torch"))
+    result = summary["by_speculate"]["4"]
+    assert result["prompts"] == ["identical", "identical"] and summary["not_near_tie_prompts"] == 0
+    assert result["top_pass_equals_timed"] and summary["outputs_identical"] and result["drafted"] > 0
