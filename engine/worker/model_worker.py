@@ -17,7 +17,7 @@ draws from p without d, renormalised (rejection sampling with a point-mass draft
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -493,10 +493,12 @@ def verify_states(rows: list[StepRow], states: list[RowSampling]) -> list[RowSam
         return states
     expanded = []
     for row, state in zip(rows, states):
-        drafts = row.input_ids[1:] if row.input_ids[0] == FED_BACK else []
         expanded.append(state)
-        expanded.extend(replace(state, step=state.step + j, num_tokens=state.num_tokens + j, prev_token=d)
-                        for j, d in enumerate(drafts, start=1))
+        if row.input_ids[0] != FED_BACK:
+            continue
+        s = state      # every field, by the constructor: dataclasses.replace cost ~4 us a state (128 at batch 32)
+        expanded.extend(RowSampling(s.params, s.seed, s.step + j, s.penalty_row, s.num_tokens + j, d, s.grammar)
+                        for j, d in enumerate(row.input_ids[1:], start=1))
     return expanded
 
 

@@ -36,3 +36,22 @@ def test_demo_reports_each_prompt_from_an_untimed_pass_with_top_tokens():
     result = summary["by_speculate"]["4"]
     assert result["prompts"] == ["identical", "identical"] and summary["not_near_tie_prompts"] == 0
     assert result["top_pass_equals_timed"] and summary["outputs_identical"] and result["drafted"] > 0
+
+
+def test_verify_states_copy_every_field_of_the_row_state_but_the_draft_position_ones():
+    """verify_states builds each draft position's state by the constructor (not dataclasses.replace):
+    every other field, present and future, must come from the row's state."""
+    from dataclasses import fields, replace
+
+    from engine.protocol.messages import FED_BACK, SamplingParams, StepRow
+    from engine.sampling.sampler import RowSampling
+    from engine.worker.model_worker import verify_states
+
+    values = dict(params=SamplingParams(top_n_tokens=2), seed=7, step=3, penalty_row=4, num_tokens=11, prev_token=9,
+                  grammar=object())
+    assert {f.name for f in fields(RowSampling)} == set(values)
+    state, plain = RowSampling(**values), RowSampling(SamplingParams(), 1, 0)
+    rows = [StepRow(1, 0, 10, [FED_BACK, 21, 22], [0, 1, 2], sample=True), StepRow(2, 1, 5, [FED_BACK], [3], sample=True)]
+    expanded = verify_states(rows, [state, plain])
+    assert expanded == [state, replace(state, step=4, num_tokens=12, prev_token=21),
+                        replace(state, step=5, num_tokens=13, prev_token=22), plain]
