@@ -2,6 +2,7 @@
 
     python -m bench.spec_bench demo [--new-tokens 256] [--speculate 4,8] # batch-1 tokens/s, speculate 0 vs 4
     python -m bench.spec_bench verify --model-dir /tmp/llama2-7b       # verify step vs plain decode step
+    python -m bench.spec_bench host --model-dir DIR                    # their host work outside the forward
     python -m bench.spec_bench load --model-dir /tmp/llama2-7b         # random prompts, speculate 0 vs 2
     python -m bench.spec_bench steps [--references /tmp/spec_refs.json] # tokens per forward step (CPU, exact)
 
@@ -13,6 +14,9 @@ asking for the top 5 tokens of every step, and each prompt is reported identical
 near-tie (step k), or NOT at a near-tie (tests/gpu/greedy.py ``near_tie_problem``).
 verify: B requests prefilled to --context tokens; the wall time of one ``ModelWorker.execute`` of a
 plain decode step ([FED_BACK] per row) and of a verify step (4 drafts per row), and their ratio.
+host: the same two steps with the forward replaced by ready logits (a graph replay's host cost): the
+wall time of the rest of ``execute`` and the torch ops of one step; on a CPU through the eager
+PaddedDecoder / PaddedVerifier, the code CUDA runs around its graphs.
 load: N random prompts (no repetition to find) all queued at once, output tokens/s with --speculate
 0 and 2 (drafts rarely hit: the cost of trying).
 steps: what decides the speed-up, exactly and on any machine. The demo model's greedy outputs
@@ -235,6 +239,55 @@ def _step_ms(worker, make_step, repeats: int) -> float:
     return statistics.median(times)
 
 
+def host(args) -> dict:
+    """What a decode step and a verify step cost the host outside the forward (graph replay on CUDA): the
+    forward is replaced by ready logits, the rest of ``ModelWorker.execute`` runs (inputs, table writes,
+    sampling, the verify row's kept tokens); median wall time and the torch ops of one step. On a CPU the
+    worker gets the eager PaddedDecoder and PaddedVerifier, the paths CUDA runs around its graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profile_step import DecodeFixture
+    from engine.models import load_model_config
+    from engine.worker.cuda_graphs import PaddedDecoder, PaddedVerifier
+    from engine.worker.model_worker import ModelWorker, WorkerConfig, resolve_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = load_model_config(args.model_dir)
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    steps = 2 * (WARMUP_STEPS + args.repeats + 1)
+    worker = ModelWorker(WorkerConfig(
+        model_dir=args.model_dir, dtype=resolve_dtype(None, config, device), device=device,
+        kernel_backend="triton" if device.type == "cuda" else "torch", max_requests=max(sizes),
+        max_seq_len=args.context + steps + 64, num_slots=max(sizes) * (args.context + steps + DRAFTS),
+        speculate=DRAFTS, cuda_graphs=()))
+    if device.type == "cpu":
+        worker.decoder = PaddedDecoder(worker.model, worker.kv_cache, worker.last_tokens, max(sizes), None, False)
+        worker.verifier = PaddedVerifier(worker.model, worker.kv_cache, worker.last_tokens, max(sizes), DRAFTS, False)
+    ready = torch.randn(max(sizes) * (1 + DRAFTS), config.vocab_size, device=device)
+    worker.decoder._forward = lambda size: ready[:size]
+    worker.verifier._forward = lambda rows: ready[: rows * worker.verifier.width]
+    results = []
+    for batch_size in sizes:
+        fixture = DecodeFixture(worker, batch_size, args.context, first_id=batch_size * 100_000)
+        try:
+            for name, make in (("decode", fixture.next_step), ("verify", lambda: _verify_step(fixture, DRAFTS))):
+                ms = _step_ms(worker, make, args.repeats)
+                step = make()
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    worker.execute(step)
+                ops = {e.key.removeprefix("aten::"): e.count for e in prof.key_averages() if e.key.startswith("aten::")}
+                results.append({"batch_size": batch_size, "step": name, "host_us": round(ms * 1e3, 1),
+                                "torch_ops": sum(ops.values()), "copies": ops.get("copy_", 0),
+                                "tensors_from_lists": ops.get("lift_fresh", 0)})
+                print(f"batch {batch_size}, {name} step outside the forward: {ms * 1e3:.0f} us, "
+                      f"{sum(ops.values())} torch ops ({ops.get('copy_', 0)} copy_, {ops.get('lift_fresh', 0)} "
+                      f"tensors from lists): " + ", ".join(f"{k} x{c}" for k, c in sorted(ops.items(),
+                                                                                         key=lambda kv: -kv[1])))
+        finally:
+            fixture.close()
+    return {"host": results}
+
+
 def load(args) -> dict:
     from engine.models import load_model_config
 
@@ -390,12 +443,12 @@ def steps(args) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["demo", "verify", "load", "steps"])
+    parser.add_argument("what", choices=["demo", "verify", "host", "load", "steps"])
     parser.add_argument("--model-dir", help="checkpoint directory (verify, load)")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per request")
-    parser.add_argument("--batch-sizes", default="1,32", help="verify: comma-separated batch sizes")
-    parser.add_argument("--context", type=int, default=512, help="verify: tokens each request holds")
-    parser.add_argument("--repeats", type=int, default=20, help="verify: timed steps per measurement")
+    parser.add_argument("--batch-sizes", default="1,32", help="verify, host: comma-separated batch sizes")
+    parser.add_argument("--context", type=int, default=512, help="verify, host: tokens each request holds")
+    parser.add_argument("--repeats", type=int, default=20, help="verify, host: timed steps per measurement")
     parser.add_argument("--requests", type=int, default=64, help="load: requests queued at once")
     parser.add_argument("--speculate", help="steps (default 2,4,6,8), demo (default 4): comma-separated draft "
                                             "lengths")
@@ -403,9 +456,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--references", help="steps: cache of the greedy outputs (computed when missing)")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
-    if args.what in ("verify", "load") and not args.model_dir:
+    if args.what in ("verify", "host", "load") and not args.model_dir:
         parser.error(f"{args.what} needs --model-dir")
-    result = {"demo": demo, "verify": verify, "load": load, "steps": steps}[args.what](args)
+    result = {"demo": demo, "verify": verify, "host": host, "load": load, "steps": steps}[args.what](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -53,8 +53,9 @@ class PaddedDecoder:
         self.buckets = chosen
         device = kv_cache.req_to_token.device
         size = self.buckets[-1]
-        self.hosts = [torch.empty((INPUT_ROWS, size), dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self.copied = [torch.cuda.Event(), torch.cuda.Event()]     # each host buffer's copy has run
+        on_gpu = device.type == "cuda"        # on a CPU it runs eagerly (bench.spec_bench host)
+        self.hosts = [torch.empty((INPUT_ROWS, size), dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()] if on_gpu else None   # each host buffer's copy ran
         self.turn = 0
         self.inputs = torch.empty((INPUT_ROWS, size), dtype=torch.int64, device=device)
         self.q_start = torch.arange(size, dtype=torch.int32, device=device)
@@ -72,10 +73,12 @@ class PaddedDecoder:
         count = len(step.rows)
         size = next(b for b in self.buckets if b >= count)
         self.turn ^= 1
-        self.copied[self.turn].synchronize()                # long done: two steps ago
+        if self.copied is not None:
+            self.copied[self.turn].synchronize()            # long done: two steps ago
         self._fill(step.rows, size)
         self.inputs.copy_(self.host, non_blocking=True)     # one contiguous pinned copy (a few KB)
-        self.copied[self.turn].record()
+        if self.copied is not None:
+            self.copied[self.turn].record()
         self.kv_cache.write_table(self.inputs[3, :count], self.inputs[1, :count], self.inputs[2, :count])
         if size in self.graphs:
             graph, logits = self.graphs[size]

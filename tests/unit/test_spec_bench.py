@@ -55,3 +55,12 @@ def test_verify_states_copy_every_field_of_the_row_state_but_the_draft_position_
     expanded = verify_states(rows, [state, plain])
     assert expanded == [state, replace(state, step=4, num_tokens=12, prev_token=21),
                         replace(state, step=5, num_tokens=13, prev_token=22), plain]
+
+
+def test_host_profiles_the_work_around_the_forward_of_decode_and_verify_steps(tmp_path):
+    """``host`` on the CPU: the eager PaddedDecoder and PaddedVerifier with the forward replaced by ready logits."""
+    model_dir = save_tiny_model("llama", tmp_path / "llama", vocab_size=1024)
+    result = spec_bench.host(Namespace(model_dir=str(model_dir), batch_sizes="1,3", context=16, repeats=2))
+    assert [(r["batch_size"], r["step"]) for r in result["host"]] == [
+        (1, "decode"), (1, "verify"), (3, "decode"), (3, "verify")]
+    assert all(r["host_us"] > 0 and r["torch_ops"] > 0 for r in result["host"])
