@@ -206,8 +206,8 @@ def _slots_per_request(args, drafts: int) -> int:
     """The KV slots one request of ``verify`` holds at most (exactly: the CPU test runs with no more): its
     context, a slot per decode step and per verify step (warm-up and timed; each keeps one, the next
     truncates the rest) and the last verify step's drafts. Sized explicitly, for the largest batch: sized
-    from free memory the worker got what the earlier engines of the same process left it, too few slots
-    for batch 32 (asked for 512, 492 free)."""
+    from free memory after the demo's engines (their freed KV cache still cached, the weights placed in
+    it) the worker had too few slots for batch 32 (asked for 512, 492 free)."""
     return args.context + 2 * (WARMUP_STEPS + args.repeats) + drafts
 
 
