@@ -2,15 +2,21 @@
 
     python -m bench.spec_bench demo [--new-tokens 256] [--speculate 4,8] # batch-1 tokens/s, speculate 0 vs 4
     python -m bench.spec_bench verify --model-dir /tmp/llama2-7b       # verify step vs plain decode step
+    python -m bench.spec_bench host --model-dir DIR                    # their host work outside the forward
     python -m bench.spec_bench load --model-dir /tmp/llama2-7b         # random prompts, speculate 0 vs 2
     python -m bench.spec_bench steps [--references /tmp/spec_refs.json] # tokens per forward step (CPU, exact)
 
 demo: the bundled demo model, one request at a time, on prompts that quote their input ("the same
 function, renamed": real standard-library sources read with inspect.getsource, then the first line
 of the renamed copy); output tokens/s of the decode phase with --speculate 0 and 4, their ratio and
-the acceptance rate (accepted / drafted tokens).
+the acceptance rate (accepted / drafted tokens); then, untimed, each engine runs the prompts again
+asking for the top 5 tokens of every step, and each prompt is reported identical, parting at a
+near-tie (step k), or NOT at a near-tie (tests/gpu/greedy.py ``near_tie_problem``).
 verify: B requests prefilled to --context tokens; the wall time of one ``ModelWorker.execute`` of a
 plain decode step ([FED_BACK] per row) and of a verify step (4 drafts per row), and their ratio.
+host: the same two steps with the forward replaced by ready logits (a graph replay's host cost): the
+wall time of the rest of ``execute`` and the torch ops of one step; on a CPU through the eager
+PaddedDecoder / PaddedVerifier, the code CUDA runs around its graphs.
 load: N random prompts (no repetition to find) all queued at once, output tokens/s with --speculate
 0 and 2 (drafts rarely hit: the cost of trying).
 steps: what decides the speed-up, exactly and on any machine. The demo model's greedy outputs
@@ -41,6 +47,8 @@ from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, 
 from engine.router.scheduler import SchedulerConfig
 
 DEMO = Path(__file__).resolve().parents[1] / "weights" / "demo"
+DRAFTS = 4              # verify: drafts per verify row
+WARMUP_STEPS = 3        # verify: untimed steps before each measurement
 
 
 def stdlib_functions() -> list:
@@ -75,17 +83,57 @@ def decode_tokens_per_s(engine: Engine, prompts: list[list[int]], new_tokens: in
     return tokens / seconds, outputs
 
 
+def top_tokens_pass(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list:
+    """One request at a time, as timed, asking for the top ``TOP_N`` tokens of every step (untimed): a
+    ``tests.gpu.greedy.Greedy`` per prompt."""
+    from tests.gpu.greedy import TOP_N, Greedy
+
+    runs = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(GenerationRequest(i, prompt, new_tokens, SamplingParams(top_n_tokens=TOP_N),
+                                             stop_token_ids=[]))
+        events = []
+        while engine.has_work():
+            events.extend(engine.step())
+        runs.append(Greedy([e.token_id for e in events], [e.logprob for e in events],
+                           [dict(zip(e.top_ids, e.top_logprobs)) for e in events]))
+    return runs
+
+
+def compare_prompts(plain: list, speculating: list) -> list[str]:
+    """Per prompt, the two greedy runs (``Greedy``): "identical", "near-tie at step k" or "NOT a near-tie
+    at step k" (tests/gpu/greedy.py ``near_tie_problem``: at the first difference each run's token is
+    among the other's top ``TOP_N``, where a bfloat16 verify row and a decode step may round apart)."""
+    from tests.gpu.greedy import first_difference, near_tie_problem
+
+    verdicts = []
+    for a, b in zip(plain, speculating):
+        k = first_difference(a, b)
+        if k is None and len(a.tokens) == len(b.tokens):
+            verdicts.append("identical")
+        elif k is None:
+            verdicts.append(f"NOT a near-tie at step {min(len(a.tokens), len(b.tokens))}: lengths differ")
+        elif near_tie_problem(a, b, "speculate 0", "speculating") is None:
+            verdicts.append(f"near-tie at step {k}")
+        else:
+            verdicts.append(f"NOT a near-tie at step {k}")
+    return verdicts
+
+
 def demo(args) -> dict:
     """--speculate 0 and each of ``args.speculate`` (default 4): the first one's speed-up and acceptance
-    as the summary's top keys, every one's under "by_speculate"."""
+    as the summary's top keys, every one's under "by_speculate". After its timed pass each engine runs
+    the prompts once more asking for the top tokens (untimed): per prompt, the speculating run is
+    identical to --speculate 0's, parts at a near-tie, or not ("prompts", ``compare_prompts``)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO)
-    prompts = [rename_prompt(tokenizer, f) for f in stdlib_functions()]
+    prompts = [rename_prompt(tokenizer, f) for f in stdlib_functions()][: getattr(args, "prompts", None)]
     lengths = [int(n) for n in str(getattr(args, "speculate", None) or "4").split(",")]
-    results, outputs = {}, {}
+    results, outputs, tops = {}, {}, {}
     for speculate in [0, *lengths]:
-        engine = Engine(EngineConfig(model_dir=str(DEMO), max_requests=8, speculate=speculate))
+        engine = Engine(EngineConfig(model_dir=str(DEMO), max_requests=8, speculate=speculate,
+                                     kernel_backend=getattr(args, "kernel_backend", None)))
         decode_tokens_per_s(engine, prompts[:2], 32)                       # warm-up (compiles)
         engine.router.scheduler.speculation.drafted_tokens = engine.router.scheduler.speculation.accepted_tokens = 0
         rate, outputs[speculate] = decode_tokens_per_s(engine, prompts, args.new_tokens)
@@ -93,21 +141,36 @@ def demo(args) -> dict:
         results[speculate] = {"tokens_per_s": round(rate, 1), "drafted": stats.drafted_tokens,
                               "accepted": stats.accepted_tokens,
                               "acceptance_rate": round(stats.accepted_tokens / max(stats.drafted_tokens, 1), 3)}
+        tops[speculate] = top_tokens_pass(engine, prompts, args.new_tokens)
+        results[speculate]["top_pass_equals_timed"] = [r.tokens for r in tops[speculate]] == outputs[speculate]
         engine.close()
         del engine
         gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None   # the next engine sizes its KV cache
     for speculate in lengths:
-        results[speculate]["speedup"] = round(results[speculate]["tokens_per_s"] / results[0]["tokens_per_s"], 3)
-        results[speculate]["outputs_identical"] = outputs[speculate] == outputs[0]
+        r = results[speculate]
+        r["speedup"] = round(r["tokens_per_s"] / results[0]["tokens_per_s"], 3)
+        r["outputs_identical"] = outputs[speculate] == outputs[0]
+        r["prompts"] = compare_prompts(tops[0], tops[speculate])
+        r["identical_prompts"] = r["prompts"].count("identical")
+        r["not_near_tie_prompts"] = sum(v.startswith("NOT") for v in r["prompts"])
+        ties = [v.removeprefix("near-tie at step ") for v in r["prompts"] if v.startswith("near-tie")]
         print(f"demo batch 1 ({len(prompts)} rename prompts x {args.new_tokens} tokens): speculate 0 "
-              f"{results[0]['tokens_per_s']} tokens/s, speculate {speculate} {results[speculate]['tokens_per_s']} "
-              f"tokens/s, speed-up {results[speculate]['speedup']}x, acceptance "
-              f"{results[speculate]['acceptance_rate']}, identical {results[speculate]['outputs_identical']}")
+              f"{results[0]['tokens_per_s']} tokens/s, speculate {speculate} {r['tokens_per_s']} "
+              f"tokens/s, speed-up {r['speedup']}x, acceptance {r['acceptance_rate']}, identical "
+              f"{r['outputs_identical']}: {r['identical_prompts']}/{len(prompts)} prompts identical, "
+              f"{len(ties)} part at a near-tie (steps {', '.join(ties) or '-'}), {r['not_near_tie_prompts']} "
+              f"NOT at a near-tie")
+        for i, verdict in enumerate(r["prompts"]):
+            if verdict.startswith("NOT"):
+                print(f"  prompt {i}: {verdict}")
     first = results[lengths[0]]
     return {"speculate0_tokens_per_s": results[0]["tokens_per_s"],
             f"speculate{lengths[0]}_tokens_per_s": first["tokens_per_s"], "speedup": first["speedup"],
             "acceptance_rate": first["acceptance_rate"], "accepted_per_step_bonus_excluded": first["accepted"],
             "drafted": first["drafted"], "outputs_identical": all(results[n]["outputs_identical"] for n in lengths),
+            "identical_prompts": min(results[n]["identical_prompts"] for n in lengths),
+            "not_near_tie_prompts": sum(results[n]["not_near_tie_prompts"] for n in lengths),
             "by_speculate": {str(n): results[n] for n in lengths}}
 
 
@@ -122,18 +185,30 @@ def verify(args) -> dict:
     worker = ModelWorker(WorkerConfig(
         model_dir=args.model_dir, dtype=resolve_dtype(None, config, device), device=device,
         kernel_backend="triton" if device.type == "cuda" else "torch", max_requests=max(sizes),
-        max_seq_len=args.context + 8 * args.repeats + 64, warmup_tokens=max(4096, 5 * max(sizes)), speculate=4))
+        max_seq_len=args.context + 8 * args.repeats + 64, num_slots=max(sizes) * _slots_per_request(args, DRAFTS),
+        warmup_tokens=max(4096, 5 * max(sizes)), speculate=DRAFTS))
     results = []
     for batch_size in sizes:
         fixture = DecodeFixture(worker, batch_size, args.context, first_id=batch_size * 100_000)
-        plain = _step_ms(worker, lambda: fixture.next_step(), args.repeats)
-        verify_ms = _step_ms(worker, lambda: _verify_step(fixture, drafts=4), args.repeats)
-        fixture.close()
+        try:
+            plain = _step_ms(worker, lambda: fixture.next_step(), args.repeats)
+            verify_ms = _step_ms(worker, lambda: _verify_step(fixture, drafts=DRAFTS), args.repeats)
+        finally:
+            fixture.close()
         results.append({"batch_size": batch_size, "decode_ms": round(plain, 3), "verify4_ms": round(verify_ms, 3),
                         "ratio": round(verify_ms / plain, 3)})
         print(f"batch {batch_size}, context {args.context}: decode step {plain:.3f} ms, verify step (4 drafts) "
               f"{verify_ms:.3f} ms, ratio {verify_ms / plain:.3f}")
     return {"verify": results}
+
+
+def _slots_per_request(args, drafts: int) -> int:
+    """The KV slots one request of ``verify`` holds at most (exactly: the CPU test runs with no more): its
+    context, a slot per decode step and per verify step (warm-up and timed; each keeps one, the next
+    truncates the rest) and the last verify step's drafts. Sized explicitly, for the largest batch: sized
+    from free memory after the demo's engines (their freed KV cache still cached, the weights placed in
+    it) the worker had too few slots for batch 32 (asked for 512, 492 free)."""
+    return args.context + 2 * (WARMUP_STEPS + args.repeats) + drafts
 
 
 def _verify_step(fixture, drafts: int) -> Step:
@@ -151,7 +226,7 @@ def _verify_step(fixture, drafts: int) -> Step:
 
 
 def _step_ms(worker, make_step, repeats: int) -> float:
-    for _ in range(3):
+    for _ in range(WARMUP_STEPS):
         worker.execute(make_step())          # warm-up (compiles)
     times = []
     for _ in range(repeats):
@@ -162,6 +237,55 @@ def _step_ms(worker, make_step, repeats: int) -> float:
         worker.execute(step)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def host(args) -> dict:
+    """What a decode step and a verify step cost the host outside the forward (graph replay on CUDA): the
+    forward is replaced by ready logits, the rest of ``ModelWorker.execute`` runs (inputs, table writes,
+    sampling, the verify row's kept tokens); median wall time and the torch ops of one step. On a CPU the
+    worker gets the eager PaddedDecoder and PaddedVerifier, the paths CUDA runs around its graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profile_step import DecodeFixture
+    from engine.models import load_model_config
+    from engine.worker.cuda_graphs import PaddedDecoder, PaddedVerifier
+    from engine.worker.model_worker import ModelWorker, WorkerConfig, resolve_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = load_model_config(args.model_dir)
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    steps = 2 * (WARMUP_STEPS + args.repeats + 1)
+    worker = ModelWorker(WorkerConfig(
+        model_dir=args.model_dir, dtype=resolve_dtype(None, config, device), device=device,
+        kernel_backend="triton" if device.type == "cuda" else "torch", max_requests=max(sizes),
+        max_seq_len=args.context + steps + 64, num_slots=max(sizes) * (args.context + steps + DRAFTS),
+        speculate=DRAFTS, cuda_graphs=()))
+    if device.type == "cpu":
+        worker.decoder = PaddedDecoder(worker.model, worker.kv_cache, worker.last_tokens, max(sizes), None, False)
+        worker.verifier = PaddedVerifier(worker.model, worker.kv_cache, worker.last_tokens, max(sizes), DRAFTS, False)
+    ready = torch.randn(max(sizes) * (1 + DRAFTS), config.vocab_size, device=device)
+    worker.decoder._forward = lambda size: ready[:size]
+    worker.verifier._forward = lambda rows: ready[: rows * worker.verifier.width]
+    results = []
+    for batch_size in sizes:
+        fixture = DecodeFixture(worker, batch_size, args.context, first_id=batch_size * 100_000)
+        try:
+            for name, make in (("decode", fixture.next_step), ("verify", lambda: _verify_step(fixture, DRAFTS))):
+                ms = _step_ms(worker, make, args.repeats)
+                step = make()
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    worker.execute(step)
+                ops = {e.key.removeprefix("aten::"): e.count for e in prof.key_averages() if e.key.startswith("aten::")}
+                results.append({"batch_size": batch_size, "step": name, "host_us": round(ms * 1e3, 1),
+                                "torch_ops": sum(ops.values()), "copies": ops.get("copy_", 0),
+                                "tensors_from_lists": ops.get("lift_fresh", 0)})
+                print(f"batch {batch_size}, {name} step outside the forward: {ms * 1e3:.0f} us, "
+                      f"{sum(ops.values())} torch ops ({ops.get('copy_', 0)} copy_, {ops.get('lift_fresh', 0)} "
+                      f"tensors from lists): " + ", ".join(f"{k} x{c}" for k, c in sorted(ops.items(),
+                                                                                         key=lambda kv: -kv[1])))
+        finally:
+            fixture.close()
+    return {"host": results}
 
 
 def load(args) -> dict:
@@ -319,21 +443,22 @@ def steps(args) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["demo", "verify", "load", "steps"])
+    parser.add_argument("what", choices=["demo", "verify", "host", "load", "steps"])
     parser.add_argument("--model-dir", help="checkpoint directory (verify, load)")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per request")
-    parser.add_argument("--batch-sizes", default="1,32", help="verify: comma-separated batch sizes")
-    parser.add_argument("--context", type=int, default=512, help="verify: tokens each request holds")
-    parser.add_argument("--repeats", type=int, default=20, help="verify: timed steps per measurement")
+    parser.add_argument("--batch-sizes", default="1,32", help="verify, host: comma-separated batch sizes")
+    parser.add_argument("--context", type=int, default=512, help="verify, host: tokens each request holds")
+    parser.add_argument("--repeats", type=int, default=20, help="verify, host: timed steps per measurement")
     parser.add_argument("--requests", type=int, default=64, help="load: requests queued at once")
     parser.add_argument("--speculate", help="steps (default 2,4,6,8), demo (default 4): comma-separated draft "
                                             "lengths")
+    parser.add_argument("--prompts", type=int, help="demo: only the first N rename prompts (a smoke run)")
     parser.add_argument("--references", help="steps: cache of the greedy outputs (computed when missing)")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
-    if args.what in ("verify", "load") and not args.model_dir:
+    if args.what in ("verify", "host", "load") and not args.model_dir:
         parser.error(f"{args.what} needs --model-dir")
-    result = {"demo": demo, "verify": verify, "load": load, "steps": steps}[args.what](args)
+    result = {"demo": demo, "verify": verify, "host": host, "load": load, "steps": steps}[args.what](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -39,20 +39,37 @@ def _without_timing(answer: dict) -> dict:
     return answer
 
 
+def _speculation_counters(url: str) -> tuple[float, float]:
+    """The server's drafted and accepted tokens so far (/metrics)."""
+    metrics = requests.get(url + "/metrics", timeout=10).text
+    return tuple(float(re.search(rf"^tgi_speculation_{name}_tokens (\S+)$", metrics, re.M).group(1))
+                 for name in ("drafted", "accepted"))
+
+
 def test_speculating_server_answers_like_the_plain_one_and_counts_drafts():
     source = inspect.getsource(textwrap.indent)
     prompt = f"{source}\n\n# The same function, renamed to add_prefix:\ndef add_prefix(text, prefix, predicate=None):\n"
     with serve_demo() as plain_url:
         text = _generate(plain_url, prompt)["generated_text"]
         cases = [dict(), dict(stop=[text[20:24]], top_n_tokens=2), dict(max_new_tokens=3),
-                 dict(do_sample=True, seed=7, temperature=0.8, top_k=20)]      # a stop inside the text
+                 dict(do_sample=True, seed=7, temperature=0.8, top_k=20),      # a stop inside the text
+                 dict(top_n_tokens=5)]                                         # the whole copy: drafts accepted
         expected = [_without_timing(_generate(plain_url, prompt, **case)) for case in cases]
     with serve(_speculating_app()) as url:
-        answers = [_without_timing(_generate(url, prompt, **case)) for case in cases]
+        answers = [_without_timing(_generate(url, prompt, **case)) for case in cases[:-1]]
+        before = _speculation_counters(url)
+        answers.append(_without_timing(_generate(url, prompt, **cases[-1])))
+        copy_drafted, copy_accepted = (after - was for after, was in zip(_speculation_counters(url), before))
         assert answers == expected
         assert answers[1]["details"]["finish_reason"] == "stop_sequence"
         assert answers[2]["details"]["generated_tokens"] == 3
         metrics = requests.get(url + "/metrics", timeout=10).text
+    # top_n_tokens under --speculate: the top tokens of every token, accepted drafts included
+    details = answers[-1]["details"]
+    assert copy_accepted > 0 and copy_drafted > 0
+    assert len(details["top_tokens"]) == len(details["tokens"]) == details["generated_tokens"] == 40
+    assert all(len(tops) == 5 and tops[0]["id"] == token["id"] for tops, token in zip(details["top_tokens"],
+                                                                                      details["tokens"]))
     drafted = float(re.search(r"^tgi_speculation_drafted_tokens (\S+)$", metrics, re.M).group(1))
     accepted = float(re.search(r"^tgi_speculation_accepted_tokens (\S+)$", metrics, re.M).group(1))
     speculated = float(re.search(r"^tgi_request_speculated_tokens (\S+)$", metrics, re.M).group(1))

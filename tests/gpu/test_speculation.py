@@ -1,8 +1,12 @@
 """Speculative decoding on one GPU (bench/gpu_run.sh stage ``spec``).
 
 * the demo model, one request at a time, on prompts that quote their input (standard-library
-  functions "renamed"): --speculate 4 gives the tokens of --speculate 0 and at least 1.8x its
-  decode tokens/s (the acceptance rate is printed);
+  functions "renamed"): --speculate 4 gives at least 1.8x the decode tokens/s of --speculate 0 (the
+  acceptance rate is printed) and its tokens on every prompt up to a near-tie: in bfloat16 a verify
+  row's logits (prefill attention over 1 + N rows) may round apart from a decode step's, which
+  changes the greedy token only where the best two nearly tie (tests/gpu/greedy.py
+  ``near_tie_problem``, on the top tokens of an untimed pass of each engine; the count of identical
+  prompts is printed; the float32 CPU tests demand identical tokens);
 * a random Llama-2-7B: a verify step with 4 drafts per row costs at most 1.15x a plain decode
   step at batch 1 and 32 (512-token contexts);
 * 64 random prompts at once (drafts rarely hit): --speculate 2 keeps at least 95% of the
@@ -16,8 +20,16 @@ from bench import spec_bench
 def test_demo_model_rename_prompts_speed_up_at_least_1_8x():
     summary = spec_bench.demo(Namespace(new_tokens=256))
     print(summary)
-    assert summary["outputs_identical"]
+    _assert_only_near_ties(summary)
     assert summary["speedup"] >= 1.8, summary
+
+
+def _assert_only_near_ties(summary: dict) -> None:
+    """No prompt parts from --speculate 0 but at a near-tie (bfloat16); the identical ones are counted."""
+    for n, result in summary["by_speculate"].items():
+        print(f"speculate {n}: {result['identical_prompts']}/{len(result['prompts'])} prompts identical to "
+              f"speculate 0; {result['prompts']}")
+    assert summary["not_near_tie_prompts"] == 0, summary["by_speculate"]
 
 
 def test_verify_step_costs_at_most_1_15x_a_decode_step(llama2_7b_dir):
@@ -37,5 +49,5 @@ def test_demo_model_rename_prompts_with_4_and_8_drafts_keep_the_tokens():
     CPU replay ``python -m bench.spec_bench steps`` explains: tokens per step, waiting steps)."""
     summary = spec_bench.demo(Namespace(new_tokens=256, speculate="4,8"))
     print(summary)
-    assert summary["outputs_identical"]
+    _assert_only_near_ties(summary)
     assert all(r["accepted"] > 0 for r in summary["by_speculate"].values()), summary
