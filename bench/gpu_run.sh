@@ -258,13 +258,14 @@ for stage in $stages; do
       # Quantized checkpoints (issue 19), speed: random Llama-2-7B GPTQ (4-bit, groups of 128), AWQ and FP8
       # checkpoints written on the GPU, then beside the bf16 one batch-1 decode over HTTP (bench.serving_bench,
       # 128-token prompt, 256 new tokens) for each; targets GPTQ/AWQ >= 450 tok/s, FP8 >= 330 (bf16: 196).
-      # About 4 minutes (estimated); WQUANT_WORKLOADS=batch1,batch adds the 512-request load (longer).
+      # About 4 minutes (estimated); WQUANT_WORKLOADS=batch1,batch adds the 512-request load (longer);
+      # WQUANT_FORMATS picks formats (default "gptq awq fp8").
       ensure_7b; rc=0
-      for fmt in gptq awq fp8; do
+      for fmt in ${WQUANT_FORMATS:-gptq awq fp8}; do
         [ -f "$MODEL_7B-$fmt/config.json" ] || timeout 300 python3 -m weights.random_checkpoint --config llama-2-7b \
           --out "$MODEL_7B-$fmt" --dtype bfloat16 --device cuda --quantize $fmt 2>&1 | tail -1
       done
-      for model in "$MODEL_7B" "$MODEL_7B-gptq" "$MODEL_7B-awq" "$MODEL_7B-fp8"; do
+      for model in "$MODEL_7B" $(for fmt in ${WQUANT_FORMATS:-gptq awq fp8}; do echo "$MODEL_7B-$fmt"; done); do
         tag=$(basename "$model")
         timeout 600 python3 -m bench.serving_bench --model-dir "$model" --workloads "${WQUANT_WORKLOADS:-batch1}" \
           --num-requests 512 --no-peer --json "$OUT/wquant_$tag.json" 2>&1 | tee -a "$OUT/wquant.log" \
