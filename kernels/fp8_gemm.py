@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_last_dim_contiguous, check_shape, check_tensor
-from ._rounding import round_to
-from .quant_gemm import fill_split_k
+from .quant_gemm import fill_split_k, store_tile
 from .skinny_gemm import REDUCE_BLOCK, _split_k_reduce_kernel, device_sms
 
 FP8 = torch.float8_e4m3fn
@@ -123,14 +122,8 @@ def _fp8_gemm_kernel(
             acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * x_scale[:, None] * w_scale[None, :]
-    out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT:
-        tl.store(out_ptr + pid_k * stride_split + out_offs, acc, mask=out_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, round_to(acc, out_ptr.dtype.element_ty), mask=out_mask)
+    store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split,
+               HAS_BIAS, SPLIT)
 
 
 def _config(M: int, N: int, K: int, num_sms: int) -> Fp8Config:

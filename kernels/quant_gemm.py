@@ -226,6 +226,15 @@ def _int4_gemm_kernel(
                         group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=0)[None, :]
+    store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split,
+               HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split,
+               HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """A program's float32 [BLOCK_M, BLOCK_N] result: with SPLIT, its K chunk's partial into slice ``pid_k`` (the
+    reduce kernel adds the bias); else with the bias, rounded to out's dtype. Shared with ``fp8_gemm``."""
     out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
