@@ -5,6 +5,7 @@
     python -m bench.spec_bench host --model-dir DIR                    # their host work outside the forward
     python -m bench.spec_bench load --model-dir /tmp/llama2-7b         # random prompts, speculate 0 vs 2
     python -m bench.spec_bench steps [--references /tmp/spec_refs.json] # tokens per forward step (CPU, exact)
+    python -m bench.spec_bench batch [--references /tmp/spec_refs.json] # many requests at once (CPU, exact)
 
 demo: the bundled demo model, one request at a time, on prompts that quote their input ("the same
 function, renamed": real standard-library sources read with inspect.getsource, then the first line
@@ -29,6 +30,10 @@ engine's). Per --speculate N: verify rows, drafted, accepted, acceptance rate, o
 forward step of the request (plain decoding = 1.0), the steps that wait (the request runs but has
 no row to plan: its verify row's result decides the next position; plain rows are pipelined and
 never wait) per forward step, and tokens per (step + wait), the speed-up if a wait cost a whole step.
+batch: the same replay with whole workloads at once (64 noise requests of --new-tokens / 2; the rename
+prompts; the rename prompts beside 52 noise requests), with the scheduler's step gate and without it
+(``verify_step_cost`` 0): decode steps, those that carry verify rows (every row padded to 1 + N tokens),
+drafted and accepted, and the cost in decode steps if a verify step costs ``VERIFY_STEP_COST`` more.
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
 from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, StepResult, StepRow
-from engine.router.scheduler import SchedulerConfig
+from engine.router.scheduler import VERIFY_STEP_COST, SchedulerConfig
 
 DEMO = Path(__file__).resolve().parents[1] / "weights" / "demo"
 DRAFTS = 4              # verify: drafts per verify row
@@ -422,6 +427,56 @@ def noise(count: int, new_tokens: int, vocab_size: int = 32000) -> list[tuple[li
     return list(zip(prompts, random_prompts(count, new_tokens, new_tokens, vocab_size, seed=4)))
 
 
+def replay_batch(pairs: list[tuple[list[int], list[int]]], speculate: int, gate: bool) -> dict:
+    """All (prompt, output) pairs at once through the real Scheduler against ``ReferenceShards``, two steps
+    in flight (``replay``'s pipelining): the counts of ``batch`` (module docstring)."""
+    from collections import deque
+
+    from engine.router.allocator import SlotAllocator
+    from engine.router.scheduler import Request, Scheduler
+
+    longest = max(len(p) + len(o) for p, o in pairs)
+    config = SchedulerConfig(max_seq_len=longest, speculate=speculate, max_prefill_tokens=longest * len(pairs),
+                             verify_step_cost=VERIFY_STEP_COST if gate else 0.0)
+    scheduler = Scheduler(SlotAllocator(num_slots=len(pairs) * (longest + 16), max_requests=len(pairs)), config)
+    shards, in_flight = ReferenceShards(), deque()
+    for rid, (prompt, output) in enumerate(pairs):
+        shards.outputs[rid] = (len(prompt), output)
+        scheduler.add(Request(rid, list(prompt), len(output), SamplingParams(), seed=0))
+    steps = verify_steps = 0
+    while scheduler.has_work() or in_flight:
+        step = scheduler.schedule()
+        if step.rows or step.released:
+            shards.submit(step)
+            in_flight.append(step)
+            decode = [row.input_ids for row in step.rows if row.input_ids[0] == FED_BACK]
+            steps += bool(decode)
+            verify_steps += any(len(ids) > 1 for ids in decode)
+            if len(in_flight) < 2:
+                continue
+        done = in_flight.popleft()
+        scheduler.process(done, shards.collect())
+    return {"decode_steps": steps, "verify_steps": verify_steps, "drafted": scheduler.speculation.drafted_tokens,
+            "accepted": scheduler.speculation.accepted_tokens,
+            "cost_in_decode_steps": round(steps + VERIFY_STEP_COST * verify_steps, 1)}
+
+
+def batch(args) -> dict:
+    refs = references(args)
+    rename = refs["rename"][: args.prompts] if args.prompts else refs["rename"]
+    loads = {"noise x64": noise(64, args.new_tokens // 2), f"rename x{len(rename)}": rename,
+             f"rename x{len(rename)} + noise x52": rename + noise(52, args.new_tokens // 2)}
+    results = {}
+    for name, pairs in loads.items():
+        for gate in (False, True):
+            t = replay_batch(pairs, int(args.speculate or 2), gate)
+            results[f"{name}/{'gated' if gate else 'ungated'}"] = t
+            label = "gated  " if gate else "ungated"
+            print(f"{name:22} {label}: {t['decode_steps']} decode steps, {t['verify_steps']} with verify rows, "
+                  f"drafted {t['drafted']}, accepted {t['accepted']}, cost {t['cost_in_decode_steps']} decode steps")
+    return results
+
+
 def steps(args) -> dict:
     workloads = {**references(args), "noise": noise(8, args.new_tokens)}
     results = {}
@@ -443,7 +498,7 @@ def steps(args) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["demo", "verify", "host", "load", "steps"])
+    parser.add_argument("what", choices=["demo", "verify", "host", "load", "steps", "batch"])
     parser.add_argument("--model-dir", help="checkpoint directory (verify, load)")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per request")
     parser.add_argument("--batch-sizes", default="1,32", help="verify, host: comma-separated batch sizes")
@@ -451,14 +506,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=20, help="verify, host: timed steps per measurement")
     parser.add_argument("--requests", type=int, default=64, help="load: requests queued at once")
     parser.add_argument("--speculate", help="steps (default 2,4,6,8), demo (default 4): comma-separated draft "
-                                            "lengths")
-    parser.add_argument("--prompts", type=int, help="demo: only the first N rename prompts (a smoke run)")
+                                            "lengths; batch: one (default 2)")
+    parser.add_argument("--prompts", type=int, help="demo, batch: only the first N rename prompts (a smoke run)")
     parser.add_argument("--references", help="steps: cache of the greedy outputs (computed when missing)")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
     if args.what in ("verify", "host", "load") and not args.model_dir:
         parser.error(f"{args.what} needs --model-dir")
-    result = {"demo": demo, "verify": verify, "host": host, "load": load, "steps": steps}[args.what](args)
+    modes = {"demo": demo, "verify": verify, "host": host, "load": load, "steps": steps, "batch": batch}
+    result = modes[args.what](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

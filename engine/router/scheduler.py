@@ -59,6 +59,15 @@ rejected twice in a row decodes plain pipelined rows for a pause that doubles wi
 such miss (2, 4, .. up to ``max_draft_pause`` rows; an accepted draft ends the streak), so loads
 whose drafts fail lose at most one step in ``max_draft_pause`` + 2 to speculation; two tokens in
 a row that the drafter foresaw (``RESUME_STREAK``, scored for free on every token) end a pause.
+A step drafts only where it pays (``drafters``): a verify step pads every row to 1 + n tokens and
+cost 1.12-1.16x a decode step on one H100 (``VERIFY_STEP_COST``), and a verifying request skips the
+next step (worth a token when other rows fill that step, ``1 - 1 / rows``); each request keeps the
+accepted drafts per verify row it has been getting (``draft_gain``, halved towards each result, reset
+to ``PRIOR_DRAFT_GAIN`` when the drafter foresees tokens again). The rows with something to draft whose
+expected gain beats the skip draft when their summed gain beats the step's extra cost, else the step
+stays plain: on an H100
+64 random prompts lost 6.7% to drafts that nearly never hit, as a few rows turned whole steps into
+verify steps.
 The slots of rejected drafts are freed
 when the result comes (``SlotAllocator.truncate``), before any of them could enter the prefix
 cache. Drafts take only slots free beyond the step's own needs, and admission reserves a
@@ -87,6 +96,9 @@ DEFER_MIN_TOKENS = 128   # wait for a running prefill that will cache at least t
 MIN_PROMPT_CHUNK = 16    # prompt tokens a step always carries while prompts wait (progress beside any decode batch)
 MAX_DRAFT_PAUSE = 32     # plain (pipelined) decode rows, at most, between draft attempts after misses
 RESUME_STREAK = 2        # tokens in a row the drafter foresaw that end a draft pause
+VERIFY_STEP_COST = 0.15  # a verify step's cost over a decode step's, in decode rows per row (H100: 1.163x at
+                         # batch 1, 1.119x at 32, Llama-2-7B, 4 drafts: bench.spec_bench verify)
+PRIOR_DRAFT_GAIN = 1.5   # accepted drafts per verify row expected of a request with no results yet
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,7 @@ class SchedulerConfig:
     prefix_caching: bool = True          # reuse the KV of cached prompt prefixes (engine.router.prefix_cache)
     speculate: int = 0                   # drafted tokens per verify row (module docstring); 0: off
     max_draft_pause: int = MAX_DRAFT_PAUSE   # plain rows at most between draft attempts after misses; 0: none
+    verify_step_cost: float = VERIFY_STEP_COST   # a verify step's extra cost per row (module docstring); 0: no gate
 
     def __post_init__(self):
         if self.admission not in ADMISSION_RULES:
@@ -111,6 +124,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.speculate < 0:
             raise ValueError(f"speculate must be >= 0, got {self.speculate}")
+        if self.verify_step_cost < 0:
+            raise ValueError(f"verify_step_cost must be >= 0, got {self.verify_step_cost}")
         if self.stall_free_tokens is not None and self.stall_free_tokens < 1:
             raise ValueError(f"stall_free_tokens must be >= 1 (or None: off), got {self.stall_free_tokens}")
 
@@ -136,6 +151,7 @@ class Request:
     drafter: NgramDrafter | None = None  # set when the request speculates (its known tokens indexed)
     draft_misses: int = 0              # verify rows in a row that had nothing accepted
     draft_pause: int = 0               # plain decode rows to plan before drafting again
+    draft_gain: float = PRIOR_DRAFT_GAIN  # accepted drafts per verify row it has been getting (module docstring)
     verifying: bool = False            # a verify row is in flight: its result decides the next position
 
     @property
@@ -249,7 +265,8 @@ class Scheduler:
         """The next Step: one decode row per decoding request, prompt chunks in the rest of the budget."""
         self._admit()
         decoding = [r for r in self.running if r.can_decode]
-        draft_room = self.config.speculate * sum(r.drafting for r in decoding)
+        drafters = self.drafters(decoding)
+        draft_room = self.config.speculate * len(drafters)
         chunks = self._plan_chunks(decoding, draft_room)
         need = len(decoding) + sum(chunks.values())
         self._make_room(need)
@@ -259,7 +276,7 @@ class Scheduler:
             if request.request_id in chunks:
                 rows.append(self._prefill_row(request, chunks[request.request_id]))
             elif request.can_decode:
-                rows.append(self._decode_row(request, spare))
+                rows.append(self._decode_row(request, spare, request.request_id in drafters))
         if self.shared is not None and rows:
             self.shared.mark(rows)
         released, self._released = self._released, []
@@ -410,7 +427,19 @@ class Scheduler:
         self.cache.unlock_node(request.lock_node)
         request.lock_node, request.cached_len = node, len(prompt)
 
-    def _decode_row(self, request: Request, spare: "DraftRoom") -> StepRow:
+    def drafters(self, decoding: list[Request]) -> set[int]:
+        """The requests whose decode rows may carry drafts this step (module docstring): those not pausing, with
+        something to draft, whose expected accepted drafts beat the skipped step, if together they beat the
+        step's extra cost."""
+        candidates = [r for r in decoding if r.drafting]
+        if not candidates or self.config.verify_step_cost == 0:
+            return {r.request_id for r in candidates}
+        skip = 1 - 1 / len(decoding)
+        worth = [r for r in candidates if r.draft_gain > skip and r.drafter.foresee() is not None]
+        gain = sum(r.draft_gain - skip for r in worth)
+        return {r.request_id for r in worth} if gain > self.config.verify_step_cost * len(decoding) else set()
+
+    def _decode_row(self, request: Request, spare: "DraftRoom", draft: bool) -> StepRow:
         """Feeds the request's newest token (sampled by the worker, maybe still in flight); a request
         that speculates also feeds the drafts that follow it (a verify row)."""
         if self.shared is not None and not request.decoding:
@@ -419,13 +448,13 @@ class Scheduler:
                 prompt = len(request.prompt_ids) - 1
                 self.shared.join(request.request_id, self.allocator.slots(request.request_id)[:prompt])
         drafts = []
-        if request.drafting:
+        if draft:
             room = spare.take(min(self.config.speculate, request.remaining - 1))
             drafts = request.drafter.propose(room, ahead=request.pending)   # behind a plain row: guessed
             spare.give_back(room - len(drafts))
             self.speculation.drafted_tokens += len(drafts)
             request.verifying = bool(drafts)
-        elif request.speculates:
+        elif request.speculates and request.draft_pause > 0:
             request.draft_pause -= 1
         row = StepRow(
             request_id=request.request_id, row=self.allocator.row(request.request_id),
@@ -482,6 +511,7 @@ class Scheduler:
         self.speculation.accepted_tokens += len(res.following)
         if decode and len(row.input_ids) > 1:
             request.verifying = False
+            request.draft_gain = (request.draft_gain + len(res.following)) / 2
             if res.following:
                 request.draft_misses = 0
             else:
@@ -491,6 +521,7 @@ class Scheduler:
                                    score=True)
             if request.drafter.streak >= RESUME_STREAK:
                 request.draft_pause = 0             # the drafter foresaw the newest tokens: draft again
+                request.draft_gain = max(request.draft_gain, PRIOR_DRAFT_GAIN)
             if decode:
                 self.allocator.truncate(request.request_id, request.held_tokens - 1)
         return reason

@@ -11,7 +11,7 @@ from engine.protocol.messages import FED_BACK, GenerationRequest, RowResult, Sam
 from engine.router.allocator import AllocatorError, SlotAllocator
 from engine.router.drafter import NgramDrafter, propose_ngram
 from engine.router.router import Router
-from engine.router.scheduler import Scheduler, SchedulerConfig
+from engine.router.scheduler import VERIFY_STEP_COST, Scheduler, SchedulerConfig
 
 
 # ---- the drafter -------------------------------------------------------------------
@@ -180,8 +180,9 @@ def run_router(speculate: int, arrivals: dict[int, list[GenerationRequest]], num
                prefix_caching: bool = True, period: int | None = None):
     """Run requests arriving at given steps; the allocator and scheduler are checked after every step."""
     alloc = SlotAllocator(num_slots=num_slots, max_requests=6)
-    scheduler = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=24, max_seq_len=num_slots,
-                                                 prefix_caching=prefix_caching, speculate=speculate))
+    scheduler = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=24, max_seq_len=num_slots,  # every draft found
+                                                 prefix_caching=prefix_caching, speculate=speculate,
+                                                 verify_step_cost=0.0))
     shards = SlotReadingShards(period=period)
     router = Router(scheduler, shards, eos_token_ids=(0,))
     out: dict[int, list] = {}
@@ -299,12 +300,47 @@ def test_rejected_drafts_pause_drafting_for_doubling_stretches_until_the_drafter
     (request,) = sched.running
     assert request.drafter.streak == 0
     skipped = [i for i, n in enumerate(rows) if n == 0]
-    # attempts after pauses of 0, 2, 4, 8, 16, 32, 32 rows: 7 in 80 steps, each losing one step
-    assert 1 <= len(skipped) <= 7 and request.draft_misses >= 4 and request.draft_pause >= 6, skipped
+    # attempts after pauses of 0, 2, 4 and 8 rows, each losing one step; then its expected gain (1.5 halved
+    # by each miss: 0.094) is below a verify step's extra cost, and the last 60 steps carry no drafts
+    assert skipped == [2, 4, 8, 15] and request.draft_misses == 4, skipped
+    assert request.draft_gain < VERIFY_STEP_COST and not sched.drafters([request])
     quoted = iter(range(7, 20))                             # the output quotes the prompt now
     drafted = sched.speculation.drafted_tokens
     _pipelined(sched, alloc, 6, lambda: next(quoted))       # fewer rows than the pause left
     assert sched.speculation.drafted_tokens > drafted
+
+
+def test_a_step_drafts_only_where_the_expected_accepted_drafts_beat_its_extra_cost():
+    """Scheduler.drafters: a verify step costs VERIFY_STEP_COST more per row, a verifying row skips the next
+    step (1 - 1/rows of a token): a few hopeful rows among many plain ones leave the step plain; rows with
+    nothing to draft do not count."""
+    sched = Scheduler(SlotAllocator(num_slots=64, max_requests=64), SchedulerConfig(max_seq_len=64, speculate=4))
+    requests = []
+    for rid in range(64):
+        request = _request(rid, [1, 2, 3], 10)
+        request.drafter = NgramDrafter()
+        request.drafter.extend([1, 2, rid + 100, 1, 2] if rid < 32 else [rid + 100])  # 32 foresee a token, 32 none
+        requests.append(request)
+    assert sched.drafters(requests) == set(range(32))         # no results yet: each expects PRIOR_DRAFT_GAIN
+    for r in requests[32:]:
+        r.drafter.extend([r.request_id + 100])                # now they repeat a token: something to draft
+    ids = {r.request_id for r in requests}
+    assert sched.drafters(requests) == ids
+    for r in requests[2:]:
+        r.draft_gain = 0.1                                    # drafts that nearly never hit
+    assert sched.drafters(requests) == set()                  # 2 x (1.5 - 63/64) = 1.0 < 0.15 x 64
+    for r in requests[:30]:
+        r.draft_gain = 2.5                                    # copied text
+    assert sched.drafters(requests) == set(range(30))         # 30 x 1.52 = 45.5 > 9.6: only they draft
+    requests[0].draft_gain = 0.2
+    assert sched.drafters(requests[:1]) == {0}                # alone: no step to skip, 0.2 > 0.15
+    requests[0].draft_pause = 3
+    assert sched.drafters(requests[:1]) == set()              # pausing after misses
+    ungated = Scheduler(SlotAllocator(num_slots=64, max_requests=64),
+                        SchedulerConfig(max_seq_len=64, speculate=4, verify_step_cost=0.0))
+    assert ungated.drafters(requests) == ids - {0}
+    with pytest.raises(ValueError, match="verify_step_cost must be >= 0, got -1"):
+        SchedulerConfig(speculate=4, verify_step_cost=-1)
 
 
 def _request(rid, prompt, new, **params):
@@ -345,3 +381,17 @@ def test_the_step_replay_counts_rows_waits_and_drafts_of_the_real_scheduler():
     assert spec["tokens"] == 8 and spec["rows"] < 8 and spec["accepted"] >= 4 and spec["verify_rows"] >= 1
     assert 1 <= spec["waits"] <= spec["verify_rows"]    # a verify row's successor waits for its result
     assert replay(noise(2, 16), 4)["accepted"] == 0
+
+
+def test_the_batch_replay_shows_the_step_gate_keeping_hopeless_drafts_out_of_a_large_batch():
+    """bench.spec_bench batch: 24 noise requests at once draft by chance and never hit; without the gate many
+    steps become verify steps, with it none do, and copying requests beside them still draft and gain."""
+    from bench.spec_bench import noise, replay_batch
+
+    load = noise(24, 24)
+    ungated, gated = replay_batch(load, 2, gate=False), replay_batch(load, 2, gate=True)
+    assert ungated["verify_steps"] > 0 and ungated["accepted"] == 0
+    assert gated["verify_steps"] == 0 and gated["cost_in_decode_steps"] < ungated["cost_in_decode_steps"]
+    quoting = ([7, 1, 2, 3, 4, 5, 6, 8] * 4, [1, 2, 3, 4, 5, 6, 8, 7] * 4)
+    copying = replay_batch([quoting] * 4, 4, gate=True)
+    assert copying["accepted"] >= 16 and copying["decode_steps"] < 32

@@ -23,15 +23,15 @@ DEMO = Path(__file__).resolve().parents[2] / "weights" / "demo"
 
 
 def make_engine(model_dir, speculate: int, backend: str = "torch", eager_drafts: bool = True, **kw) -> Engine:
-    """``eager_drafts``: draft at every decode row (no pause after misses), so that random checkpoints,
-    whose drafts mostly miss, still verify many."""
+    """``eager_drafts``: draft at every decode row (no pause after misses, no step gate), so that random
+    checkpoints, whose drafts mostly miss, still verify many."""
     values = dict(num_slots=600, max_requests=6, max_prefill_tokens=24)
     values.update(kw)
     engine = Engine(EngineConfig(model_dir=str(model_dir), device="cpu", kernel_backend=backend, speculate=speculate,
                                  **values))
     if eager_drafts:
         scheduler = engine.router.scheduler
-        scheduler.config = replace(scheduler.config, max_draft_pause=0)
+        scheduler.config = replace(scheduler.config, max_draft_pause=0, verify_step_cost=0.0)
     return engine
 
 
