@@ -379,39 +379,59 @@ class ReferenceShards:
         return self.results.pop(0)
 
 
-def replay(pairs: list[tuple[list[int], list[int]]], speculate: int) -> dict:
-    """Each (prompt, output) alone through the real Scheduler against ``ReferenceShards``, pipelined as
-    ``Router.step`` does (a step submitted, then the oldest in flight collected once two are or nothing
-    new could be planned): the counts of ``steps`` (module docstring)."""
+def run_pipelined(scheduler, pairs: list[tuple[list[int], list[int]]]) -> dict:
+    """The (prompt, output) pairs as requests 0, 1, .. of ``scheduler`` against ``ReferenceShards``, pipelined as
+    ``Router.step`` does (a step submitted, then the oldest in flight collected once two are or nothing new could
+    be planned). Counts decode steps, those with verify rows, decode rows, verify rows and waits (tokens left to
+    plan, but the next row needs the result in flight); raises if any output changed."""
     from collections import deque
 
+    from engine.router.scheduler import Request
+
+    shards, in_flight = ReferenceShards(), deque()
+    generated: dict[int, list[int]] = {}
+    for rid, (prompt, output) in enumerate(pairs):
+        shards.outputs[rid] = (len(prompt), output)
+        scheduler.add(Request(rid, list(prompt), len(output), SamplingParams(), seed=0))
+        generated[rid] = []
+    counts = {"steps": 0, "verify_steps": 0, "rows": 0, "verify_rows": 0, "waits": 0}
+    while scheduler.has_work() or in_flight:
+        step = scheduler.schedule()
+        if step.rows or step.released:
+            shards.submit(step)
+            in_flight.append(step)
+            decode = [len(row.input_ids) for row in step.rows if row.input_ids[0] == FED_BACK]
+            verify = sum(n > 1 for n in decode)
+            counts["steps"] += bool(decode)
+            counts["verify_steps"] += bool(verify)
+            counts["rows"] += len(decode)
+            counts["verify_rows"] += verify
+            if len(in_flight) < 2:
+                continue
+        elif any(r.remaining > 0 and not r.in_prefill for r in scheduler.running):
+            counts["waits"] += 1
+        done = in_flight.popleft()
+        for request, res, _ in scheduler.process(done, shards.collect()):
+            generated[request.request_id].append(res.token_id)
+    if any(generated[rid] != output for rid, (_, output) in enumerate(pairs)):
+        raise AssertionError("the replay changed an output: speculation must not")
+    return counts
+
+
+def replay(pairs: list[tuple[list[int], list[int]]], speculate: int) -> dict:
+    """Each (prompt, output) alone through the real Scheduler (``run_pipelined``): the counts of ``steps``
+    (module docstring)."""
     from engine.router.allocator import SlotAllocator
-    from engine.router.scheduler import Request, Scheduler
+    from engine.router.scheduler import Scheduler
 
     totals = {"tokens": 0, "rows": 0, "verify_rows": 0, "waits": 0, "drafted": 0, "accepted": 0}
     for prompt, output in pairs:
         longest = len(prompt) + len(output)
         scheduler = Scheduler(SlotAllocator(num_slots=longest + 64, max_requests=2),
                               SchedulerConfig(max_seq_len=longest, speculate=speculate))
-        shards, in_flight, generated = ReferenceShards(), deque(), []
-        shards.outputs[0] = (len(prompt), output)
-        scheduler.add(Request(0, list(prompt), len(output), SamplingParams(), seed=0))
-        while scheduler.has_work() or in_flight:
-            step = scheduler.schedule()
-            if step.rows or step.released:
-                shards.submit(step)
-                in_flight.append(step)
-                decode = [row.input_ids for row in step.rows if row.input_ids[0] == FED_BACK]
-                totals["rows"] += len(decode)
-                totals["verify_rows"] += sum(len(ids) > 1 for ids in decode)
-                if len(in_flight) < 2:
-                    continue
-            elif any(r.remaining > 0 and not r.in_prefill for r in scheduler.running):
-                totals["waits"] += 1          # tokens left to plan, but the next row needs the result in flight
-            done = in_flight.popleft()
-            generated += [res.token_id for _, res, _ in scheduler.process(done, shards.collect())]
-        if generated != output:
-            raise AssertionError("the replay changed the output: speculation must not")
+        counts = run_pipelined(scheduler, [(prompt, output)])
+        for key in ("rows", "verify_rows", "waits"):
+            totals[key] += counts[key]
         totals["tokens"] += len(output) - 1
         totals["drafted"] += scheduler.speculation.drafted_tokens
         totals["accepted"] += scheduler.speculation.accepted_tokens
@@ -428,37 +448,19 @@ def noise(count: int, new_tokens: int, vocab_size: int = 32000) -> list[tuple[li
 
 
 def replay_batch(pairs: list[tuple[list[int], list[int]]], speculate: int, gate: bool) -> dict:
-    """All (prompt, output) pairs at once through the real Scheduler against ``ReferenceShards``, two steps
-    in flight (``replay``'s pipelining): the counts of ``batch`` (module docstring)."""
-    from collections import deque
-
+    """All (prompt, output) pairs at once through the real Scheduler (``run_pipelined``): the counts of
+    ``batch`` (module docstring)."""
     from engine.router.allocator import SlotAllocator
-    from engine.router.scheduler import Request, Scheduler
+    from engine.router.scheduler import Scheduler
 
     longest = max(len(p) + len(o) for p, o in pairs)
     config = SchedulerConfig(max_seq_len=longest, speculate=speculate, max_prefill_tokens=longest * len(pairs),
                              verify_step_cost=VERIFY_STEP_COST if gate else 0.0)
     scheduler = Scheduler(SlotAllocator(num_slots=len(pairs) * (longest + 16), max_requests=len(pairs)), config)
-    shards, in_flight = ReferenceShards(), deque()
-    for rid, (prompt, output) in enumerate(pairs):
-        shards.outputs[rid] = (len(prompt), output)
-        scheduler.add(Request(rid, list(prompt), len(output), SamplingParams(), seed=0))
-    steps = verify_steps = 0
-    while scheduler.has_work() or in_flight:
-        step = scheduler.schedule()
-        if step.rows or step.released:
-            shards.submit(step)
-            in_flight.append(step)
-            decode = [row.input_ids for row in step.rows if row.input_ids[0] == FED_BACK]
-            steps += bool(decode)
-            verify_steps += any(len(ids) > 1 for ids in decode)
-            if len(in_flight) < 2:
-                continue
-        done = in_flight.popleft()
-        scheduler.process(done, shards.collect())
-    return {"decode_steps": steps, "verify_steps": verify_steps, "drafted": scheduler.speculation.drafted_tokens,
-            "accepted": scheduler.speculation.accepted_tokens,
-            "cost_in_decode_steps": round(steps + VERIFY_STEP_COST * verify_steps, 1)}
+    counts = run_pipelined(scheduler, pairs)
+    return {"decode_steps": counts["steps"], "verify_steps": counts["verify_steps"],
+            "drafted": scheduler.speculation.drafted_tokens, "accepted": scheduler.speculation.accepted_tokens,
+            "cost_in_decode_steps": round(counts["steps"] + VERIFY_STEP_COST * counts["verify_steps"], 1)}
 
 
 def batch(args) -> dict:
