@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ._checks import check_last_dim_contiguous, check_shape, check_tensor
 from .quant_gemm import fill_split_k, store_tile
-from .skinny_gemm import REDUCE_BLOCK, _split_k_reduce_kernel, device_sms
+from .skinny_gemm import device_sms, reduce_split_k, split_k_partials, split_layout
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -161,10 +161,8 @@ def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
     if M == 0 or N == 0:
         return out
     cfg = Fp8Config(*config) if config is not None else _config(M, N, K, device_sms(x.device))
-    k_tiles = triton.cdiv(K, cfg.block_k)
-    tiles_per_split = triton.cdiv(k_tiles, cfg.split_k)
-    splits, k_per_split = triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * cfg.block_k
-    partial = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    splits, k_per_split = split_layout(K, cfg)
+    partial = split_k_partials(out, splits)
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
     _fp8_gemm_kernel[grid](
@@ -173,10 +171,7 @@ def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
         HAS_BIAS=bias is not None, SPLIT=splits > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
         WHILE_LOOP=not x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        _split_k_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
-            partial, bias_arg, out, N, partial.stride(0), partial.stride(1), out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=splits, BLOCK=REDUCE_BLOCK, PDL=False, num_warps=4)
+    reduce_split_k(partial, bias, out)
     return out
 
 

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ._checks import check_last_dim_contiguous, check_same_dtype, check_shape, check_tensor, upcast_dots
 from ._rounding import round_to
-from .skinny_gemm import MAX_SPLIT_K, REDUCE_BLOCK, _split_k_reduce_kernel, device_sms
+from .skinny_gemm import MAX_SPLIT_K, device_sms, reduce_split_k, split_k_partials, split_layout
 
 PACK = 8
 
@@ -302,10 +302,8 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
     if cfg.block_m > 1 and cfg.block_k % 128:
         raise ValueError(f"config {tuple(cfg)}: the dot path (block_m > 1) takes block_k in multiples of 128 "
                          f"(eight dots of block_k / 8 rows, at least 16 each)")
-    k_tiles = triton.cdiv(K, cfg.block_k)
-    tiles_per_split = triton.cdiv(k_tiles, cfg.split_k)
-    splits, k_per_split = triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * cfg.block_k
-    partial = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    splits, k_per_split = split_layout(K, cfg)
+    partial = split_k_partials(out, splits)
     group_size = weight.group_size if weight.g_idx is None else K
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
@@ -318,10 +316,7 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
         HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), NUM_STAGES=cfg.num_stages, WHILE_LOOP=not x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        _split_k_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
-            partial, bias_arg, out, N, partial.stride(0), partial.stride(1), out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=splits, BLOCK=REDUCE_BLOCK, PDL=False, num_warps=4)
+    reduce_split_k(partial, bias, out)
     return out
 
 

@@ -261,13 +261,31 @@ def split_layout(K: int, cfg: SkinnyConfig) -> tuple[int, int]:
     return max(1, triton.cdiv(k_tiles, tiles_per_split)), tiles_per_split * cfg.block_k
 
 
+def split_k_partials(out: torch.Tensor, splits: int) -> torch.Tensor:
+    """Where split-K programs write: ``out`` itself for one split, else float32 partials [splits, M, N]."""
+    if splits == 1:
+        return out
+    return torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
+
+
+def reduce_split_k(partial: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                   pdl: dict | None = None) -> None:
+    """``out`` = the partials summed in split order (+ bias), rounded to out's dtype (no atomics:
+    bit-reproducible); nothing to do when the programs wrote ``out`` itself. ``pdl``: launch_options'."""
+    if partial is out:
+        return
+    M, N = out.shape
+    _split_k_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
+        partial, bias if bias is not None else out, out, N, partial.stride(0), partial.stride(1), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT_K=partial.shape[0], BLOCK=REDUCE_BLOCK, num_warps=4,
+        **(pdl or {"PDL": False}))
+
+
 def _launch(x, weight, bias, out, cfg: SkinnyConfig, compile_only: bool = False) -> None:
     M, K = x.shape
     N = weight.shape[0]
     splits, k_per_split = split_layout(K, cfg)
-    partial = out
-    if splits > 1:
-        partial = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    partial = split_k_partials(out, splits)
     block_m = DOT_ROWS if cfg.use_dot else triton.next_power_of_2(M)
     has_bias = bias is not None
     bias_arg = bias if has_bias else out  # never read
@@ -277,7 +295,8 @@ def _launch(x, weight, bias, out, cfg: SkinnyConfig, compile_only: bool = False)
             x.stride(0), weight.stride(0), partial.stride(-2), partial.stride(0) if splits > 1 else 0)
     meta = {
         "HAS_BIAS": has_bias, "SPLIT": splits > 1, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
-        "BLOCK_K": cfg.block_k, "EVEN_K": K > 0 and K % cfg.block_k == 0, "USE_DOT": cfg.use_dot, "UPCAST": upcast_dots(x),
+        "BLOCK_K": cfg.block_k, "EVEN_K": K > 0 and K % cfg.block_k == 0, "USE_DOT": cfg.use_dot,
+        "UPCAST": upcast_dots(x),
         "NUM_STAGES": cfg.num_stages, "WHILE_LOOP": not x.is_cuda,
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl,
     }
@@ -285,11 +304,7 @@ def _launch(x, weight, bias, out, cfg: SkinnyConfig, compile_only: bool = False)
         _skinny_gemm_kernel.warmup(*args, grid=grid, **meta)
         return
     _skinny_gemm_kernel[grid](*args, **meta)
-    if splits > 1:
-        _split_k_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
-            partial, bias_arg, out, N, partial.stride(0), partial.stride(1), out.stride(0),
-            HAS_BIAS=has_bias, SPLIT_K=splits, BLOCK=REDUCE_BLOCK, num_warps=4, **pdl,
-        )
+    reduce_split_k(partial, bias, out, pdl)
 
 
 def _prepare(x, weight, bias, config) -> tuple[torch.Tensor, SkinnyConfig | None]:

@@ -126,19 +126,12 @@ class PaddedDecoder:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = None
-        for size in reversed(self.buckets):     # the largest first: smaller graphs reuse its pool
-            self._pad(0, size)
-            self.inputs[:, :size].copy_(self.host[:, :size])
-            self._forward(size)                 # compile and warm up outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            pool = graph.pool()
-            self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize()
+        self.graphs = capture_graphs(self.buckets, self._dummy_inputs, self._forward)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def _dummy_inputs(self, size: int) -> None:
+        self._pad(0, size)
+        self.inputs[:, :size].copy_(self.host[:, :size])
 
 
 class PaddedVerifier:
@@ -201,20 +194,30 @@ class PaddedVerifier:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = None
-        for rows in reversed(self.buckets):
-            layout = verify_layout([], rows, self.width, self.kv_cache.max_requests, self.kv_cache.num_slots)
-            tokens = rows * self.width
-            for i, values in enumerate((layout.input_ids, layout.positions, layout.slots, layout.token_rows)):
-                self.inputs[i, :tokens] = torch.tensor(values)
-            self.inputs[4, :rows], self.inputs[4, rows : 2 * rows] = (torch.tensor(layout.req_rows),
-                                                                      torch.tensor(layout.seq_len))
-            self._forward(rows)                 # compile and warm up outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(rows)
-            pool = graph.pool()
-            self.graphs[rows] = (graph, logits)
-        torch.cuda.synchronize()
+        self.graphs = capture_graphs(self.buckets, self._dummy_inputs, self._forward)
         log.info("captured verify CUDA graphs (%d tokens per row) for batch sizes %s", self.width, self.buckets)
+
+    def _dummy_inputs(self, rows: int) -> None:
+        layout = verify_layout([], rows, self.width, self.kv_cache.max_requests, self.kv_cache.num_slots)
+        tokens = rows * self.width
+        for i, values in enumerate((layout.input_ids, layout.positions, layout.slots, layout.token_rows)):
+            self.inputs[i, :tokens] = torch.tensor(values)
+        self.inputs[4, :rows], self.inputs[4, rows : 2 * rows] = (torch.tensor(layout.req_rows),
+                                                                  torch.tensor(layout.seq_len))
+
+
+def capture_graphs(buckets: list[int], dummy_inputs, forward) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    """One CUDA graph of ``forward(size)`` per bucket, with its output: the largest first (the smaller graphs
+    reuse its memory pool), each run once outside the capture on ``dummy_inputs(size)`` (compile, warm up)."""
+    graphs, pool = {}, None
+    for size in reversed(buckets):
+        dummy_inputs(size)
+        forward(size)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = forward(size)
+        pool = graph.pool()
+        graphs[size] = (graph, logits)
+    torch.cuda.synchronize()
+    return graphs
