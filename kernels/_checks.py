@@ -39,6 +39,13 @@ def check_same_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
         raise ValueError(f"{name} has dtype {t.dtype} but must match {dtype}")
 
 
+def check_bias(bias: torch.Tensor | None, n: int, device) -> None:
+    """A GEMM's optional bias: one value per output column, on the input's device."""
+    if bias is not None:
+        check_tensor("bias", bias, 1, device=device)
+        check_shape("bias", bias, (n,))
+
+
 def upcast_dots(t: torch.Tensor) -> bool:
     """Whether attention kernels must run ``tl.dot`` on float32 operands.
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_last_dim_contiguous, check_shape, check_tensor
+from ._checks import check_bias, check_last_dim_contiguous, check_shape, check_tensor
 from .quant_gemm import fill_split_k, store_tile
 from .skinny_gemm import device_sms, reduce_split_k, split_k_partials, split_layout
 
@@ -146,9 +146,7 @@ def _check(x, weight: Fp8Weight, bias) -> None:
     check_shape("x", x, (None, k))
     check_tensor("scale", weight.scale, 1, dtypes=(torch.float32,), device=x.device)
     check_shape("scale", weight.scale, (n,))
-    if bias is not None:
-        check_tensor("bias", bias, 1, device=x.device)
-        check_shape("bias", bias, (n,))
+    check_bias(bias, n, x.device)
 
 
 def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,

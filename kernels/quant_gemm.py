@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_last_dim_contiguous, check_same_dtype, check_shape, check_tensor, upcast_dots
+from ._checks import (check_bias, check_last_dim_contiguous, check_same_dtype, check_shape, check_tensor,
+                      upcast_dots)
 from ._rounding import round_to
 from .skinny_gemm import MAX_SPLIT_K, device_sms, reduce_split_k, split_k_partials, split_layout
 
@@ -284,9 +285,7 @@ def _check(x, weight: Int4Weight, bias) -> None:
             check_shape(name, getattr(weight, name), (k,))
     if weight.g_idx is None and weight.scales.shape[0] * weight.group_size < k:
         raise ValueError(f"{weight.scales.shape[0]} groups of {weight.group_size} rows do not cover K = {k}")
-    if bias is not None:
-        check_tensor("bias", bias, 1, device=x.device)
-        check_shape("bias", bias, (n,))
+    check_bias(bias, n, x.device)
 
 
 def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None,
