@@ -330,6 +330,12 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
     cuBLAS 11.2 ms up to 64 rows and 15.7 at 512; bfloat16 4.7-5.1 and 9.1."""
     if x.shape[0] <= FUSED_ROWS or not x.is_cuda:
         return int4_gemm(x, weight, bias)
+    return dequantized_linear(x, weight, bias)
+
+
+def dequantized_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """int4_linear's many-row route: the weight dequantized to x's dtype by one Triton pass, then x (its
+    columns in the weight's row order) @ it with torch (cuBLAS on the GPU)."""
     _check(x, weight, bias)
     if weight.perm is not None:
         x = x.index_select(1, weight.perm)

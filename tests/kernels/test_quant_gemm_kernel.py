@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels.quant_gemm import (Int4Config, Int4Weight, _config, int4_dequantize, int4_dequantize_kn, int4_gemm,
-                                int4_gemm_ref)
+from kernels.quant_gemm import (Int4Config, Int4Weight, _config, dequantized_linear, int4_dequantize,
+                                int4_dequantize_kn, int4_gemm, int4_gemm_ref)
 from weights.quant_formats import act_order_g_idx, pack_int4
 
 TOL = {torch.float16: (2e-2, 1e-2), torch.bfloat16: (1.5e-1, 2e-2), torch.float32: (1e-4, 1e-5)}
@@ -109,3 +109,20 @@ def test_dequantize_kernel_equals_the_reference(device, dtype, group, act_order)
     weight, _ = make_weight(N, K, group, dtype, device, act_order)
     expected = int4_dequantize(weight).T.to(dtype)
     assert torch.equal(int4_dequantize_kn(weight, dtype), expected)
+
+
+@pytest.mark.parametrize("group,act_order,has_bias", [(32, False, True), (16, True, False)])
+def test_the_many_row_route_dequantizes_then_multiplies(device, group, act_order, has_bias):
+    """dequantized_linear (int4_linear past FUSED_ROWS on a GPU), rows sorted by group and x read through perm
+    included, against the reference."""
+    from engine.models.quantized import sorted_by_group
+
+    weight, _ = make_weight(N, K, group, torch.float32, device, act_order)
+    served = sorted_by_group(Int4Weight(weight.qweight, weight.scales, weight.zeros, None, group), weight.g_idx) \
+        if act_order else weight
+    x = torch.randn(37, K, device=device)
+    bias = torch.randn(N, device=device) if has_bias else None
+    expected = int4_gemm_ref(x, weight, bias)
+    torch.testing.assert_close(dequantized_linear(x, served, bias), expected, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"x has shape \(2, 64\); expected \(\*, 288\)"):
+        dequantized_linear(torch.randn(2, 64, device=device), weight)
