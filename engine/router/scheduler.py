@@ -211,7 +211,8 @@ class Scheduler:
         self.prefill_delay = prefill_delay_bound(config, allocator.num_slots)
         self.last_filter_s = 0.0        # the last ``process`` call's time freeing finished requests
         self.speculation = SpeculationStats()
-        log.info("prefix caching %s", "on" if self.cache is not None else "off (--prefix-caching false / PREFIX_CACHING=0)")
+        log.info("prefix caching %s",
+                 "on" if self.cache is not None else "off (--prefix-caching false / PREFIX_CACHING=0)")
 
     def speculation_status(self) -> dict[str, int]:
         """The draft counters, as ``RouterStatus`` fields (none when speculation is off)."""

@@ -51,7 +51,8 @@ def test_verify_states_copy_every_field_of_the_row_state_but_the_draft_position_
                   grammar=object())
     assert {f.name for f in fields(RowSampling)} == set(values)
     state, plain = RowSampling(**values), RowSampling(SamplingParams(), 1, 0)
-    rows = [StepRow(1, 0, 10, [FED_BACK, 21, 22], [0, 1, 2], sample=True), StepRow(2, 1, 5, [FED_BACK], [3], sample=True)]
+    rows = [StepRow(1, 0, 10, [FED_BACK, 21, 22], [0, 1, 2], sample=True),
+            StepRow(2, 1, 5, [FED_BACK], [3], sample=True)]
     expanded = verify_states(rows, [state, plain])
     assert expanded == [state, replace(state, step=4, num_tokens=12, prev_token=21),
                         replace(state, step=5, num_tokens=13, prev_token=22), plain]
