@@ -22,10 +22,11 @@ import triton
 
 from bench.gemm_bench import LAYER_SHAPES, LLAMA2_7B, NUM_LAYERS, time_per_launch
 from kernels.fp8_gemm import FP8, Fp8Config, Fp8Weight, fp8_gemm, fp8_linear
+from kernels.fp8_gemm import FMA_ROWS as FP8_FMA_ROWS
 from kernels.fp8_gemm import _config as fp8_default
 from kernels.quant_gemm import Int4Config, Int4Weight, fill_split_k, int4_gemm, int4_linear
 from kernels.quant_gemm import _config as int4_default
-from kernels.skinny_gemm import MAX_ROWS, device_sms, skinny_gemm
+from kernels.skinny_gemm import MAX_ROWS, default_split_k, device_sms, skinny_gemm
 
 GROUP = 128
 
@@ -88,7 +89,17 @@ def int4_candidates(M: int, N: int, K: int, sms: int) -> list[Int4Config]:
 
 def fp8_candidates(M: int, N: int, K: int, sms: int) -> list[Fp8Config]:
     out = []
-    if M <= 16:
+    if M <= FP8_FMA_ROWS:
+        block_m = triton.next_power_of_2(M)
+        for block_n in (8, 16, 32):
+            for block_k in (256, 512):
+                for warps in (4, 8):
+                    if block_n * block_m * block_k > 128 * 32 * warps:   # float32 accumulator registers a thread
+                        continue
+                    for stages in (3, 4):
+                        split = default_split_k(N, K, block_n, block_k, sms)
+                        out.append(Fp8Config(block_m, block_n, block_k, warps, stages, split))
+    elif M <= 16:
         for block_n in (32, 64, 128):
             for block_k in (128, 256):
                 for per_sm in (1, 2, 4, 8):

@@ -6,11 +6,15 @@ scale[n]``. Activations are quantized per token, dynamically, inside the kernel:
 max_k |x[m, k]| / 448``, ``x_fp8 = round_fp8(x / x_scale)`` (``quantize_per_token`` is the same in torch).
 Program ``(m, n)`` first reads its rows of x for their scales, then multiplies its ``[BLOCK_M, BLOCK_K]``
 x tiles, quantized on the fly (split-K programs each read whole rows for the scales and multiply their
-chunk of K), and ``[BLOCK_N, BLOCK_K]`` weight tiles in fp8 with float32 accumulation
-(products of two fp8 values are exact in float32; Hopper's fp8 tensor cores add them with fewer bits, so
-each tile's dot starts from zero and is added to the float32 accumulator: a promotion every BLOCK_K), then
-applies ``x_scale[m] * scale[n]`` and the bias
-once. ``fp8_gemm_ref`` is the same maths in float32 torch.
+chunk of K), and ``[BLOCK_N, BLOCK_K]`` weight tiles with float32 accumulation (products of two fp8 values
+are exact in float32), then applies ``x_scale[m] * scale[n]`` and the bias once. Two inner products:
+
+- 16 rows and more (``BLOCK_M >= 16``): fp8 tensor-core dots. Hopper's add a tile's products with fewer
+  bits, so each tile's dot starts from zero and is added to the float32 accumulator (a promotion every
+  BLOCK_K);
+- decode rows (``BLOCK_M < 16``): elementwise float32 products of the fp8 values into a
+  ``[BLOCK_N, BLOCK_M, BLOCK_K]`` accumulator, reduced over K after the loop (``skinny_gemm``'s FMA path):
+  a tensor-core tile would pad one row to 16 and read the weights at half the bandwidth. ``fp8_gemm_ref`` is the same maths in float32 torch.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import triton.language as tl
 
 from ._checks import check_bias, check_last_dim_contiguous, check_shape, check_tensor
 from .quant_gemm import fill_split_k, store_tile
-from .skinny_gemm import device_sms, reduce_split_k, split_k_partials, split_layout
+from .skinny_gemm import DOT_ROWS, default_split_k, device_sms, reduce_split_k, split_k_partials, split_layout
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -84,13 +88,20 @@ def _row_amax(x_ptrs, m_mask, offs_k, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.cons
 
 
 @triton.jit
-def _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K):
-    """acc += fp8(x tile / x_scale) @ w tile.T at K offset ``k0``."""
+def _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K, USE_DOT: tl.constexpr):
+    """acc += fp8(x tile / x_scale) @ w tile.T at K offset ``k0``: one tensor-core dot into [BLOCK_M, BLOCK_N]
+    (USE_DOT), or elementwise float32 products into [BLOCK_N, BLOCK_M, BLOCK_K] (decode rows), exact either way
+    (a product of two fp8 values fits float32)."""
     k_ok = (k0 + offs_k) < K
     x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    x = tl.minimum(tl.maximum(tl.math.div_rn(x, x_scale[:, None]), -448.0), 448.0)
-    w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-    return acc + tl.dot(_to_fp8(x), tl.trans(w))
+    x = _to_fp8(tl.minimum(tl.maximum(tl.math.div_rn(x, x_scale[:, None]), -448.0), 448.0))
+    if USE_DOT:
+        w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        acc = acc + tl.dot(x, tl.trans(w))
+    else:
+        w = tl.load(w_ptrs + k0, mask=k_ok[None, None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :, :]
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -98,7 +109,7 @@ def _fp8_gemm_kernel(
     x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
     stride_split, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    USE_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -106,35 +117,63 @@ def _fp8_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask, n_mask = offs_m < M, offs_n < N
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + (offs_n % N)[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    rows = (offs_n % N).to(tl.int64)  # past-the-end columns re-read valid rows (no N mask on the weight loads)
     # the rows' dynamic scales (quantize_per_token's), then the fp8 products
     x_scale = tl.maximum(tl.math.div_rn(_row_amax(x_ptrs, m_mask, offs_k, K, BLOCK_M, BLOCK_K), 448.0), 1e-12)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if USE_DOT:
+        w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:  # the weight tile 3-D like the accumulator, as in skinny_gemm's FMA path
+        w_ptrs = w_ptr + rows[:, None, None] * stride_wn + offs_k[None, None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
         k0 = k_begin
         while k0 < k_end:
-            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K)
+            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K, USE_DOT)
             k0 += BLOCK_K
     else:
         for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K)
+            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K, USE_DOT)
+    if not USE_DOT:
+        acc = tl.trans(tl.sum(acc, axis=2))
     w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * x_scale[:, None] * w_scale[None, :]
     store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split,
                HAS_BIAS, SPLIT)
 
 
+FMA_ROWS = 4   # up to here decode rows take the FMA path: a tensor-core tile pads them to 16 rows
+
+
 def _config(M: int, N: int, K: int, num_sms: int) -> Fp8Config:
-    """Decode batches: 16-row tiles of 128 columns, K split for about two programs an SM, the best of a sweep
-    on one H100 for each Llama-2-7B shape at one row (bench.quant_gemm_bench; 2.0x faster than the first
-    guess, still slower than bfloat16's skinny GEMM). More rows (fp8_linear sends bfloat16 to cuBLASLt):
-    64-row tiles, 128 columns wide once they fill the SMs (untuned)."""
+    """Decode rows up to FMA_ROWS: FMA products on [16 or 8 columns, 512] weight tiles like skinny_gemm's bf16 FMA
+    path (one byte a weight here), K split only where the column blocks leave SMs idle (untuned). Up to 16 rows:
+    16-row tensor-core tiles of 128 columns, K split for about two programs an SM, the best of a sweep on one
+    H100 for each Llama-2-7B shape at one row (bench.quant_gemm_bench). More rows (fp8_linear sends bfloat16 to
+    cuBLASLt): 64-row tiles, 128 columns wide once they fill the SMs (untuned)."""
+    if M <= FMA_ROWS:
+        block_m = triton.next_power_of_2(M)
+        block_n = 16 if block_m == 1 else 8
+        block_k = 512 if block_m <= 2 else 256
+        return Fp8Config(block_m, block_n, block_k, 4, 3, default_split_k(N, K, block_n, block_k, num_sms))
     if M <= 16:
         return Fp8Config(16, 128, 128, 4, 4, fill_split_k(triton.cdiv(N, 128), K, 128, 1.9, num_sms))
     wide = triton.cdiv(M, 64) * triton.cdiv(N, 128) >= num_sms
     return Fp8Config(64, 128 if wide else 64, 128, 8 if wide else 4, 3)
+
+
+def _validated(config) -> Fp8Config:
+    cfg = Fp8Config(*config)
+    for name in ("block_m", "block_n", "block_k"):
+        value = getattr(cfg, name)
+        if not (isinstance(value, int) and value > 0 and value & (value - 1) == 0):
+            raise ValueError(f"{name} must be a power of two, got {value!r}")
+    if cfg.block_m >= DOT_ROWS and min(cfg.block_n, cfg.block_k) < 16:
+        raise ValueError(f"the tensor-core path (block_m >= {DOT_ROWS}) needs block_n and block_k >= 16, "
+                         f"got {tuple(cfg)}")
+    return cfg
 
 
 def _check(x, weight: Fp8Weight, bias) -> None:
@@ -158,7 +197,7 @@ def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = Fp8Config(*config) if config is not None else _config(M, N, K, device_sms(x.device))
+    cfg = _validated(config) if config is not None else _config(M, N, K, device_sms(x.device))
     splits, k_per_split = split_layout(K, cfg)
     partial = split_k_partials(out, splits)
     bias_arg = bias if bias is not None else out
@@ -168,7 +207,7 @@ def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
         x.stride(0), weight.weight.stride(0), partial.stride(-2), partial.stride(0) if splits > 1 else 0,
         HAS_BIAS=bias is not None, SPLIT=splits > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        WHILE_LOOP=not x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        USE_DOT=cfg.block_m >= DOT_ROWS, WHILE_LOOP=not x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     reduce_split_k(partial, bias, out)
     return out
 

@@ -10,6 +10,7 @@ TOL = {torch.float16: (2e-2, 1e-2), torch.bfloat16: (1.5e-1, 2e-2), torch.float3
 N, K = 40, 80          # N: a masked last column block of 16; K: 2.5 tiles of 32
 SMALL = Fp8Config(16, 16, 32, 4, 1)
 SPLIT = Fp8Config(16, 16, 32, 4, 1, 2)   # K: tiles 0-1 and tile 2 in two programs, summed by the reduce kernel
+FMA = Fp8Config(2, 8, 32, 4, 1, 2)      # decode rows' FMA path: 2-row blocks (3 rows: two blocks), split K
 
 
 def make_weight(n, k, device):
@@ -25,7 +26,8 @@ def test_per_token_quantization_scales_each_row_to_the_fp8_range(device):
     torch.testing.assert_close(x_fp8.float() * scale[:, None], x, rtol=2**-4, atol=0)
 
 
-def test_the_kernel_rounds_activations_as_quantize_per_token(device):
+@pytest.mark.parametrize("config", [SMALL, FMA], ids=["dot", "fma"])
+def test_the_kernel_rounds_activations_as_quantize_per_token(device, config):
     """Through an identity weight each output is one quantized activation times its scale: bit-equal to torch's
     round-to-nearest-even cast (values spread over many binades, subnormals and ties included)."""
     k = 64
@@ -33,10 +35,10 @@ def test_the_kernel_rounds_activations_as_quantize_per_token(device):
     x[0, :4] = torch.tensor([448.0, 0.4989, -7.8, 1e-9])
     identity = Fp8Weight(torch.eye(k, device=device).to(torch.float8_e4m3fn), torch.ones(k, device=device))
     x_fp8, scale = quantize_per_token(x)
-    assert torch.equal(fp8_gemm(x, identity, config=SMALL), x_fp8.float() * scale[:, None])
+    assert torch.equal(fp8_gemm(x, identity, config=config), x_fp8.float() * scale[:, None])
 
 
-@pytest.mark.parametrize("config", [SMALL, SPLIT, None], ids=["small", "split", "default"])
+@pytest.mark.parametrize("config", [SMALL, SPLIT, FMA, None], ids=["small", "split", "fma", "default"])
 @pytest.mark.parametrize("rows,has_bias", [(1, True), (3, False), (37, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp8_gemm_matches_reference(device, dtype, rows, has_bias, config):
@@ -59,6 +61,10 @@ def test_reference_is_close_to_the_dequantized_float_product(device):
 
 def test_bad_inputs_are_clear_errors(device):
     weight = make_weight(N, K, device)
+    with pytest.raises(ValueError, match="block_n must be a power of two, got 12"):
+        fp8_gemm(torch.randn(2, K, device=device), weight, config=(1, 12, 32, 4, 1))
+    with pytest.raises(ValueError, match="tensor-core path"):
+        fp8_gemm(torch.randn(2, K, device=device), weight, config=(16, 8, 32, 4, 1))
     with pytest.raises(ValueError, match="weight has dtype torch.float32"):
         fp8_gemm(torch.randn(2, K, device=device), Fp8Weight(weight.weight.float(), weight.scale))
     with pytest.raises(ValueError, match=r"scale has shape \(1,\); expected \(40,\)"):
