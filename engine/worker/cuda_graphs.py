@@ -52,7 +52,7 @@ class PaddedDecoder:
         chosen = sorted({b for b in (buckets or DEFAULT_BUCKETS) if b <= max_requests} | {max_requests})
         self.buckets = chosen
         device = kv_cache.req_to_token.device
-        size = self.buckets[-1]
+        size = max(self.buckets[-1], 2)       # row 6 holds two values (the shared-prefix source), whatever the batch
         on_gpu = device.type == "cuda"        # on a CPU it runs eagerly (bench.spec_bench host)
         self.hosts = [torch.empty((INPUT_ROWS, size), dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
         self.copied = [torch.cuda.Event(), torch.cuda.Event()] if on_gpu else None   # each host buffer's copy ran

@@ -65,3 +65,11 @@ def test_host_profiles_the_work_around_the_forward_of_decode_and_verify_steps(tm
     assert [(r["batch_size"], r["step"]) for r in result["host"]] == [
         (1, "decode"), (1, "verify"), (3, "decode"), (3, "verify")]
     assert all(r["host_us"] > 0 and r["torch_ops"] > 0 for r in result["host"])
+
+
+def test_a_decoder_for_one_request_row_takes_its_decode_steps(tmp_path):
+    """max_requests = 1 (``--max-batch-size 1``): the padded decoder's inputs still hold the two shared-prefix values
+    (a 1-wide buffer had failed the first decode step on the H100)."""
+    model_dir = save_tiny_model("llama", tmp_path / "llama", vocab_size=1024)
+    result = spec_bench.host(Namespace(model_dir=str(model_dir), batch_sizes="1", context=16, repeats=2))
+    assert [(r["batch_size"], r["step"]) for r in result["host"]] == [(1, "decode"), (1, "verify")]
