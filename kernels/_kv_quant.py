@@ -13,10 +13,8 @@ Dequantized: ``stored * s``. The rotary/store kernel quantizes as it writes (``q
 the attention kernels dequantize each gathered block in registers (``load_kv``), so no
 dequantized copy of the cache ever exists. The ``*_ref`` functions are the torch references.
 
-The Triton CPU interpreter converts float32 to fp8 by truncating the mantissa (and its
-"round to nearest" mode carries wrongly into the exponent), while it converts exactly
-representable values exactly; ``round_to_fp8`` therefore rounds on the fp8 grid in float32
-first, which gives the same bits on the GPU and in the interpreter.
+fp8 values are rounded on the fp8 grid in float32 first (``_rounding.fp8_grid``), which gives the same
+bits on the GPU and in the Triton CPU interpreter.
 """
 from __future__ import annotations
 
@@ -25,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES
+from ._rounding import fp8_grid
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 KV_DTYPES = (*FLOAT_DTYPES, *QUANTIZED_DTYPES)
@@ -75,19 +74,7 @@ def check_kv(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, dtype: torc
 @triton.jit
 def round_to_fp8(x, dtype: tl.constexpr):
     """float32 ``x`` clamped to the fp8 format's range, rounded to nearest even on its grid, in ``dtype``."""
-    if dtype == tl.float8e4nv:
-        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-        exponent = tl.maximum(((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127, -6)
-        up = ((127 + 3 - exponent) << 23).to(tl.float32, bitcast=True)        # 2 ** (mantissa bits - exponent)
-        down = ((127 - 3 + exponent) << 23).to(tl.float32, bitcast=True)
-    else:
-        x = tl.minimum(tl.maximum(x, -57344.0), 57344.0)
-        exponent = tl.maximum(((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127, -14)
-        up = ((127 + 2 - exponent) << 23).to(tl.float32, bitcast=True)
-        down = ((127 - 2 + exponent) << 23).to(tl.float32, bitcast=True)
-    y = x * up                                      # |y| < 2 ** (mantissa bits + 1): an integer on the grid
-    y = (y + 12582912.0) - 12582912.0              # + 1.5 * 2**23 and back: |y| < 2**22 rounded to nearest even
-    return (y * down).to(dtype)
+    return fp8_grid(x, dtype).to(dtype)
 
 
 @triton.jit

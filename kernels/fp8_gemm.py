@@ -3,7 +3,8 @@
 The weight is an ``Fp8Weight``: float8_e4m3fn ``weight`` [N, K] and float32 ``scale`` [N] (per output
 channel; a per-tensor checkpoint scale is repeated per channel at load), ``w[n, k] = weight[n, k] *
 scale[n]``. Activations are quantized per token, dynamically, inside the kernel: ``x_scale[m] =
-max_k |x[m, k]| / 448``, ``x_fp8 = round_fp8(x / x_scale)`` (``quantize_per_token`` is the same in torch).
+max_k |x[m, k]| / 448``, ``x_fp8 = round_fp8(x * (1 / x_scale))`` (rounded on the fp8 grid in float32,
+``_rounding.fp8_grid``) (``quantize_per_token`` is the same in torch).
 Program ``(m, n)`` first reads its rows of x for their scales, then multiplies its ``[BLOCK_M, BLOCK_K]``
 x tiles, quantized on the fly (split-K programs each read whole rows for the scales and multiply their
 chunk of K), and ``[BLOCK_N, BLOCK_K]`` weight tiles with float32 accumulation (products of two fp8 values
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_bias, check_last_dim_contiguous, check_shape, check_tensor
+from ._rounding import fp8_grid
 from .quant_gemm import fill_split_k, store_tile
 from .skinny_gemm import DOT_ROWS, default_split_k, device_sms, reduce_split_k, split_k_partials, split_layout
 
@@ -54,27 +56,15 @@ class Fp8Config(NamedTuple):
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x as float8_e4m3fn [M, K], float32 scales [M]) with ``x ~= x_fp8 * scale[:, None]``."""
+    """(x as float8_e4m3fn [M, K], float32 scales [M]) with ``x ~= x_fp8 * scale[:, None]``: ``scale = amax /
+    448``, ``x_fp8 = round(x * (1 / scale))`` (one division a row, a product an element, as the kernel)."""
     x32 = x.float()
     amax = x32.abs().amax(dim=1)
-    # a tensor divisor: torch divides a CUDA tensor by a Python number as a product with its reciprocal,
-    # one rounding away from the kernel's amax / 448
+    # tensor divisors: torch divides a CUDA tensor by a Python number as a product with its reciprocal,
+    # one rounding away from the kernel's correctly rounded divisions
     scale = (amax / amax.new_full((), FP8_MAX)).clamp(min=1e-12)
-    return (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-@triton.jit
-def _to_fp8(v):
-    """float32 ``v`` (within +-448) to float8_e4m3fn, rounded to nearest even as torch's cast. Neither cast
-    is trusted to do that alone (the CPU interpreter's drops the carry when the mantissa rounds up; an H100
-    run differed from torch's in some elements), so the value is rounded by hand first (normals: 3 mantissa
-    bits; subnormals: multiples of 2^-9) and the cast is then exact."""
-    a = tl.abs(v)
-    bits = a.to(tl.uint32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-    subnormal = (a + 16384.0) - 16384.0          # float32's spacing at 2^14 is 2^-9
-    rounded = tl.where(a >= 0.015625, normal, subnormal)
-    return tl.where(v < 0, -rounded, rounded).to(tl.float8e4nv)
+    inverse = scale.new_ones(()) / scale
+    return (x32 * inverse[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 @triton.jit
@@ -88,19 +78,19 @@ def _row_amax(x_ptrs, m_mask, offs_k, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.cons
 
 
 @triton.jit
-def _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K, USE_DOT: tl.constexpr):
-    """acc += fp8(x tile / x_scale) @ w tile.T at K offset ``k0``: one tensor-core dot into [BLOCK_M, BLOCK_N]
-    (USE_DOT), or elementwise float32 products into [BLOCK_N, BLOCK_M, BLOCK_K] (decode rows), exact either way
-    (a product of two fp8 values fits float32)."""
+def _tile_dot(acc, x_ptrs, w_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT: tl.constexpr):
+    """acc += fp8(x tile * (1 / x_scale)) @ w tile.T at K offset ``k0``: one tensor-core dot into [BLOCK_M, BLOCK_N]
+    (USE_DOT), or elementwise float32 products into [BLOCK_N, BLOCK_M, BLOCK_K] (decode rows; each product of two
+    fp8 values exact in float32)."""
     k_ok = (k0 + offs_k) < K
     x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    x = _to_fp8(tl.minimum(tl.maximum(tl.math.div_rn(x, x_scale[:, None]), -448.0), 448.0))
+    x = fp8_grid(x * x_inverse[:, None], tl.float8e4nv)       # the fp8 values, in float32
     if USE_DOT:
         w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        acc = acc + tl.dot(x, tl.trans(w))
+        acc = acc + tl.dot(x.to(tl.float8e4nv), tl.trans(w))
     else:
         w = tl.load(w_ptrs + k0, mask=k_ok[None, None, :], other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :, :]
+        acc += w.to(tl.float32) * x[None, :, :]
     return acc
 
 
@@ -120,6 +110,7 @@ def _fp8_gemm_kernel(
     rows = (offs_n % N).to(tl.int64)  # past-the-end columns re-read valid rows (no N mask on the weight loads)
     # the rows' dynamic scales (quantize_per_token's), then the fp8 products
     x_scale = tl.maximum(tl.math.div_rn(_row_amax(x_ptrs, m_mask, offs_k, K, BLOCK_M, BLOCK_K), 448.0), 1e-12)
+    x_inverse = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), x_scale)
     if USE_DOT:
         w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -131,11 +122,11 @@ def _fp8_gemm_kernel(
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
         k0 = k_begin
         while k0 < k_end:
-            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K, USE_DOT)
+            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT)
             k0 += BLOCK_K
     else:
         for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_scale, m_mask, offs_k, k0, K, USE_DOT)
+            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT)
     if not USE_DOT:
         acc = tl.trans(tl.sum(acc, axis=2))
     w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
