@@ -36,6 +36,7 @@ def test_demo_reports_each_prompt_from_an_untimed_pass_with_top_tokens():
     result = summary["by_speculate"]["4"]
     assert result["prompts"] == ["identical", "identical"] and summary["not_near_tie_prompts"] == 0
     assert result["top_pass_equals_timed"] and summary["outputs_identical"] and result["drafted"] > 0
+    assert len(result["passes"]) == spec_bench.DEMO_PASSES and result["tokens_per_s"] == max(result["passes"])
 
 
 def test_verify_states_copy_every_field_of_the_row_state_but_the_draft_position_ones():
