@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from kernels.fp8_gemm import FP8_MAX, Fp8Config, Fp8Weight, fp8_gemm, fp8_gemm_ref, quantize_per_token
+from kernels.fp8_gemm import (FP8_MAX, Fp8Config, Fp8Weight, fp8_gemm, fp8_gemm_ref, quantize_per_token,
+                              quantize_rows)
 
 # float32: Hopper's fp8 tensor cores add a tile's products with about 14 bits (DeepSeek-V3 report, 3.3.2), so an
 # H100 differs from the float32 reference by up to ~1.6e-4 here (the CPU interpreter is exact)
@@ -36,6 +37,20 @@ def test_the_kernel_rounds_activations_as_quantize_per_token(device, config):
     identity = Fp8Weight(torch.eye(k, device=device).to(torch.float8_e4m3fn), torch.ones(k, device=device))
     x_fp8, scale = quantize_per_token(x)
     assert torch.equal(fp8_gemm(x, identity, config=config), x_fp8.float() * scale[:, None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [64, 1100])     # 1100: a masked second block of QUANTIZE_BLOCK
+def test_quantize_rows_is_bit_equal_to_quantize_per_token(device, dtype, k):
+    """The one-launch quantization of fp8_linear's cuBLASLt route: the same fp8 values and scales (rows over many
+    binades, ties and subnormals, and an all-zero row); values that round to zero may differ in sign."""
+    x = (torch.randn(6, k, device=device) * torch.exp(torch.randn(6, k, device=device) * 3)).to(dtype)
+    x[0, :4] = torch.tensor([448.0, 0.4989, -7.8, 1e-9], dtype=dtype)
+    x[5] = 0
+    q, scale = quantize_rows(x)
+    q_ref, scale_ref = quantize_per_token(x)
+    assert q.dtype == torch.float8_e4m3fn and torch.equal(scale, scale_ref)
+    assert torch.equal(q.float(), q_ref.float())
 
 
 @pytest.mark.parametrize("config", [SMALL, SPLIT, FMA, None], ids=["small", "split", "fma", "default"])
