@@ -180,16 +180,17 @@ FMA_ROWS = 4   # up to here decode rows take the FMA path: a tensor-core tile pa
 
 
 def _config(M: int, N: int, K: int, num_sms: int) -> Fp8Config:
-    """Decode rows up to FMA_ROWS: FMA products on [16 or 8 columns, 512] weight tiles like skinny_gemm's bf16 FMA
-    path (one byte a weight here), K split only where the column blocks leave SMs idle (untuned). Up to 16 rows:
-    16-row tensor-core tiles of 128 columns, K split for about two programs an SM, the best of a sweep on one
-    H100 for each Llama-2-7B shape at one row (bench.quant_gemm_bench). More rows (fp8_linear sends bfloat16 to
+    """Decode rows up to FMA_ROWS: FMA products (skinny_gemm's FMA path with one byte a weight), the configs that
+    led most Llama-2-7B shapes in a sweep on one H100 (bench.quant_gemm_bench; ms of linear layers a step with
+    each shape's best, against bfloat16's skinny GEMM): 1 row [16 columns, 512] tiles, 3.52 ms (bf16 4.76); 2
+    rows [32, 512] with 8 warps, 4.16 (4.77); 3-4 rows [16, 256], 5.96 (4.85; 16-row tensor-core tiles took
+    7.47); K split only where the column blocks leave SMs idle. Up to 16 rows: 16-row tensor-core tiles of 128 columns, K split for about two
+    programs an SM (the sweep's best at one row before the FMA path). More rows (fp8_linear sends bfloat16 to
     cuBLASLt): 64-row tiles, 128 columns wide once they fill the SMs (untuned)."""
     if M <= FMA_ROWS:
-        block_m = triton.next_power_of_2(M)
-        block_n = 16 if block_m == 1 else 8
-        block_k = 512 if block_m <= 2 else 256
-        return Fp8Config(block_m, block_n, block_k, 4, 3, default_split_k(N, K, block_n, block_k, num_sms))
+        block_m, block_n, block_k, warps, stages = {1: (1, 16, 512, 4, 3), 2: (2, 32, 512, 8, 4)}.get(
+            M, (4, 16, 256, 4, 3))
+        return Fp8Config(block_m, block_n, block_k, warps, stages, default_split_k(N, K, block_n, block_k, num_sms))
     if M <= 16:
         return Fp8Config(16, 128, 128, 4, 4, fill_split_k(triton.cdiv(N, 128), K, 128, 1.9, num_sms))
     wide = triton.cdiv(M, 64) * triton.cdiv(N, 128) >= num_sms
