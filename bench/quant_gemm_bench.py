@@ -79,11 +79,15 @@ def int4_candidates(M: int, N: int, K: int, sms: int) -> list[Int4Config]:
                 for per_sm in (1, 2, 4):
                     split = fill_split_k(triton.cdiv(N, block_n), K, 128, per_sm, sms)
                     out.append(Int4Config(16, block_n, 128, split, warps, 3))
+                    for block_k in (64, 128):     # the expanded one-dot tiles
+                        split = fill_split_k(triton.cdiv(N, block_n), K, block_k, per_sm, sms)
+                        out.append(Int4Config(16, block_n, block_k, split, warps, 3, True))
     else:
         for block_m in (64, 128):
             for block_n in (128, 256):
                 for warps in (4, 8):
                     out.append(Int4Config(block_m, block_n, 128, 1, warps, 3))
+                    out.append(Int4Config(block_m, block_n, 64, 1, warps, 3, True))
     return list(dict.fromkeys(out))
 
 

@@ -15,7 +15,9 @@ are exact in float32), then applies ``x_scale[m] * scale[n]`` and the bias once.
   BLOCK_K);
 - decode rows (``BLOCK_M < 16``): elementwise float32 products of the fp8 values into a
   ``[BLOCK_N, BLOCK_M, BLOCK_K]`` accumulator, reduced over K after the loop (``skinny_gemm``'s FMA path):
-  a tensor-core tile would pad one row to 16 and read the weights at half the bandwidth. ``fp8_gemm_ref`` is the same maths in float32 torch.
+  a tensor-core tile would pad one row to 16 and read the weights at half the bandwidth.
+
+``fp8_gemm_ref`` is the same maths in float32 torch.
 """
 from __future__ import annotations
 
@@ -184,9 +186,9 @@ def _config(M: int, N: int, K: int, num_sms: int) -> Fp8Config:
     led most Llama-2-7B shapes in a sweep on one H100 (bench.quant_gemm_bench; ms of linear layers a step with
     each shape's best, against bfloat16's skinny GEMM): 1 row [16 columns, 512] tiles, 3.52 ms (bf16 4.76); 2
     rows [32, 512] with 8 warps, 4.16 (4.77); 3-4 rows [16, 256], 5.96 (4.85; 16-row tensor-core tiles took
-    7.47); K split only where the column blocks leave SMs idle. Up to 16 rows: 16-row tensor-core tiles of 128 columns, K split for about two
-    programs an SM (the sweep's best at one row before the FMA path). More rows (fp8_linear sends bfloat16 to
-    cuBLASLt): 64-row tiles, 128 columns wide once they fill the SMs (untuned)."""
+    7.47); K split only where the column blocks leave SMs idle. Up to 16 rows: 16-row tensor-core tiles of 128
+    columns, K split for about two programs an SM (the sweep's best at one row before the FMA path). More rows
+    (fp8_linear sends bfloat16 to cuBLASLt): 64-row tiles, 128 columns wide once they fill the SMs (untuned)."""
     if M <= FMA_ROWS:
         block_m, block_n, block_k, warps, stages = {1: (1, 16, 512, 4, 3), 2: (2, 32, 512, 8, 4)}.get(
             M, (4, 16, 256, 4, 3))

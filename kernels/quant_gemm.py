@@ -20,6 +20,9 @@ of the tile, which would move it through shared memory), each turned into float3
 - decode, one row (``BLOCK_M = 1``): FMA products kept per word row in a ``[BLOCK_K / 8, BLOCK_N]``
   accumulator and reduced over K once at the end; several rows: eight ``tl.dot`` a tile (x padded to 16
   rows for small batches; prefill in 32- or 64-row tiles);
+- ``Int4Config.expand`` (several rows; not a default until a GPU sweep says so, ``bench.quant_gemm_bench``
+  times it): one dot a tile instead of eight; each weight row reads its word (``k // 8``, eight rows to a
+  word, the repeats from the cache) and shifts out its nibble, a [BLOCK_K, BLOCK_N] tile with no reshape;
 - a tile inside one group (``GROUP_PER_TILE``: no g_idx, BLOCK_K dividing the group) multiplies the raw
   values and applies the group's zero and scale to the product, ``(x @ q - sum(x) * z) * s``; other
   tiles gather each row's group and dequantize first;
@@ -63,10 +66,11 @@ class Int4Weight:
 class Int4Config(NamedTuple):
     block_m: int      # 1: the FMA path; >= 16: the dot path
     block_n: int
-    block_k: int      # a multiple of 8; the dot path: of 128 (eight dots of BLOCK_K / 8 >= 16 rows)
+    block_k: int      # a multiple of 8; the dot path: of 128 (eight dots of BLOCK_K / 8 >= 16 rows), expanded: >= 16
     split_k: int
     num_warps: int
     num_stages: int
+    expand: bool = False   # the dot path with one [BLOCK_K, BLOCK_N] tile a step (each word read for 8 rows)
 
 
 @triton.jit
@@ -102,7 +106,7 @@ def _x_rows(x_rows, perm_ptr, m_mask, k, K, HAS_PERM: tl.constexpr):
 
 @triton.jit
 def _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, cols, HAS_G_IDX: tl.constexpr):
-    """(q - zeros[g]) * scales[g] of rows ``k`` [BLOCK_K / 8], each with its own group g (float32)."""
+    """(q - zeros[g]) * scales[g] of rows ``k`` (a vector of weight rows), each with its own group g (float32)."""
     if HAS_G_IDX:
         group = tl.load(g_idx_ptr + k, mask=k < K, other=0)
     else:
@@ -176,20 +180,46 @@ def _rows_tile(acc, x_rows, perm_ptr, m_mask, packed, scales_ptr, zeros_ptr, g_i
 
 
 @triton.jit
+def _expanded_tile(acc, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
+                   cols, HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """Several rows of x, one dot a tile: each weight row k reads its word ``k // 8`` (the 8 rows of a word hit the
+    same addresses: one load from memory, the rest from the cache) and shifts out its own nibble, so the tile is
+    [BLOCK_K, BLOCK_N] with no reshape; inside one group ``(x @ q - sum(x) * z) * s`` as above."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    packed = tl.load(qw_ptr + (k // 8)[:, None].to(tl.int64) * N + cols[None, :], mask=(k < K)[:, None], other=0,
+                     eviction_policy="evict_first")
+    q = (((packed >> ((k % 8) * 4)[:, None]) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    x = _x_rows(x_rows, perm_ptr, m_mask, k, K, HAS_PERM)
+    if GROUP_PER_TILE:
+        z, s = _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, cols)
+        x_sum = tl.sum(x.to(tl.float32), axis=1)[:, None]
+        acc += (_dot(x, q, UPCAST) - x_sum * z) * s
+    else:
+        acc += _dot(x, _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, cols, HAS_G_IDX),
+                    UPCAST)
+    return acc
+
+
+@triton.jit
 def _tile(acc, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
           HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, EXPAND: tl.constexpr):
     """The K tile from ``k0``: its packed words read once ([BLOCK_K / 8, BLOCK_N], rows past K: 0), then the
-    one-row or several-row product."""
-    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + cols[None, :], mask=(words < K // 8)[:, None],
-                     other=0, eviction_policy="evict_first")
-    if BLOCK_M == 1:  # (one return after the branches: Triton compiles the code after a constexpr if's return)
-        acc = _row_tile(acc, x_rows, perm_ptr, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
-                        cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_K)
+    one-row or several-row product; or, with EXPAND, the one-dot tile of ``_expanded_tile``."""
+    if EXPAND:  # (one return after the branches: Triton compiles the code after a constexpr if's return)
+        acc = _expanded_tile(acc, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
+                             group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
     else:
-        acc = _rows_tile(acc, x_rows, perm_ptr, m_mask, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
-                         group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
+        words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + cols[None, :],
+                         mask=(words < K // 8)[:, None], other=0, eviction_policy="evict_first")
+        if BLOCK_M == 1:
+            acc = _row_tile(acc, x_rows, perm_ptr, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
+                            cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_K)
+        else:
+            acc = _rows_tile(acc, x_rows, perm_ptr, m_mask, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
+                             group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
     return acc
 
 
@@ -200,7 +230,7 @@ def _int4_gemm_kernel(
     HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    EXPAND: tl.constexpr, NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -219,12 +249,12 @@ def _int4_gemm_kernel(
         k0 = k_begin
         while k0 < k_end:
             acc = _tile(acc, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
-                        group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
+                        group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST, EXPAND)
             k0 += BLOCK_K
     else:           # pipelined weight loads on the GPU
         for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
             acc = _tile(acc, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
-                        group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
+                        group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST, EXPAND)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=0)[None, :]
     store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split,
@@ -298,7 +328,9 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
     if M == 0 or N == 0:
         return out
     cfg = Int4Config(*config) if config is not None else _config(M, N, K, device_sms(x.device))
-    if cfg.block_m > 1 and cfg.block_k % 128:
+    if cfg.expand and (cfg.block_m < 16 or cfg.block_k < 16):
+        raise ValueError(f"config {tuple(cfg)}: the expanded dot path takes block_m and block_k of at least 16")
+    if cfg.block_m > 1 and not cfg.expand and cfg.block_k % 128:
         raise ValueError(f"config {tuple(cfg)}: the dot path (block_m > 1) takes block_k in multiples of 128 "
                          f"(eight dots of block_k / 8 rows, at least 16 each)")
     splits, k_per_split = split_layout(K, cfg)
@@ -313,7 +345,8 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
         HAS_G_IDX=weight.g_idx is not None, HAS_PERM=weight.perm is not None,
         GROUP_PER_TILE=weight.g_idx is None and (group_size % cfg.block_k == 0 or group_size >= K),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), NUM_STAGES=cfg.num_stages, WHILE_LOOP=not x.is_cuda,
+        BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), EXPAND=cfg.expand, NUM_STAGES=cfg.num_stages,
+        WHILE_LOOP=not x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     reduce_split_k(partial, bias, out)
     return out

@@ -13,6 +13,7 @@ CONFIGS = {
     "fma_split2": Int4Config(1, 16, 64, 2, 4, 1),      # tiles of 64: 3 + 2 (the last masked)
     "dot": Int4Config(16, 16, 128, 1, 4, 1),
     "dot_split3": Int4Config(16, 16, 128, 3, 4, 1),    # tiles 1 + 1 + 1
+    "expand_split2": Int4Config(16, 16, 32, 2, 4, 1, True),   # one-dot tiles of 32: 5 + 4 (group 32: a tile each)
     "default": None,
 }
 
@@ -60,6 +61,16 @@ def test_prefill_tiles_match_reference(device):
     torch.testing.assert_close(out, int4_gemm_ref(x, weight), atol=1e-4, rtol=1e-5)
 
 
+def test_expanded_prefill_tiles_match_reference(device):
+    """The one-dot path on prefill tiles: act-order rows (g_idx: each row its own group) and groups of 128 in
+    tiles of 64 (each tile inside one group)."""
+    for act_order, group, block_k in ((True, 16, 32), (False, 128, 64)):
+        weight, _ = make_weight(N, 256, group, torch.float32, device, act_order)
+        x = torch.randn(37, 256, device=device)
+        out = int4_gemm(x, weight, config=Int4Config(16, 16, block_k, 1, 4, 1, True))
+        torch.testing.assert_close(out, int4_gemm_ref(x, weight), atol=1e-4, rtol=1e-5)
+
+
 def test_default_configs_split_decode_and_tile_prefill():
     one, few = _config(1, 4096, 4096, 132), _config(8, 4096, 4096, 132)
     mid, many = _config(128, 4096, 4096, 132), _config(512, 4096, 4096, 132)
@@ -78,6 +89,8 @@ def test_bad_inputs_are_clear_errors(device):
     short = Int4Weight(weight.qweight, weight.scales[:2], weight.zeros[:2], None, 32)
     with pytest.raises(ValueError, match="2 groups of 32 rows do not cover K = 288"):
         int4_gemm(torch.randn(2, K, device=device), short)
+    with pytest.raises(ValueError, match="the expanded dot path takes block_m and block_k of at least 16"):
+        int4_gemm(torch.randn(2, K, device=device), weight, config=Int4Config(1, 16, 32, 1, 4, 1, True))
     with pytest.raises(ValueError, match="the dot path .* takes block_k in multiples of 128"):
         int4_gemm(torch.randn(2, K, device=device), weight, config=Int4Config(16, 16, 64, 1, 4, 1))
 
