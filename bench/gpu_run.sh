@@ -5,7 +5,8 @@
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
 #                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8),
 #                                         wquant_families (quantized Phi-3 / StarCoder2), spec (speculative
-#                                         decoding), spec_lengths (its draft lengths), frontend, quant_gemm
+#                                         decoding), spec_profile (a verify step's kernels), spec_lengths (its
+#                                         draft lengths), frontend, quant_gemm
 #                                         (the 4-bit and FP8 GEMMs' config sweep)
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
@@ -283,6 +284,16 @@ for stage in $stages; do
         tests/gpu/test_speculation.py -k "not with_4_and_8_drafts" 2>&1 | tee "$OUT/spec.log" \
         | grep -v -E "it/s|s/it" | tail -20
       rc=${PIPESTATUS[0]} ;;
+    spec_profile)
+      # where a batch-1 verify step's extra time goes (bench.spec_bench profile): kernels of a decode and a verify
+      # step side by side, without PDL (each kernel's own time) and with it (the engine's default)
+      ensure_7b; rc=0
+      for pdl in 0 1; do
+        ENGINE_PDL=$pdl timeout 200 python3 -m bench.spec_bench profile --model-dir "$MODEL_7B" --batch-sizes 1 \
+          --json "$OUT/spec_profile_pdl$pdl.json" 2>&1 | grep -v -E "it/s|s/it" | tee "$OUT/spec_profile_pdl$pdl.log" \
+          | tail -17
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      done ;;
     spec_lengths)
       # speculative decoding's draft length (tests/gpu/test_speculation.py, the last test): the demo model's batch-1
       # decode tokens/s on the rename prompts with --speculate 0, 4 and 8, speed-up and acceptance of each, outputs

@@ -2,6 +2,7 @@
 
     python -m bench.spec_bench demo [--new-tokens 256] [--speculate 4,8] # batch-1 tokens/s, speculate 0 vs 4
     python -m bench.spec_bench verify --model-dir /tmp/llama2-7b       # verify step vs plain decode step
+    python -m bench.spec_bench profile --model-dir /tmp/llama2-7b      # their kernels side by side
     python -m bench.spec_bench host --model-dir DIR                    # their host work outside the forward
     python -m bench.spec_bench load --model-dir /tmp/llama2-7b         # random prompts, speculate 0 vs 2
     python -m bench.spec_bench steps [--references /tmp/spec_refs.json] # tokens per forward step (CPU, exact)
@@ -15,6 +16,7 @@ asking for the top 5 tokens of every step, and each prompt is reported identical
 near-tie (step k), or NOT at a near-tie (tests/gpu/greedy.py ``near_tie_problem``).
 verify: B requests prefilled to --context tokens; the wall time of one ``ModelWorker.execute`` of a
 plain decode step ([FED_BACK] per row) and of a verify step (4 drafts per row), and their ratio.
+profile: the same two steps under torch.profiler, device time per kernel per step, side by side.
 host: the same two steps with the forward replaced by ready logits (a graph replay's host cost): the
 wall time of the rest of ``execute`` and the torch ops of one step; on a CPU through the eager
 PaddedDecoder / PaddedVerifier, the code CUDA runs around its graphs.
@@ -193,19 +195,25 @@ def demo(args) -> dict:
             "by_speculate": {str(n): results[n] for n in lengths}}
 
 
-def verify(args) -> dict:
-    from bench.profile_step import DecodeFixture
+def _verify_worker(args, sizes: list[int]):
+    """The worker that ``verify`` and ``profile`` time: sized for the largest batch (``_slots_per_request``)."""
     from engine.models import load_model_config
     from engine.worker.model_worker import ModelWorker, WorkerConfig, resolve_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = load_model_config(args.model_dir)
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
-    worker = ModelWorker(WorkerConfig(
+    return ModelWorker(WorkerConfig(
         model_dir=args.model_dir, dtype=resolve_dtype(None, config, device), device=device,
         kernel_backend="triton" if device.type == "cuda" else "torch", max_requests=max(sizes),
         max_seq_len=args.context + 8 * args.repeats + 64, num_slots=max(sizes) * _slots_per_request(args, DRAFTS),
         warmup_tokens=max(4096, 5 * max(sizes)), speculate=DRAFTS))
+
+
+def verify(args) -> dict:
+    from bench.profile_step import DecodeFixture
+
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    worker = _verify_worker(args, sizes)
     results = []
     for batch_size in sizes:
         fixture = DecodeFixture(worker, batch_size, args.context, first_id=batch_size * 100_000)
@@ -219,6 +227,57 @@ def verify(args) -> dict:
         print(f"batch {batch_size}, context {args.context}: decode step {plain:.3f} ms, verify step (4 drafts) "
               f"{verify_ms:.3f} ms, ratio {verify_ms / plain:.3f}")
     return {"verify": results}
+
+
+def profile(args) -> dict:
+    """Where a verify step's extra time goes: per batch size, torch.profiler's device time per kernel (op names on
+    a CPU) of ``args.repeats`` decode steps and as many verify steps, per step, the kernels of both side by side,
+    largest difference first. With PDL (Hopper) a kernel starts early and waits for the one before, so its time
+    includes that wait: ``ENGINE_PDL=0`` gives each kernel its own time (an H100 run with PDL put 4.7 of 5.5 ms
+    on the skinny GEMMs and spread a verify step's extra over every kernel)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from bench.profile_step import DecodeFixture
+
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    worker = _verify_worker(args, sizes)
+    activity = ProfilerActivity.CUDA if worker.device.type == "cuda" else ProfilerActivity.CPU
+    results = []
+    for batch_size in sizes:
+        fixture = DecodeFixture(worker, batch_size, args.context, first_id=batch_size * 100_000)
+        try:
+            times = {}
+            for name, make in (("decode", fixture.next_step), ("verify", lambda: _verify_step(fixture, DRAFTS))):
+                for _ in range(WARMUP_STEPS):
+                    worker.execute(make())
+                with torch_profile(activities=[activity]) as prof:
+                    for _ in range(args.repeats):
+                        worker.execute(make())
+                times[name] = _kernel_us(prof.key_averages(), activity, args.repeats)
+        finally:
+            fixture.close()
+        rows = sorted(set(times["decode"]) | set(times["verify"]),
+                      key=lambda k: -abs(times["verify"].get(k, 0.0) - times["decode"].get(k, 0.0)))
+        table = [{"kernel": k, "decode_us": times["decode"].get(k, 0.0), "verify_us": times["verify"].get(k, 0.0)}
+                 for k in rows]
+        results.append({"batch_size": batch_size, "decode_us": round(sum(times["decode"].values()), 1),
+                        "verify_us": round(sum(times["verify"].values()), 1), "kernels": table})
+        print(f"batch {batch_size}: {results[-1]['decode_us']} us of kernels a decode step, "
+              f"{results[-1]['verify_us']} a verify step ({DRAFTS} drafts); largest differences:")
+        for row in table[:15]:
+            print(f"  {row['decode_us']:9.1f} -> {row['verify_us']:9.1f} us  {row['kernel'][:100]}")
+    return {"profile": results}
+
+
+def _kernel_us(events, activity, steps: int) -> dict[str, float]:
+    """Device microseconds per step of each kernel (CUDA), or self CPU microseconds of each op (CPU)."""
+    out = {}
+    for e in events:
+        us = e.self_device_time_total if activity.name == "CUDA" else e.self_cpu_time_total
+        if us > 0 and (activity.name != "CUDA" or e.device_type.name == "CUDA"):
+            out[e.key] = round(us / steps, 1)
+    return out
 
 
 def _slots_per_request(args, drafts: int) -> int:
@@ -514,12 +573,12 @@ def steps(args) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["demo", "verify", "host", "load", "steps", "batch"])
+    parser.add_argument("what", choices=["demo", "verify", "profile", "host", "load", "steps", "batch"])
     parser.add_argument("--model-dir", help="checkpoint directory (verify, load)")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per request")
-    parser.add_argument("--batch-sizes", default="1,32", help="verify, host: comma-separated batch sizes")
-    parser.add_argument("--context", type=int, default=512, help="verify, host: tokens each request holds")
-    parser.add_argument("--repeats", type=int, default=20, help="verify, host: timed steps per measurement")
+    parser.add_argument("--batch-sizes", default="1,32", help="verify, profile, host: comma-separated batch sizes")
+    parser.add_argument("--context", type=int, default=512, help="verify, profile, host: tokens each request holds")
+    parser.add_argument("--repeats", type=int, default=20, help="verify, profile, host: timed steps per measurement")
     parser.add_argument("--requests", type=int, default=64, help="load: requests queued at once")
     parser.add_argument("--speculate", help="steps (default 2,4,6,8), demo (default 4): comma-separated draft "
                                             "lengths; batch: one (default 2)")
@@ -527,9 +586,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--references", help="steps: cache of the greedy outputs (computed when missing)")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
-    if args.what in ("verify", "host", "load") and not args.model_dir:
+    if args.what in ("verify", "profile", "host", "load") and not args.model_dir:
         parser.error(f"{args.what} needs --model-dir")
-    modes = {"demo": demo, "verify": verify, "host": host, "load": load, "steps": steps, "batch": batch}
+    modes = {"demo": demo, "verify": verify, "profile": profile, "host": host, "load": load, "steps": steps,
+             "batch": batch}
     result = modes[args.what](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

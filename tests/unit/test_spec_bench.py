@@ -74,3 +74,13 @@ def test_a_decoder_for_one_request_row_takes_its_decode_steps(tmp_path):
     model_dir = save_tiny_model("llama", tmp_path / "llama", vocab_size=1024)
     result = spec_bench.host(Namespace(model_dir=str(model_dir), batch_sizes="1", context=16, repeats=2))
     assert [(r["batch_size"], r["step"]) for r in result["host"]] == [(1, "decode"), (1, "verify")]
+
+
+def test_profile_lists_the_ops_of_decode_and_verify_steps_side_by_side(tmp_path):
+    """``profile`` on the CPU (op self times instead of kernels): both steps' tables, per batch size."""
+    model_dir = save_tiny_model("llama", tmp_path / "llama", vocab_size=1024)
+    result = spec_bench.profile(Namespace(model_dir=str(model_dir), batch_sizes="1", context=16, repeats=2))
+    [one] = result["profile"]
+    assert one["batch_size"] == 1 and one["decode_us"] > 0 and one["verify_us"] > 0
+    names = {row["kernel"] for row in one["kernels"]}
+    assert "aten::mm" in names or "aten::addmm" in names or "aten::linear" in names
