@@ -143,26 +143,11 @@ def demo(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(DEMO)
     prompts = [rename_prompt(tokenizer, f) for f in stdlib_functions()][: getattr(args, "prompts", None)]
     lengths = [int(n) for n in str(getattr(args, "speculate", None) or "4").split(",")]
-    results, outputs, tops = {}, {}, {}
     engines = {n: Engine(EngineConfig(model_dir=str(DEMO), max_requests=8, speculate=n, num_slots=DEMO_SLOTS,
                                       kernel_backend=getattr(args, "kernel_backend", None)))
                for n in [0, *lengths]}
     try:
-        rates = {n: [] for n in engines}
-        for _ in range(1 + DEMO_PASSES):   # the first pass warms up (compiles), untimed
-            for n, engine in engines.items():   # alternating: the host's slow spells hit every engine
-                engine.router.scheduler.speculation.drafted_tokens = 0
-                engine.router.scheduler.speculation.accepted_tokens = 0
-                rate, outputs[n] = decode_tokens_per_s(engine, prompts, args.new_tokens)
-                rates[n].append(round(rate, 1))
-        for n, engine in engines.items():
-            print(f"speculate {n}: tokens/s of the warm-up pass and the timed passes {rates[n]}")
-            stats = engine.router.scheduler.speculation        # the last pass's counts
-            results[n] = {"tokens_per_s": max(rates[n][1:]), "passes": rates[n][1:], "drafted": stats.drafted_tokens,
-                          "accepted": stats.accepted_tokens,
-                          "acceptance_rate": round(stats.accepted_tokens / max(stats.drafted_tokens, 1), 3)}
-            tops[n] = top_tokens_pass(engine, prompts, args.new_tokens)
-            results[n]["top_pass_equals_timed"] = [r.tokens for r in tops[n]] == outputs[n]
+        results, outputs, tops = _timed_passes(engines, prompts, args.new_tokens)
     finally:
         for engine in engines.values():
             engine.close()
@@ -193,6 +178,30 @@ def demo(args) -> dict:
             "identical_prompts": min(results[n]["identical_prompts"] for n in lengths),
             "not_near_tie_prompts": sum(results[n]["not_near_tie_prompts"] for n in lengths),
             "by_speculate": {str(n): results[n] for n in lengths}}
+
+
+def _timed_passes(engines: dict[int, Engine], prompts: list[list[int]], new_tokens: int):
+    """``demo``'s passes over the prompts: a warm-up pass, then ``DEMO_PASSES`` timed ones, the engines in turn
+    (the host's slow spells hit every engine), then an untimed pass asking for the top tokens. Per engine:
+    (the best pass's tokens/s, every timed pass and the last one's draft counts; the last pass's outputs;
+    its top-token runs)."""
+    results, outputs, tops = {}, {}, {}
+    rates = {n: [] for n in engines}
+    for _ in range(1 + DEMO_PASSES):
+        for n, engine in engines.items():
+            engine.router.scheduler.speculation.drafted_tokens = 0
+            engine.router.scheduler.speculation.accepted_tokens = 0
+            rate, outputs[n] = decode_tokens_per_s(engine, prompts, new_tokens)
+            rates[n].append(round(rate, 1))
+    for n, engine in engines.items():
+        print(f"speculate {n}: tokens/s of the warm-up pass and the timed passes {rates[n]}")
+        stats = engine.router.scheduler.speculation
+        results[n] = {"tokens_per_s": max(rates[n][1:]), "passes": rates[n][1:], "drafted": stats.drafted_tokens,
+                      "accepted": stats.accepted_tokens,
+                      "acceptance_rate": round(stats.accepted_tokens / max(stats.drafted_tokens, 1), 3)}
+        tops[n] = top_tokens_pass(engine, prompts, new_tokens)
+        results[n]["top_pass_equals_timed"] = [r.tokens for r in tops[n]] == outputs[n]
+    return results, outputs, tops
 
 
 def _verify_worker(args, sizes: list[int]):

@@ -200,7 +200,11 @@ def _config(M: int, N: int, K: int, num_sms: int) -> Fp8Config:
 
 
 def _validated(config) -> Fp8Config:
-    cfg = Fp8Config(*config)
+    try:
+        cfg = Fp8Config(*config)
+    except TypeError:
+        raise ValueError(f"config must be (block_m, block_n, block_k, num_warps, num_stages[, split_k]), "
+                         f"got {config!r}") from None
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(cfg, name)
         if not (isinstance(value, int) and value > 0 and value & (value - 1) == 0):

@@ -76,6 +76,8 @@ def test_reference_is_close_to_the_dequantized_float_product(device):
 
 def test_bad_inputs_are_clear_errors(device):
     weight = make_weight(N, K, device)
+    with pytest.raises(ValueError, match=r"config must be \(block_m, block_n, block_k"):
+        fp8_gemm(torch.randn(2, K, device=device), weight, config=(1, 16))
     with pytest.raises(ValueError, match="block_n must be a power of two, got 12"):
         fp8_gemm(torch.randn(2, K, device=device), weight, config=(1, 12, 32, 4, 1))
     with pytest.raises(ValueError, match="tensor-core path"):
