@@ -97,16 +97,29 @@ class Router:
         return self.scheduler.has_work() or bool(self._in_flight)
 
     def step(self, timeout: float | None = None) -> list[TokenEvent]:
-        """Submit the next step, then collect the oldest in flight once two are (or nothing new came)."""
-        started = time.perf_counter()
-        step = self.scheduler.schedule()
-        submitted = bool(step.rows or step.released)
-        if submitted:
-            self.shards.submit(step)
-            self._in_flight.append(_Flight(step, started, time.perf_counter()))
+        """Submit the next step, then collect the oldest in flight once two are (or nothing new came).
+
+        When nothing could be planned beside the step in flight (every running request waits for its
+        result: a verify row decides its next position), the next step is submitted right after that
+        result is processed, before the caller turns to its events: the device idles only for the
+        router's own work."""
+        submitted = self._submit_next()
         if not self._in_flight or (submitted and len(self._in_flight) < 2):
             return []
-        return self.collect(timeout)
+        events = self.collect(timeout)
+        if not submitted and not self._in_flight and self.scheduler.has_work():
+            self._submit_next()
+        return events
+
+    def _submit_next(self) -> bool:
+        """Plan the next step and hand it to the shards; False when it had nothing to carry."""
+        started = time.perf_counter()
+        step = self.scheduler.schedule()
+        if not (step.rows or step.released):
+            return False
+        self.shards.submit(step)
+        self._in_flight.append(_Flight(step, started, time.perf_counter()))
+        return True
 
     def collect(self, timeout: float | None = None) -> list[TokenEvent]:
         """The token events of the oldest step in flight. With ``timeout``, the shards may raise

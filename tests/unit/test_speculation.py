@@ -266,6 +266,43 @@ def test_verify_rows_behind_a_plain_row_guess_its_token_and_the_next_waits_for_t
     assert last.input_ids == [FED_BACK] and last.start_pos == 7      # one token left: no drafts
 
 
+class LoggingShards(SlotReadingShards):
+    """SlotReadingShards that log each submit (with the step's verify rows) and collect in order."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.log: list[str] = []
+
+    def submit(self, step) -> None:
+        self.log.append("verify" if any(len(r.input_ids) > 1 for r in step.rows) else "submit")
+        super().submit(step)
+
+    def collect(self, timeout=None) -> StepResult:
+        self.log.append("collect")
+        return super().collect(timeout)
+
+
+def test_after_a_verify_rows_result_the_next_step_goes_out_before_the_events_return():
+    """A lone speculating request cannot be planned while its verify row is in flight: the step that
+    collects that row's result submits the request's next row before it returns (the device does not
+    idle while the caller handles the events), and the tokens are plain decoding's."""
+    alloc = SlotAllocator(num_slots=200, max_requests=4)
+    scheduler = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4, prefix_caching=False,
+                                                 verify_step_cost=0.0))
+    shards = LoggingShards(period=5)                        # the prompt's period goes on: every draft is right
+    router = Router(scheduler, shards, eos_token_ids=(0,))
+    router.submit(GenerationRequest(1, [3, 1, 4, 1, 5] * 3, 40, SamplingParams()))
+    tokens, calls = [], []
+    while router.has_work():
+        before = len(shards.log)
+        tokens.extend(e.token_id for e in router.step())
+        calls.append(shards.log[before:])
+        alloc.check_integrity()
+    assert tokens == ([3, 1, 4, 1, 5] * 8)[:40]
+    waits = [c for c in calls if c and c[0] == "collect"]    # calls that planned nothing beside the verify row
+    assert len(waits) >= 5 and all(c[1:] in (["verify"], ["submit"]) for c in waits[:-1]), calls
+
+
 def _pipelined(sched, alloc, steps: int, next_token) -> list[int]:
     """The router's loop for one request (plan N + 1, then see N); the rows of each planned step."""
     in_flight, rows = deque([sched.schedule()]), []
