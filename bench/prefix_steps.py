@@ -4,8 +4,11 @@ Runs ``--rounds`` rounds of ``--requests`` prompts that share a ``--prefix-len``
 random prefix each round, so every round misses the cache once and then hits it), all added at once,
 through ``engine.generation.Engine``. Prints each prefill step of each round (rows, wall ms) and each
 round's TTFT p50 / p99: the first round pays every lazily compiled kernel, later rounds do not.
+With ``--profile`` (CUDA) the last round runs under torch.profiler until every request has its first
+token: the kernels of its prefill steps (and the decode steps between them), device ms in all, largest
+first.
 
-    python -m bench.prefix_steps --model-dir /tmp/llama2-7b
+    python -m bench.prefix_steps --model-dir /tmp/llama2-7b [--profile]
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import json
 import random
 import statistics
 import time
+
+import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
 from engine.protocol.messages import SamplingParams
@@ -26,7 +31,9 @@ def round_requests(first_id: int, args, rng: random.Random, vocab: int) -> list[
             for i in range(args.requests)]
 
 
-def run_round(engine: Engine, requests: list[GenerationRequest]) -> dict:
+def run_round(engine: Engine, requests: list[GenerationRequest], profiler=None) -> dict:
+    """TTFTs and prefill steps of one round; ``profiler`` (started) is stopped once every request has its first
+    token."""
     start = time.perf_counter()
     for request in requests:
         engine.add_request(request)
@@ -38,12 +45,28 @@ def run_round(engine: Engine, requests: list[GenerationRequest]) -> dict:
         stats = engine.router.take_stats()
         for event in events:
             first.setdefault(event.request_id, time.perf_counter() - start)
+        if profiler is not None and len(first) == len(requests):
+            profiler.stop()
+            profiler = None
         for s in stats:
             if s.method == "prefill":
                 steps.append({"rows": s.size, "forward_ms": 1000 * s.forward_s, "wall_ms": 1000 * (time.perf_counter() - t0)})
     ttft = sorted(first.values())
     return {"ttft_p50_s": statistics.median(ttft), "ttft_p99_s": ttft[int(0.99 * (len(ttft) - 1))],
             "total_s": time.perf_counter() - start, "prefill_steps": steps}
+
+
+def print_kernels(profiler, top: int) -> dict[str, float]:
+    """Device ms of each kernel over the profiled steps, largest first (the ``top`` of them printed); on a CPU the
+    ops' self CPU ms (a smoke run)."""
+    cuda = torch.cuda.is_available()
+    totals = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1000
+              for e in profiler.key_averages() if not cuda or e.device_type.name == "CUDA"}
+    ranked = dict(sorted(((k, ms) for k, ms in totals.items() if ms > 0), key=lambda kv: -kv[1]))
+    print(f"{'kernels' if cuda else 'ops'} until every first token: {sum(ranked.values()):.1f} ms in all")
+    for name, ms in list(ranked.items())[:top]:
+        print(f"  {ms:9.1f} ms  {name[:110]}")
+    return {name: round(ms, 2) for name, ms in ranked.items()}
 
 
 def main(argv=None) -> int:
@@ -55,18 +78,29 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-requests", type=int, default=256)
+    parser.add_argument("--profile", action="store_true", help="the last round's kernels until every first token "
+                                                                "(CUDA)")
+    parser.add_argument("--top", type=int, default=20, help="--profile: kernels printed")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     engine = Engine(EngineConfig(model_dir=args.model_dir, max_requests=args.max_requests))
     rng = random.Random(0)
     rounds = []
+    profiler = None
     for r in range(args.rounds):
-        result = run_round(engine, round_requests(r * args.requests, args, rng, engine.model_config.vocab_size))
+        if args.profile and r == args.rounds - 1:
+            activity = torch.profiler.ProfilerActivity
+            profiler = torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU])
+            profiler.start()
+        result = run_round(engine, round_requests(r * args.requests, args, rng, engine.model_config.vocab_size),
+                           profiler)
         rounds.append(result)
         print(f"round {r}: TTFT p50 {result['ttft_p50_s'] * 1000:.0f} ms, p99 {result['ttft_p99_s'] * 1000:.0f} ms, "
               f"total {result['total_s']:.2f} s")
         for s in result["prefill_steps"]:
             print(f"   prefill step: {s['rows']} rows, forward {s['forward_ms']:.1f} ms, wall {s['wall_ms']:.1f} ms")
+    if profiler is not None:
+        rounds[-1]["kernels_ms"] = print_kernels(profiler, args.top)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rounds, f, indent=1)

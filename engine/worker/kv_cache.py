@@ -103,7 +103,7 @@ class KVCache:
         return self.layers[index]
 
     def write_table(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """req_to_token[rows[t], positions[t]] = slots[t] for every new token t."""
+        """req_to_token[rows[t], positions[t]] = slots[t] for every new token t (the three broadcast together)."""
         self.req_to_token[rows.long(), positions.long()] = slots.to(torch.int32)
 
     @staticmethod

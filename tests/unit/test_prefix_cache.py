@@ -94,6 +94,32 @@ def test_integrity_catches_a_cached_slot_that_is_also_free():
         alloc.check_integrity()
 
 
+def test_borrowed_prefix_slots_stay_cached_count_once_and_are_checked():
+    """Requests given a cached prefix (``share``) borrow its slots under their lock: releasing them frees
+    none of those, used_slots counts them once however many requests map them, a truncate into them is
+    refused, and a borrowed slot the tree no longer holds is caught."""
+    alloc, cache = make_cache()
+    _, slots = cache_tokens(alloc, cache, "a", [1, 2, 3, 4])
+    locks = {}
+    for rid in ("b", "c"):
+        match = cache.match([1, 2, 3, 4, 9])
+        locks[rid] = cache.lock(match)
+        alloc.open_request(rid)
+        alloc.share(rid, match.slots)
+        alloc.allocate(rid, 1)
+    assert alloc.slots("b")[:4] == slots and alloc.used_slots == 4 + 2 and alloc.free_slots == 64 - 6
+    alloc.check_integrity()
+    with pytest.raises(AllocatorError, match="4 borrowed"):
+        alloc.truncate("b", 3)
+    alloc.release("b")
+    cache.unlock_node(locks.pop("b"))
+    assert alloc.used_slots == 4 + 1 and alloc.free_slots == 64 - 5 and all(map(alloc.is_cached, slots))
+    alloc.check_integrity()
+    alloc.uncache_slots(slots[:1])          # the tree let go of a slot "c" still borrows (a broken lock)
+    with pytest.raises(AllocatorError, match="borrows a slot the prefix cache does not hold"):
+        alloc.check_integrity()
+
+
 # ---- the randomized simulation -------------------------------------------------------
 
 VOCAB = 5

@@ -99,3 +99,21 @@ def test_a_repeated_prompt_prefills_only_its_last_token(tiny_llama):
     assert status["prefix_cache_hit_tokens"] == len(SHARED) - 1
     assert status["prefix_cache_lookup_tokens"] == 2 * len(SHARED)
     assert status["prefix_cache_tokens"] == len(SHARED) + 3     # the prompt and the fed-back answer
+
+
+def test_cached_prefixes_map_into_the_table_once_per_distinct_prefix(tiny_llama):
+    """Rows that bring the same cached slots are written by one broadcast copy, the others one by one: every
+    row's first positions hold its own prefix slots, nothing past them is touched."""
+    from engine.protocol.messages import Step, StepRow
+
+    worker = make_engine(tiny_llama, caching=True).worker
+    table = worker.kv_cache.req_to_token
+    table[:5].fill_(-1)
+    shared, other = [40, 41, 42, 7, 9], [3, 4, 5]
+    prefixes = {0: shared, 1: other, 2: shared, 3: None, 4: list(shared)}
+    rows = [StepRow(request_id=row, row=row, start_pos=len(p or []), input_ids=[1], slots=[100 + row], sample=False,
+                    prefix_slots=p) for row, p in prefixes.items()]
+    worker._map_cached_prefixes(Step(rows=rows))
+    for row, prefix in prefixes.items():
+        k = len(prefix or [])
+        assert table[row, :k].tolist() == (prefix or []) and (table[row, k:] == -1).all(), row
