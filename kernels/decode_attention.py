@@ -213,7 +213,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
     batch, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     group = q_heads // kv_heads
-    params = shared_launch or shared_prefix.default_launch(q.device)
+    params = shared_launch or shared_prefix.default_launch(q.device, head_dim, q.dtype)
     prefix_splits = 0 if shared is None else shared_prefix.default_splits(batch, kv_heads, group, q.device, params[0])
     total = splits + prefix_splits
     mid_out = torch.empty((batch, q_heads, total, head_dim), dtype=torch.float32, device=q.device)

@@ -389,9 +389,9 @@ def _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2:
     token_first = torch.repeat_interleave(shared[0], b_q_len, output_size=tokens)
     mid_out = torch.empty((tokens, q_heads, 1, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((tokens, q_heads, 1), dtype=torch.float32, device=q.device)
+    params = shared_prefix.default_launch(q.device, head_dim, q.dtype)
     shared_prefix.launch(q, kv_layer, req_to_token, (token_first, shared[1]), mid_out, mid_lse, scale_log2,
-                         first_split=0, splits=1, params=shared_prefix.default_launch(q.device), mods=mods,
-                         kv_scales=kv_scales)
+                         first_split=0, splits=1, params=params, mods=mods, kv_scales=kv_scales)
     return mid_out, mid_lse
 
 

@@ -27,6 +27,10 @@ MAX_SPLITS = 64
 # The shared-prefix kernel on CUDA: (tile rows, BLOCK_N, num_warps, num_stages). A tile's (request,
 # q head) rows all use each prefix K/V block it loads.
 SHARED_LAUNCH = (64, 64, 4, 2)
+# float32 past head dim 128 (Gemma's 256 in the float32 parity runs): the 64-row tile's IEEE dots unroll
+# into more code than ptxas compiles in minutes (an H100 run sat in ptxas for over 55 s on one kernel test,
+# and the server compiles this kernel at start-up); the prefill kernel's float32 tile for that head dim.
+SHARED_LAUNCH_FP32_WIDE = (16, 16, 8, 1)
 SHARED_LAUNCH_CPU = (64, 32, 4, 1)
 
 
@@ -47,8 +51,11 @@ def check(shared, batch: int, device) -> None:
     check_shape("shared prefix source", source, (2,))
 
 
-def default_launch(device: torch.device) -> tuple[int, int, int, int]:
-    return SHARED_LAUNCH if device.type == "cuda" else SHARED_LAUNCH_CPU
+def default_launch(device: torch.device, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """The launch for queries of ``head_dim`` and ``dtype`` on ``device`` (the table above)."""
+    if device.type != "cuda":
+        return SHARED_LAUNCH_CPU
+    return SHARED_LAUNCH_FP32_WIDE if dtype == torch.float32 and head_dim > 128 else SHARED_LAUNCH
 
 
 # Row and split counts are not specialised: one compiled kernel serves every step

@@ -4,7 +4,8 @@ import pytest
 import torch
 from kernel_inputs import ATTENTION_TOL, ON_GPU, build_kv_cache
 
-from kernels.decode_attention import decode_attention, decode_attention_ref
+from kernels import shared_prefix
+from kernels.decode_attention import decode_attention, decode_attention_ref, launch
 from kernels.prefill_attention import prefill_attention_ref
 
 SEQ_LENS = {
@@ -113,3 +114,20 @@ def test_a_shared_prefix_is_checked(device):
     with pytest.raises(ValueError, match="shared prefix lengths"):
         decode_attention(q, kv_layer, table, rows, seq_len, scale,
                          shared=(seq_len[:1], torch.zeros(2, dtype=torch.int32, device=device)))
+
+
+@pytest.mark.parametrize("params", [shared_prefix.SHARED_LAUNCH, shared_prefix.SHARED_LAUNCH_FP32_WIDE])
+def test_the_shared_prefix_launches_of_cuda_give_the_same_attention(device, params):
+    """Each shared-prefix launch the CUDA table picks (float32 past head dim 128 takes the small tile: ptxas
+    took minutes on the 64-row one) through the kernel, float32 at head dim 256 (Gemma's), GQA 2, more rows
+    than one tile of the small launch."""
+    assert shared_prefix.default_launch(torch.device("cuda"), 256, torch.float32) == shared_prefix.SHARED_LAUNCH_FP32_WIDE
+    assert shared_prefix.default_launch(torch.device("cuda"), 128, torch.float32) == shared_prefix.SHARED_LAUNCH
+    assert shared_prefix.default_launch(torch.device("cuda"), 256, torch.bfloat16) == shared_prefix.SHARED_LAUNCH
+    lengths = [24 + i % 3 for i in range(11)]
+    q, kv_layer, table, rows, seq_len, scale = decode_inputs(lengths, 4, 2, 256, torch.float32, device)
+    shared = share_a_prefix(table, rows.tolist(), list(range(1, 11)), 20)
+    out = torch.empty_like(q)
+    launch(q, kv_layer, table, rows, seq_len, scale, out, 2, 32, 4, 1, shared=shared, shared_launch=params)
+    torch.testing.assert_close(out, decode_attention_ref(q, kv_layer, table, rows, seq_len, scale),
+                               atol=ATTENTION_TOL[torch.float32][0], rtol=ATTENTION_TOL[torch.float32][1])
