@@ -38,7 +38,10 @@ for stage in $stages; do
   start=$(date +%s)
   case $stage in
     tests)
-      python3 -m pytest -q -p no:cacheprovider tests/kernels tests/unit/test_parity.py 2>&1 | tee "$OUT/tests.log" | tail -25
+      # a test still running after 120 s dumps every thread's stack (a compile that never ends shows in ptxas);
+      # the 15 slowest are listed
+      python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=120 --durations=15 tests/kernels \
+        tests/unit/test_parity.py 2>&1 | tee "$OUT/tests.log" | tail -45
       rc=${PIPESTATUS[0]} ;;
     kernels)
       python3 -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_attention_kernel.py \

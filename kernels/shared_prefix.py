@@ -28,8 +28,8 @@ MAX_SPLITS = 64
 # q head) rows all use each prefix K/V block it loads.
 SHARED_LAUNCH = (64, 64, 4, 2)
 # float32 past head dim 128 (Gemma's 256 in the float32 parity runs): the 64-row tile's IEEE dots unroll
-# into more code than ptxas compiles in minutes (an H100 run sat in ptxas for over 55 s on one kernel test,
-# and the server compiles this kernel at start-up); the prefill kernel's float32 tile for that head dim.
+# into more code than ptxas compiles in reasonable time (an H100 run was still in ptxas when its 75 s box cut
+# one kernel test; the server compiles this kernel at start-up); the prefill kernel's float32 tile for 256.
 SHARED_LAUNCH_FP32_WIDE = (16, 16, 8, 1)
 SHARED_LAUNCH_CPU = (64, 32, 4, 1)
 

@@ -119,8 +119,8 @@ def test_a_shared_prefix_is_checked(device):
 @pytest.mark.parametrize("params", [shared_prefix.SHARED_LAUNCH, shared_prefix.SHARED_LAUNCH_FP32_WIDE])
 def test_the_shared_prefix_launches_of_cuda_give_the_same_attention(device, params):
     """Each shared-prefix launch the CUDA table picks (float32 past head dim 128 takes the small tile: ptxas
-    took minutes on the 64-row one) through the kernel, float32 at head dim 256 (Gemma's), GQA 2, more rows
-    than one tile of the small launch."""
+    ran past a 75 s box on the 64-row one) through the kernel, float32 at head dim 256 (Gemma's), GQA 2, more
+    rows than one tile of the small launch."""
     assert shared_prefix.default_launch(torch.device("cuda"), 256, torch.float32) == shared_prefix.SHARED_LAUNCH_FP32_WIDE
     assert shared_prefix.default_launch(torch.device("cuda"), 128, torch.float32) == shared_prefix.SHARED_LAUNCH
     assert shared_prefix.default_launch(torch.device("cuda"), 256, torch.bfloat16) == shared_prefix.SHARED_LAUNCH
