@@ -66,7 +66,7 @@ def print_kernels(profiler, top: int) -> dict[str, float]:
     print(f"{'kernels' if cuda else 'ops'} until every first token: {sum(ranked.values()):.1f} ms in all")
     for name, ms in list(ranked.items())[:top]:
         print(f"  {ms:9.1f} ms  {name[:110]}")
-    return {name: round(ms, 2) for name, ms in ranked.items()}
+    return ranked
 
 
 def main(argv=None) -> int:
