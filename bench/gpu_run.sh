@@ -5,7 +5,8 @@
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
 #                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8),
 #                                         wquant_families (quantized Phi-3 / StarCoder2), spec (speculative
-#                                         decoding), spec_profile (a verify step's kernels), spec_lengths (its
+#                                         decoding), spec_chain (its chained rows on / off), spec_profile (a
+#                                         verify step's kernels), spec_lengths (its
 #                                         draft lengths), frontend, quant_gemm
 #                                         (the 4-bit and FP8 GEMMs' config sweep)
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
@@ -287,6 +288,13 @@ for stage in $stages; do
         tests/gpu/test_speculation.py -k "not with_4_and_8_drafts" 2>&1 | tee "$OUT/spec.log" \
         | grep -v -E "it/s|s/it" | tail -20
       rc=${PIPESTATUS[0]} ;;
+    spec_chain)
+      # rows chained behind verify rows (engine.router.scheduler), on and off: the demo's batch-1 speed-up each way,
+      # one run after the other on this machine
+      for flag in "" "--no-chain"; do
+        timeout 200 python3 -m bench.spec_bench demo $flag --json "$OUT/spec_chain${flag:+_off}.json" 2>&1 \
+          | grep -v -E "it/s|s/it" | tee "$OUT/spec_chain${flag:+_off}.log" | grep -E "speculate|speed-up"
+      done; rc=0 ;;
     spec_profile)
       # where a batch-1 verify step's extra time goes (bench.spec_bench profile): kernels of a decode and a verify
       # step side by side, without PDL (each kernel's own time) and with it (the engine's default)

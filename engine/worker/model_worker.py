@@ -13,6 +13,13 @@ returns the accepted drafts plus the first choice that differs (or the bonus tok
 last draft). Greedy rows thus give exactly the tokens of ``--speculate 0``, and sampled rows the
 very tokens of the same seed: the draft is accepted with probability p(d), and a rejection
 draws from p without d, renormalised (rejection sampling with a point-mass draft).
+
+A chained row (``StepRow.chained``) was planned behind its request's verify row of the step
+before, as if every draft of that row were accepted. By the time the worker samples it, the
+verify row's tokens are on the host: if it kept fewer, the chained row stands on the wrong
+positions and is void. It is not sampled (no state, penalty count, grammar or seed moves), its
+``last_tokens`` entry keeps the verify row's last kept token, and its result carries no token;
+the router, which sees the same verify result first, has already dropped its slots.
 """
 from __future__ import annotations
 
@@ -37,6 +44,8 @@ from kernels.prefill_attention import MIN_SPLIT_KEYS
 from weights.checkpoint import open_checkpoint
 
 log = logging.getLogger(__name__)
+
+VOID = -2   # a void chained row's broadcast tokens (module docstring): no token id, nor FED_BACK (-1)
 
 
 class LaunchedStep:
@@ -120,6 +129,8 @@ class ModelWorker:
         self.decoder: PaddedDecoder | None = None      # the warm-up below runs eagerly
         self.verifier: PaddedVerifier | None = None    # verify steps' graphs (--speculate)
         self._unfinished: LaunchedStep | None = None   # launched; its tokens not yet in the row states
+        self._kept_all: dict[int, bool] = {}           # rank 0: per request, whether its row of the newest
+                                                       # collected step kept every draft (chained rows)
         # The newest token sampled for each request row (and the dummy row): decode inputs.
         self.last_tokens = torch.zeros(config.max_requests + 1, dtype=torch.int64, device=config.device)
         num_slots = self._size_slots()
@@ -397,18 +408,32 @@ class ModelWorker:
                                       to_device(slots, torch.int64, dev))
 
     def _launch_sampling(self, step: Step, sampled: list[int], logits, results: list[RowResult]) -> "LaunchedStep":
-        """Rank 0 samples and broadcasts the tokens; every rank feeds them back into ``last_tokens``."""
+        """Rank 0 samples and broadcasts the tokens; every rank feeds them back into ``last_tokens``.
+        Void chained rows (module docstring) are left out of rank 0's sampling: their broadcast tokens
+        are ``VOID`` and leave ``last_tokens`` as it was."""
         rows = [step.rows[i] for i in sampled]
-        states = [self._sampling[r.request_id] for r in rows] if self.tp.rank == 0 else []
-        sample = self._sample_positions(logits, rows, states) if self.tp.rank == 0 else None
-        tokens = sample.token_ids if sample is not None else torch.empty(logits.shape[0], dtype=torch.int64,
-                                                                            device=self.device)
+        chained = any(r.chained for r in rows)
+        live = self._live_rows(rows) if chained and self.tp.rank == 0 else list(range(len(rows)))
+        live_sampled, live_rows = [sampled[j] for j in live], [rows[j] for j in live]
+        states = [self._sampling[r.request_id] for r in live_rows] if self.tp.rank == 0 else []
+        sample, tokens = None, torch.full((logits.shape[0],), VOID, dtype=torch.int64, device=self.device)
+        if self.tp.rank == 0 and live_rows:
+            if len(live_rows) == len(rows):
+                sample = self._sample_positions(logits, rows, states)
+                tokens = sample.token_ids
+            else:
+                index = to_device(logit_rows(rows, live), torch.int64, self.device)
+                sample = self._sample_positions(logits[index], live_rows, states)
+                tokens.index_copy_(0, index, sample.token_ids)
         if self.tp.world_size > 1:
             torch.distributed.broadcast(tokens, src=0)
         kept = tokens if logits.shape[0] == len(rows) else tokens[self._last_kept(rows, tokens)]
-        self.last_tokens.index_copy_(0, to_device([r.row for r in rows], torch.int64, self.device), kept)
+        rows_t = to_device([r.row for r in rows], torch.int64, self.device)
+        if chained:
+            kept = torch.where(kept == VOID, self.last_tokens[rows_t], kept)
+        self.last_tokens.index_copy_(0, rows_t, kept)
         if sample is None:
-            return LaunchedStep.done(StepResult(results))      # only rank 0 replies
+            return LaunchedStep.done(StepResult(results))      # only rank 0 replies (or nothing was live)
         host = sample.start_copy()
         event = torch.cuda.Event() if self.device.type == "cuda" else None
         if event is not None:
@@ -417,11 +442,19 @@ class ModelWorker:
         def finish() -> StepResult:
             if event is not None:
                 event.synchronize()
-            self._record_tokens(sampled, rows, host.output(), states, results, self.sampler.penalties)
+            self._record_tokens(live_sampled, live_rows, host.output(), states, results, self.sampler.penalties)
+            self._kept_all = {r.request_id: results[i].error is None
+                              and len(results[i].following) == logit_positions(r) - 1
+                              for r, i in zip(live_rows, live_sampled)}
             return StepResult(results)
 
         self._unfinished = LaunchedStep(finish, event)
         return self._unfinished
+
+    def _live_rows(self, rows: list[StepRow]) -> list[int]:
+        """Indices of the rows to sample: all but the chained rows whose verify row (in the step collected
+        last) kept fewer than all its drafts."""
+        return [j for j, r in enumerate(rows) if not r.chained or self._kept_all.get(r.request_id, False)]
 
     def _last_kept(self, rows: list[StepRow], tokens: torch.Tensor) -> torch.Tensor:
         """Per row, the index in ``tokens`` of the last token it keeps (the first choice that differs
@@ -503,6 +536,14 @@ class ModelWorker:
 def logit_positions(row: StepRow) -> int:
     """Positions of a sampled row whose logits choose tokens: every one of a verify row, else the last."""
     return len(row.input_ids) if row.input_ids[0] == FED_BACK else 1
+
+
+def logit_rows(rows: list[StepRow], chosen: list[int]) -> list[int]:
+    """The logit positions (rows of the sampled rows' logits, in order) of the rows ``chosen``."""
+    starts = [0]
+    for r in rows:
+        starts.append(starts[-1] + logit_positions(r))
+    return [p for j in chosen for p in range(starts[j], starts[j + 1])]
 
 
 def verify_states(rows: list[StepRow], states: list[RowSampling]) -> list[RowSampling]:

@@ -1,6 +1,8 @@
 """bench.spec_bench verify on the CPU: a tiny random checkpoint, batch sizes 1 and 32 (no timing assertion)."""
 from argparse import Namespace
 
+import pytest
+
 from bench import spec_bench
 from tests.tiny_models import save_tiny_model
 
@@ -29,10 +31,12 @@ def test_compare_prompts_tells_identical_runs_near_ties_and_real_differences():
         "identical", "near-tie at step 1", "NOT a near-tie at step 2"]
 
 
-def test_demo_reports_each_prompt_from_an_untimed_pass_with_top_tokens():
+@pytest.mark.parametrize("no_chain", [False, True])
+def test_demo_reports_each_prompt_from_an_untimed_pass_with_top_tokens(no_chain):
     """The demo model on the CPU (float32, the torch kernels): the speculating run's tokens are plain
-    decoding's on every prompt."""
-    summary = spec_bench.demo(Namespace(new_tokens=24, prompts=2, speculate="4", kernel_backend="torch"))
+    decoding's on every prompt, with rows chained behind verify rows and without (``--no-chain``)."""
+    summary = spec_bench.demo(Namespace(new_tokens=24, prompts=2, speculate="4", kernel_backend="torch",
+                                        no_chain=no_chain))
     result = summary["by_speculate"]["4"]
     assert result["prompts"] == ["identical", "identical"] and summary["not_near_tie_prompts"] == 0
     assert result["top_pass_equals_timed"] and summary["outputs_identical"] and result["drafted"] > 0

@@ -133,18 +133,23 @@ class SlotReadingShards:
     Verify rows are checked greedily, exactly as the worker does. Results come back in order, one step
     behind (the router's pipelining)."""
 
-    def __init__(self, vocab: int = 13, period: int | None = None):
+    def __init__(self, vocab: int = 13, period: int | None = None, twist: int | None = None):
         self.vocab, self.period = vocab, period      # period: repeat the token that many positions back
+        self.twist = twist                           # ... but at positions that are multiples of it, the next one
         self.kv: dict[int, int] = {}               # slot -> token whose KV it holds
         self.table: dict[int, dict[int, int]] = {} # request row -> position -> slot
         self.last: dict[int, int] = {}             # request row -> newest sampled token (FED_BACK)
         self.results: deque = deque()
         self.verified = 0
+        self.kept_all: dict[int, bool] = {}        # request row -> whether its newest row kept every draft
+        self.void = 0                              # chained rows run void (their KV written all the same)
+        self.stood = 0                             # chained rows that stood
 
     def next_token(self, row: int, length: int) -> int:
         context = [self.kv[self.table[row][p]] for p in range(length)]
         if self.period is not None and length >= self.period:
-            return context[-self.period]
+            twisted = self.twist is not None and length % self.twist == 0
+            return context[-self.period] % self.vocab + 1 if twisted else context[-self.period]
         a, b, c = ([0, 0] + context)[-3:]
         return (a * 5 + b * 3 + c) % self.vocab + 1
 
@@ -160,6 +165,10 @@ class SlotReadingShards:
             self.kv[slot], table[r.start_pos + i] = token, slot
         if not r.sample:
             return RowResult(r.request_id)
+        if r.chained and not self.kept_all.get(r.row, False):
+            self.void += 1
+            return RowResult(r.request_id)          # the worker samples nothing for it; ``last`` stays
+        self.stood += r.chained
         drafts = r.input_ids[1:] if r.input_ids[0] == FED_BACK else []
         end = r.start_pos + len(ids) - len(drafts)
         chosen = [self.next_token(r.row, end + j) for j in range(len(drafts) + 1)]
@@ -167,6 +176,7 @@ class SlotReadingShards:
         while kept <= len(drafts) and drafts[kept - 1] == chosen[kept - 1]:
             kept += 1
         self.verified += len(drafts)
+        self.kept_all[r.row] = kept == len(drafts) + 1
         self.last[r.row] = chosen[kept - 1]
         results = [RowResult(r.request_id, token_id=t, logprob=-1.0) for t in chosen[:kept]]
         results[0].following = results[1:]
@@ -288,7 +298,7 @@ def test_after_a_verify_rows_result_the_next_step_goes_out_before_the_events_ret
     idle while the caller handles the events), and the tokens are plain decoding's."""
     alloc = SlotAllocator(num_slots=200, max_requests=4)
     scheduler = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4, prefix_caching=False,
-                                                 verify_step_cost=0.0))
+                                                 verify_step_cost=0.0, chain_verify_rows=False))
     shards = LoggingShards(period=5)                        # the prompt's period goes on: every draft is right
     router = Router(scheduler, shards, eos_token_ids=(0,))
     router.submit(GenerationRequest(1, [3, 1, 4, 1, 5] * 3, 40, SamplingParams()))
@@ -301,6 +311,38 @@ def test_after_a_verify_rows_result_the_next_step_goes_out_before_the_events_ret
     assert tokens == ([3, 1, 4, 1, 5] * 8)[:40]
     waits = [c for c in calls if c and c[0] == "collect"]    # calls that planned nothing beside the verify row
     assert len(waits) >= 5 and all(c[1:] in (["verify"], ["submit"]) for c in waits[:-1]), calls
+
+
+def test_rows_chained_behind_verify_rows_map_and_free_the_right_slots():
+    """Alone, a request's next row goes out behind its verify row in flight as if every draft were accepted
+    (once a verify row kept them all). A 'model' that reads every token back through the slots copies the
+    prompt's period but twists every 13th position: chained rows stand and go void, void ones write their
+    KV all the same, and the tokens, the slots checked after every step and a second identical request served
+    from the prefix cache are those of the same scheduler without chaining, with fewer waits."""
+    def serve(chain: bool):
+        alloc = SlotAllocator(num_slots=400, max_requests=4)
+        scheduler = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4, verify_step_cost=0.0,
+                                                     chain_verify_rows=chain))
+        shards = LoggingShards(period=5, twist=13)
+        router = Router(scheduler, shards, eos_token_ids=(0,))
+        tokens, waits = {}, 0
+        for rid in (1, 2):                  # the second after the first: its prompt and tokens come from the cache
+            router.submit(GenerationRequest(rid, [3, 1, 4, 1, 5] * 3, 60, SamplingParams()))
+            tokens[rid] = []
+            for _ in range(200):
+                if not router.has_work():
+                    break
+                before = len(shards.log)
+                tokens[rid].extend(e.token_id for e in router.step())
+                waits += shards.log[before : before + 1] == ["collect"]    # planned nothing beside the row in flight
+                scheduler.check_integrity()
+            assert not router.has_work(), f"request {rid} still runs after 200 steps"
+        return tokens, waits, shards
+
+    plain, plain_waits, _ = serve(chain=False)
+    tokens, waits, shards = serve(chain=True)
+    assert tokens == plain and tokens[1] == tokens[2] and len(tokens[1]) == 60
+    assert shards.stood > 0 and shards.void > 0 and waits < plain_waits, (shards.stood, shards.void, waits)
 
 
 def _pipelined(sched, alloc, steps: int, next_token) -> list[int]:
@@ -413,7 +455,8 @@ def test_the_step_replay_counts_rows_waits_and_drafts_of_the_real_scheduler():
 
     quoting = ([7, 1, 2, 3, 4, 5, 6, 8], [1, 2, 3, 4, 5, 6, 8, 9, 10])     # copies its prompt, then 9 10
     plain = replay([quoting], 0)
-    assert plain == {"tokens": 8, "rows": 8, "verify_rows": 0, "waits": 0, "drafted": 0, "accepted": 0}
+    assert plain == {"tokens": 8, "rows": 8, "verify_rows": 0, "void_rows": 0, "waits": 0, "drafted": 0,
+                     "accepted": 0}
     spec = replay([quoting], 4)
     assert spec["tokens"] == 8 and spec["rows"] < 8 and spec["accepted"] >= 4 and spec["verify_rows"] >= 1
     assert 1 <= spec["waits"] <= spec["verify_rows"]    # a verify row's successor waits for its result

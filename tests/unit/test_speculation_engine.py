@@ -97,20 +97,20 @@ def test_verify_rows_through_the_triton_kernels(tiny_models):
 
 
 class OracleDrafter(NgramDrafter):
-    """Drafts the tokens plain decoding produced next, but every third one wrong: verify rows with
+    """Drafts the tokens plain decoding produced next, but one in ``wrong_every`` wrong: verify rows with
     accepted drafts and rejections mid-row whatever the model (penalties leave no repetition)."""
 
-    def __init__(self, prompt_len: int, expected: list[int]):
+    def __init__(self, prompt_len: int, expected: list[int], wrong_every: int = 3):
         super().__init__()
-        self.prompt_len, self.expected = prompt_len, expected
+        self.prompt_len, self.expected, self.wrong_every = prompt_len, expected, wrong_every
 
     def propose(self, max_drafts: int, ahead: int = 0) -> list[int]:
         done = len(self.tokens) - self.prompt_len + ahead      # ahead: tokens in flight (guessed right)
         drafts = self.expected[done : done + max_drafts]
-        return [t if (done + i) % 3 else (t + 1) % 300 for i, t in enumerate(drafts)]
+        return [t if (done + i) % self.wrong_every else (t + 1) % 300 for i, t in enumerate(drafts)]
 
 
-def with_oracle_drafts(engine: Engine, plain: dict[int, list[tuple]]) -> Engine:
+def with_oracle_drafts(engine: Engine, plain: dict[int, list[tuple]], wrong_every: int = 3) -> Engine:
     scheduler = engine.router.scheduler
     add = scheduler.add
 
@@ -118,10 +118,43 @@ def with_oracle_drafts(engine: Engine, plain: dict[int, list[tuple]]) -> Engine:
         add(request)
         if request.drafter is not None:
             expected = [event[0] for event in plain[request.request_id]]
-            request.drafter, prompt = OracleDrafter(len(request.prompt_ids), expected), request.prompt_ids
-            request.drafter.extend(prompt)
+            request.drafter = OracleDrafter(len(request.prompt_ids), expected, wrong_every)
+            request.drafter.extend(request.prompt_ids)
     scheduler.add = add_with_oracle
     return engine
+
+
+def count_chained_rows(engine: Engine) -> dict[str, int]:
+    """Counts, as the engine runs, the chained rows whose result came back with tokens ("stood") and
+    without ("void")."""
+    counts = {"stood": 0, "void": 0}
+    scheduler = engine.router.scheduler
+    process = scheduler.process
+
+    def counting_process(step, result):
+        for row, res in zip(step.rows, result.rows):
+            if row.chained:
+                counts["void" if res.token_id is None else "stood"] += 1
+        return process(step, result)
+    scheduler.process = counting_process
+    return counts
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(top_n_tokens=2),
+    SamplingParams(seed=3, do_sample=True, temperature=0.9, top_k=40, top_p=0.95),
+    SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3)])
+def test_rows_chained_behind_verify_rows_give_plain_decodings_tokens(tiny_models, params):
+    """A lone request's next row goes out behind its verify row as if every draft were accepted: where they
+    all were it stands, else the worker samples nothing for it (no seed step, penalty count or
+    ``last_tokens`` change) and the router drops its slots; greedy, seeded and penalised tokens stay plain
+    decoding's, and the allocator is checked after every step."""
+    arrivals = {0: [GenerationRequest(0, [5, 6, 7, 8, 9], 40, params, stop_token_ids=[])]}
+    plain = run(make_engine(tiny_models["llama"], 0), arrivals)
+    engine = with_oracle_drafts(make_engine(tiny_models["llama"], 4), plain, wrong_every=11)
+    counts = count_chained_rows(engine)
+    assert run(engine, arrivals) == plain
+    assert counts["stood"] > 0 and counts["void"] > 0, counts
 
 
 def _accepts_drafts(model_dir, prompt: list[int]) -> bool:
@@ -372,3 +405,10 @@ def test_two_shards_verify_like_one(tiny_models):
     with engine:
         assert run(engine, arrivals) == plain
         assert engine.router.scheduler.speculation.accepted_tokens > 5
+    lone = {0: arrivals[0][:1]}           # alone, its rows chain behind its verify rows: void ones broadcast VOID
+    engine = with_oracle_drafts(make_engine(tiny_models["llama"], 3, num_shards=2, master_port=free_port()), plain,
+                                wrong_every=9)
+    counts = count_chained_rows(engine)
+    with engine:
+        assert run(engine, lone) == {0: plain[0]}
+    assert counts["stood"] > 0 and counts["void"] > 0, counts
