@@ -1,13 +1,14 @@
 """The HTTP front end alone: a burst of long prompts against a stand-in for the engine.
 
     python -m bench.frontend_bench --tokenizer /tmp/llama2-7b [--requests 256] [--prompt-tokens 3000] \\
-        [--new-tokens 64 --step-ms 20] [--profile out.prof]
+        [--new-tokens 64 --step-ms 20] [--route generate_stream|chat] [--profile out.prof]
 
 A child process serves ``tgi_compat.create_app`` over the model's tokenizer and a real
 ``RouterClient`` whose pipe leads to a paced stand-in router (another process): every
 ``--step-ms`` it sends one token event to each running request (one ``Events`` message per
 step, as the router does), ``--new-tokens`` per request. This process sends ``--requests``
-streamed requests of about ``--prompt-tokens`` tokens all at once and reports the time
+streamed requests (``--route``: /generate_stream, or /v1/chat/completions with the prompt as one user
+message) of about ``--prompt-tokens`` tokens all at once and reports the time
 until the last first token, the client's TTFT and ITL percentiles, the server's mean
 validation time (tokenizing included) and the front end's CPU seconds (all of its threads, and its
 event loop's thread alone) per token event.
@@ -92,14 +93,22 @@ def prompts(tokenizer_dir: str, count: int, prompt_tokens: int, seed: int) -> li
     return [prefix + " " + " ".join(str(rng.randrange(10**6)) for _ in range(16)) for _ in range(count)]
 
 
-async def burst(url: str, texts: list[str], new_tokens: int) -> list[list[float]]:
+ROUTES = {   # --route: the path and body of a streamed request of ``text`` for ``new`` tokens
+    "generate_stream": ("/generate_stream", lambda text, new: {"inputs": text, "parameters": {"max_new_tokens": new}}),
+    "chat": ("/v1/chat/completions", lambda text, new: {"model": "tgi", "messages": [{"role": "user", "content": text}],
+                                                        "max_tokens": new, "stream": True}),
+}
+
+
+async def burst(url: str, texts: list[str], new_tokens: int, route: str = "generate_stream") -> list[list[float]]:
     """Each request's event times (seconds after its send), all sent at once."""
+    path, make_body = ROUTES[route]
+
     async def one(session, text):
         start, times = time.perf_counter(), []
-        body = {"inputs": text, "parameters": {"max_new_tokens": new_tokens}}
-        async with session.post(url + "/generate_stream", json=body) as response:
+        async with session.post(url + path, json=make_body(text, new_tokens)) as response:
             async for line in response.content:
-                if line.startswith(b"data:"):
+                if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
                     times.append(time.perf_counter() - start)
         if len(times) != new_tokens:
             raise RuntimeError(f"{len(times)} events of {new_tokens} (HTTP {response.status})")
@@ -126,6 +135,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=1, help="tokens streamed to each request")
     parser.add_argument("--step-ms", type=float, default=20.0, help="the stand-in router's step time")
     parser.add_argument("--validation-workers", type=int, default=2, help="the launcher's flag (TGI's default 2)")
+    parser.add_argument("--route", choices=sorted(ROUTES), default="generate_stream",
+                        help="the streamed route the burst asks (chat: the tokenizer needs a chat template)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", help="write the front end's cProfile stats here")
     parser.add_argument("--json")
@@ -149,7 +160,7 @@ def _measure_burst(args) -> dict:
         # the server's main thread runs the event loop (HTTP, validation, streams)
         cpu_before, loop_before = process_cpu_s(server.pid), process_cpu_s(server.pid, server.pid)
         start = time.perf_counter()
-        times = asyncio.run(burst(url, texts, args.new_tokens))
+        times = asyncio.run(burst(url, texts, args.new_tokens, args.route))
         wall, cpu = time.perf_counter() - start, process_cpu_s(server.pid) - cpu_before
         loop_cpu = process_cpu_s(server.pid, server.pid) - loop_before
         metrics = requests.get(url + "/metrics", timeout=10).text

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -93,7 +94,10 @@ class ChatRoutes:
         if chat.stream:
             headers = {"x-compute-type": self.settings.compute_type,
                        "x-compute-characters": str(chat.n * len(plan.request.inputs)), "X-Accel-Buffering": "no"}
-            return sse_response(self._stream(chat, plan, form), headers, self.settings.keep_alive_s,
+            # each choice's prompt starts tokenizing now, before the response does (as /generate_stream)
+            started = [self.service.templated_validator.start_tokenizing(choice_request(plan.request, i))
+                       for i in range(chat.n)]
+            return sse_response(self._stream(chat, plan, form, started), headers, self.settings.keep_alive_s,
                                 self.settings.stream_shutdown_grace_s)
         choices = [self._complete(chat, plan, i) for i in range(chat.n)]
         try:
@@ -118,10 +122,12 @@ class ChatRoutes:
         plain = await self.plan(chat, use_tools=False)
         return await self.service.generate(choice_request(plain.request, index), False, templated=True), None
 
-    async def _stream(self, chat: ChatRequest, plan: ChatPlan, form: OpenAIFormat) -> AsyncIterator[bytes]:
+    async def _stream(self, chat: ChatRequest, plan: ChatPlan, form: OpenAIFormat,
+                      started: list[Future | None]) -> AsyncIterator[bytes]:
+        """``started``: each choice's prompt tokenizing (``Validator.start_tokenizing``)."""
         results: list[GenerationResult] = []
         failed = False
-        streams = [self._choice_chunks(chat, plan, form, i) for i in range(chat.n)]
+        streams = [self._choice_chunks(chat, plan, form, i, started[i]) for i in range(chat.n)]
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for _, item in merged:
                 if isinstance(item, TGIError):
@@ -136,12 +142,13 @@ class ChatRoutes:
             yield sse_data(form.chat_usage_chunk(usage))
         yield DONE_EVENT
 
-    async def _choice_chunks(self, chat: ChatRequest, plan: ChatPlan, form: OpenAIFormat,
-                             index: int) -> AsyncIterator[dict | GenerationResult]:
-        """The chunks of one choice, then its ``GenerationResult`` (for the usage chunk)."""
+    async def _choice_chunks(self, chat: ChatRequest, plan: ChatPlan, form: OpenAIFormat, index: int,
+                             started: Future | None) -> AsyncIterator[dict | GenerationResult]:
+        """The chunks of one choice, then its ``GenerationResult`` (for the usage chunk); ``started``: its
+        prompt's tokenizing (a `no_tool` answer's new prompt tokenizes when it is validated)."""
         if plan.using_tools:
             calls, call_id = ToolCallStream(), next_tool_call_id(chat.messages)
-            async for step in self._steps(plan, index):
+            async for step in self._steps(plan, index, started):
                 text = "" if step.token.special else step.token.text
                 for name, arguments in calls.push(text, last=step.result is not None):
                     delta = {"role": "assistant", "tool_calls": [{
@@ -152,16 +159,17 @@ class ChatRoutes:
                     yield step.result
             if not calls.no_tool:
                 return
-            plan = await self.plan(chat, use_tools=False)
-        async for step in self._steps(plan, index):
+            plan, started = await self.plan(chat, use_tools=False), None
+        async for step in self._steps(plan, index, started):
             delta = {"role": "assistant", "content": "" if step.token.special else step.token.text}
             yield self._chunk(form, chat, index, delta, step)
             if step.result is not None:
                 yield step.result
 
-    async def _steps(self, plan: ChatPlan, index: int) -> AsyncIterator[GeneratedStep]:
+    async def _steps(self, plan: ChatPlan, index: int, started: Future | None) -> AsyncIterator[GeneratedStep]:
         request = choice_request(plan.request, index)
-        async with contextlib.aclosing(self.service.stream_steps(request, False, templated=True)) as steps:
+        async with contextlib.aclosing(self.service.stream_steps(request, False, templated=True,
+                                                                 started=started)) as steps:
             async for _, step in steps:
                 yield step
 

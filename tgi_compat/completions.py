@@ -6,6 +6,7 @@ prompt ``p``'s ``k``-th sample. Streams interleave the sequences' chunks as toke
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -65,7 +66,8 @@ class CompletionRoutes:
         if req.stream:
             headers = {"x-compute-type": self.settings.compute_type,
                        "x-compute-characters": str(sum(len(r.inputs) for r in requests)), "X-Accel-Buffering": "no"}
-            return sse_response(self._stream(requests, form), headers, self.settings.keep_alive_s,
+            started = [self.service.validator.start_tokenizing(r) for r in requests]   # before the response starts
+            return sse_response(self._stream(requests, form, started), headers, self.settings.keep_alive_s,
                                 self.settings.stream_shutdown_grace_s)
         try:
             outcomes = await cancel_on_disconnect(
@@ -79,8 +81,10 @@ class CompletionRoutes:
         headers = summed_headers([generate_headers(self.settings, o) for o in outcomes])
         return JSONBytesResponse(form.completion(choices, usage), headers=headers)
 
-    async def _stream(self, requests: list[GenerateRequest], form: OpenAIFormat) -> AsyncIterator[bytes]:
-        streams = [self.service.stream_steps(r, False) for r in requests]
+    async def _stream(self, requests: list[GenerateRequest], form: OpenAIFormat,
+                      started: list[Future | None]) -> AsyncIterator[bytes]:
+        """``started``: each request's prompt tokenizing (``Validator.start_tokenizing``)."""
+        streams = [self.service.stream_steps(r, False, started=f) for r, f in zip(requests, started)]
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for index, item in merged:
                 if isinstance(item, TGIError):

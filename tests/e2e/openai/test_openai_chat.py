@@ -209,3 +209,34 @@ def test_payload_limit_and_metrics_apply(url):
     before = successes()
     requests.post(url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "n": 2}).raise_for_status()
     assert successes() == before + 2         # one generation request per choice
+
+
+def test_streamed_chat_and_completion_prompts_start_tokenizing_before_their_responses():
+    """As /generate_stream: each choice's prompt goes to the tokenizer when the request is parsed, before its
+    SSE response starts (under a burst the tokenizer threads then work while the event loop starts the other
+    responses), and validation takes that encoding: the tokens of the templated chat / the completion prompt."""
+    from tests.e2e.conftest import make_settings, serve
+    from tests.e2e.demo_server import demo_backend
+    from tgi_compat import create_app
+
+    app = create_app(make_settings(model_id=DEMO_MODEL_ID, max_input_tokens=1024, max_total_tokens=2048),
+                     demo_tokenizer(), demo_backend())
+    service, given = app.state.service, []
+    stream_steps = service.stream_steps
+
+    def recording_stream_steps(request, full_text_default, templated=False, started=None):
+        given.append(started)
+        return stream_steps(request, full_text_default, templated=templated, started=started)
+    service.stream_steps = recording_stream_steps
+    prompts = ["def reverse(s):", "import os"]
+    with serve(app) as url:
+        chat = requests.post(f"{url}/v1/chat/completions", json={
+            "model": "tgi", "messages": CHAT, "max_tokens": 4, "stream": True, "n": 2, "seed": 1})
+        completion = requests.post(f"{url}/v1/completions", json={
+            "model": "tgi", "prompt": prompts, "max_tokens": 4, "stream": True})
+    assert sse_payloads(chat)[-1] == sse_payloads(completion)[-1] == "[DONE]"
+    assert len(given) == 4 and all(started is not None and started.done() for started in given)
+    tokenizer = demo_tokenizer()
+    chat_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert [started.result().ids for started in given] == [chat_ids, chat_ids] + [
+        tokenizer(p)["input_ids"] for p in prompts]
