@@ -246,6 +246,13 @@ def test_grammar_constrained_rows_verify_with_matchers_advanced_over_the_drafts(
     stats = engine.router.scheduler.speculation
     assert stats.drafted_tokens > stats.accepted_tokens > 10
     assert all(events[-1][2] == "eos_token" for events in plain.values())      # the grammars completed
+    counts = {"stood": 0, "void": 0}
+    for request in arrivals[0]:        # alone, rows chain behind verify rows: a void one leaves its matcher as it was
+        engine = with_oracle_drafts(make_engine(DEMO, 4, num_slots=2048), plain, wrong_every=11)
+        chained = count_chained_rows(engine)
+        assert run(engine, {0: [request]}) == {request.request_id: plain[request.request_id]}
+        counts = {k: counts[k] + chained[k] for k in counts}
+    assert counts["stood"] > 0 and counts["void"] > 0, counts
 
 
 def test_demo_model_sampled_frequencies_match_plain_decoding(demo_engines, demo_tokens):
