@@ -416,15 +416,7 @@ class ModelWorker:
         live = self._live_rows(rows) if chained and self.tp.rank == 0 else list(range(len(rows)))
         live_sampled, live_rows = [sampled[j] for j in live], [rows[j] for j in live]
         states = [self._sampling[r.request_id] for r in live_rows] if self.tp.rank == 0 else []
-        sample, tokens = None, torch.full((logits.shape[0],), VOID, dtype=torch.int64, device=self.device)
-        if self.tp.rank == 0 and live_rows:
-            if len(live_rows) == len(rows):
-                sample = self._sample_positions(logits, rows, states)
-                tokens = sample.token_ids
-            else:
-                index = to_device(logit_rows(rows, live), torch.int64, self.device)
-                sample = self._sample_positions(logits[index], live_rows, states)
-                tokens.index_copy_(0, index, sample.token_ids)
+        sample, tokens = self._sample_tokens(logits, rows, live, states)
         if self.tp.world_size > 1:
             torch.distributed.broadcast(tokens, src=0)
         kept = tokens if logits.shape[0] == len(rows) else tokens[self._last_kept(rows, tokens)]
@@ -450,6 +442,23 @@ class ModelWorker:
 
         self._unfinished = LaunchedStep(finish, event)
         return self._unfinished
+
+    def _sample_tokens(self, logits: torch.Tensor, rows: list[StepRow], live: list[int], states: list[RowSampling]):
+        """(the sample, the token at every logit position of ``rows``) on rank 0, sampling the ``live`` rows
+        only (``VOID`` at the others' positions); (None, a buffer for the broadcast) on the other ranks."""
+        size, dev = logits.shape[0], self.device
+        if self.tp.rank != 0:
+            return None, torch.empty(size, dtype=torch.int64, device=dev)
+        if len(live) == len(rows):
+            sample = self._sample_positions(logits, rows, states)
+            return sample, sample.token_ids
+        tokens = torch.full((size,), VOID, dtype=torch.int64, device=dev)
+        if not live:
+            return None, tokens
+        index = to_device(logit_rows(rows, live), torch.int64, dev)
+        sample = self._sample_positions(logits[index], [rows[j] for j in live], states)
+        tokens.index_copy_(0, index, sample.token_ids)
+        return sample, tokens
 
     def _live_rows(self, rows: list[StepRow]) -> list[int]:
         """Indices of the rows to sample: all but the chained rows whose verify row (in the step collected
