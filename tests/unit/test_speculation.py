@@ -345,6 +345,28 @@ def test_rows_chained_behind_verify_rows_map_and_free_the_right_slots():
     assert shards.stood > 0 and shards.void > 0 and waits < plain_waits, (shards.stood, shards.void, waits)
 
 
+def test_an_abort_with_a_chained_row_in_flight_frees_every_slot():
+    """A request aborted while its verify row and the row chained behind it are in flight: both results are
+    ignored when they come, and every slot is free (but the prompt and known tokens the prefix cache keeps)."""
+    alloc = SlotAllocator(num_slots=400, max_requests=4)
+    scheduler = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4, verify_step_cost=0.0))
+    shards = LoggingShards(period=5)
+    router = Router(scheduler, shards, eos_token_ids=(0,))
+    router.submit(GenerationRequest(1, [3, 1, 4, 1, 5] * 3, 60, SamplingParams()))
+    for _ in range(40):     # until its verify row is in flight and the next row may chain behind it
+        router.step()
+        (request,) = scheduler.running
+        if request.can_chain:
+            break
+    router._submit_next()     # the first half of Router.step: the chained row goes out, nothing collected yet
+    assert request.chained is not None and request.verifying and len(router._in_flight) == 2
+    assert router.abort(1)
+    while router.has_work():
+        assert router.step() == []
+    scheduler.check_integrity()
+    assert alloc.used_slots == 0 and alloc.free_slots + alloc.cached_slots == 400
+
+
 def _pipelined(sched, alloc, steps: int, next_token) -> list[int]:
     """The router's loop for one request (plan N + 1, then see N); the rows of each planned step."""
     in_flight, rows = deque([sched.schedule()]), []
