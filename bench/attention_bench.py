@@ -2,6 +2,7 @@
 
     python -m bench.attention_bench [--batch-sizes 1,8] [--seq-lens 128,384,1024,4096] [--json out.json]
     python -m bench.attention_bench --shared-prefix 3000 --batch-sizes 64,256 --seq-lens 3064
+    python -m bench.attention_bench --verify-drafts 4 --batch-sizes 1,8,32 --seq-lens 512
 
 With ``--shared-prefix P`` every request's first P positions map the same slots (requests behind
 one cached prompt prefix): it times the decode attention without the shared-prefix kernel (every
@@ -12,7 +13,10 @@ For each (batch, sequence length) it times ``kernels.decode_attention.launch`` (
 merge stage) for every combination of split count, BLOCK_N, warps and stages, as 32 back-to-back
 calls (one per layer) replayed from a CUDA graph, so launch gaps count as they do in a decode
 step. It prints the default's time and the best few, and checks the best against the default's
-output. CUDA only; no part of it runs in CI (the kernel's tests do).
+output. With ``--verify-drafts N`` it times instead the prefill attention of verify rows (1 + N new tokens a
+request after its context, as ``--speculate N`` runs them) for every tile, BLOCK_N, warps and split count
+(2 stages), against its default and a decode step's attention at the same context. CUDA only; no part of it runs in
+CI (the kernel's tests do).
 """
 from __future__ import annotations
 
@@ -30,6 +34,9 @@ from kernels.decode_attention import (
     default_num_splits,
     launch,
 )
+from kernels.prefill_attention import PrefillLaunch, prefill_attention, prefill_launch
+from kernels.prefill_attention import default_splits as default_prefill_splits
+from kernels.prefill_attention import launch as prefill_launch_kernels
 from kernels.shared_prefix import SHARED_LAUNCH
 
 LAYERS = 32
@@ -116,6 +123,52 @@ def sweep_shared(batch: int, seq_len: int, prefix: int, args) -> dict:
             "top5": [(name(*k), round(results[k], 2)) for k in sorted(results, key=results.get)[:5]]}
 
 
+def verify_inputs(batch: int, context: int, drafts: int, args):
+    """Verify rows: each request holds ``context`` positions and brings 1 + ``drafts`` new tokens after them
+    (``prefill_attention``'s arguments but the launch)."""
+    width, dev = 1 + drafts, args.device
+    length = context + width
+    kv_layer = torch.randn(batch * length + 1, 2 * args.kv_heads, args.head_dim, dtype=torch.bfloat16, device=dev)
+    table = torch.arange(batch * length, dtype=torch.int32, device=dev).view(batch, length)
+    rows = torch.arange(batch, dtype=torch.int32, device=dev)
+    q = torch.randn(batch * width, args.q_heads, args.head_dim, dtype=torch.bfloat16, device=dev)
+    q_start = torch.arange(0, batch * width, width, dtype=torch.int32, device=dev)
+    q_len = torch.full((batch,), width, dtype=torch.int32, device=dev)
+    seq_len = torch.full((batch,), length, dtype=torch.int32, device=dev)
+    return (q, kv_layer, table, rows, q_start, q_len, seq_len, 1 / math.sqrt(args.head_dim), width), length
+
+
+def sweep_verify(batch: int, context: int, drafts: int, args) -> dict:
+    """The prefill attention of verify rows (1 + ``drafts`` tokens a request after ``context`` positions): its
+    default launch and splits against every (tile rows, BLOCK_N, warps, splits) at 2 stages, beside the decode
+    attention of a plain decode step at the same context."""
+    inputs, length = verify_inputs(batch, context, drafts, args)
+    q, kv_layer = inputs[0], inputs[1]
+    default_params = prefill_launch(args.head_dim, q.device, q.dtype, args.q_heads // args.kv_heads)
+    default = (*default_params, default_prefill_splits(batch, args.q_heads, args.kv_heads, 1 + drafts, length,
+                                                       default_params, q.device))
+    reference = prefill_attention(*inputs, max_seq_len=length)
+    results, outputs = {}, {}                     # (block_m, block_n, warps, stages, splits) -> us
+    for combo in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (2,), (1, 2, 4, 8)):   # 36 kernels to compile
+        if combo[0] < args.q_heads // args.kv_heads and combo[0] < 64:
+            continue                              # fewer rows than a GQA group's heads: the tile splits heads
+        try:
+            results[combo] = time_us(lambda: prefill_launch_kernels(*inputs, PrefillLaunch(*combo[:4]), combo[4]))
+        except Exception as e:  # noqa: BLE001  (a tile too large for shared memory)
+            print(f"  {combo}: {type(e).__name__}", flush=True)
+    results.setdefault(default, time_us(lambda: prefill_launch_kernels(*inputs, default_params, default[4])))
+    best = min(results, key=results.get)
+    out = prefill_launch_kernels(*inputs, PrefillLaunch(*best[:4]), best[4])
+    decode = make_inputs(batch, context + 1, args.q_heads, args.kv_heads, args.head_dim, torch.bfloat16, args.device)
+    name = "rows{} n{} w{} st{} s{}".format
+    return {"batch": batch, "context": context, "drafts": drafts,
+            "decode_step_us": round(time_us(lambda: decode_attention(*decode)), 2),
+            "default": name(*default), "default_us": round(results[default], 2),
+            "best": name(*best), "best_us": round(results[best], 2),
+            "best_max_abs_diff": float((out.float() - reference.float()).abs().max()),
+            "top5": [(name(*k), round(results[k], 2)) for k in sorted(results, key=results.get)[:5]]}
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated decode batch sizes")
@@ -125,14 +178,23 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--head-dim", type=int, default=128, help="head dimension")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="positions every request shares (times the shared-prefix kernel's launches)")
+    parser.add_argument("--verify-drafts", type=int, default=0,
+                        help="times the prefill attention of verify rows with this many drafts instead (--seq-lens: "
+                             "the context before them), each launch and split count beside a decode step's attention")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.set_defaults(device="cuda")      # the sweeps' tensors (a CPU smoke of their code sets "cpu")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("attention_bench needs a CUDA GPU")
     results = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         for seq_len in (int(s) for s in args.seq_lens.split(",")):
-            if args.shared_prefix:
+            if args.verify_drafts:
+                r = sweep_verify(batch, seq_len, args.verify_drafts, args)
+                print(f"batch {batch:4d} context {seq_len:5d} verify rows of {1 + args.verify_drafts}: decode step "
+                      f"{r['decode_step_us']:.2f} us; default {r['default']} {r['default_us']:.2f} us, best {r['best']} "
+                      f"{r['best_us']:.2f} us (max |diff| {r['best_max_abs_diff']:.1e}); top5 {r['top5']}", flush=True)
+            elif args.shared_prefix:
                 r = sweep_shared(batch, seq_len, args.shared_prefix, args)
                 print(f"batch {batch:4d} seq {seq_len:5d} shared {args.shared_prefix}: without {r['without_us']:.2f} us; "
                       f"with: default {r['default']} {r['default_us']:.2f} us, best {r['best']} {r['best_us']:.2f} us "

@@ -5,7 +5,8 @@
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
 #                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8),
 #                                         wquant_families (quantized Phi-3 / StarCoder2), spec (speculative
-#                                         decoding), spec_chain (its chained rows on / off), spec_profile (a
+#                                         decoding), spec_chain (its chained rows on / off), verify_attn (the
+#                                         attention launches of verify rows), spec_profile (a
 #                                         verify step's kernels), spec_lengths (its
 #                                         draft lengths), frontend, quant_gemm
 #                                         (the 4-bit and FP8 GEMMs' config sweep)
@@ -66,6 +67,12 @@ for stage in $stages; do
         --out "$MODEL_13B" --dtype bfloat16 --device cuda 2>&1 | tail -2
       python3 -m bench.engine_bench --model-dir "$MODEL_13B" --no-peer --num-shards 2 --json "$OUT/tp2_13b.json" \
         2>&1 | tee -a "$OUT/tp.log" | grep -E "tokens/s|capacity" ;;
+    verify_attn)
+      # the prefill attention of verify rows (4 drafts, 512 positions of context: spec_bench verify's shape) for
+      # every tile, BLOCK_N, warps, stages and split count, beside a decode step's attention (issue 20's verify cost)
+      python3 -m bench.attention_bench --verify-drafts 4 --batch-sizes ${VERIFY_BATCHES:-1,8,32} --seq-lens 512 \
+        --json "$OUT/verify_attn.json" 2>&1 | tee "$OUT/verify_attn.log" | tail -6
+      rc=${PIPESTATUS[0]} ;;
     shared)
       # the shared-prefix (cascade) decode kernel's launch sweep, 3,000 shared positions
       python3 -m bench.attention_bench --shared-prefix 3000 --batch-sizes ${SHARED_BATCHES:-64,256} --seq-lens 3064 \
