@@ -192,8 +192,9 @@ def main(argv=None) -> list[dict]:
             if args.verify_drafts:
                 r = sweep_verify(batch, seq_len, args.verify_drafts, args)
                 print(f"batch {batch:4d} context {seq_len:5d} verify rows of {1 + args.verify_drafts}: decode step "
-                      f"{r['decode_step_us']:.2f} us; default {r['default']} {r['default_us']:.2f} us, best {r['best']} "
-                      f"{r['best_us']:.2f} us (max |diff| {r['best_max_abs_diff']:.1e}); top5 {r['top5']}", flush=True)
+                      f"{r['decode_step_us']:.2f} us; default {r['default']} {r['default_us']:.2f} us, "
+                      f"best {r['best']} {r['best_us']:.2f} us (max |diff| {r['best_max_abs_diff']:.1e}); "
+                      f"top5 {r['top5']}", flush=True)
             elif args.shared_prefix:
                 r = sweep_shared(batch, seq_len, args.shared_prefix, args)
                 print(f"batch {batch:4d} seq {seq_len:5d} shared {args.shared_prefix}: without {r['without_us']:.2f} us; "

@@ -588,8 +588,8 @@ def steps(args) -> dict:
                        "waiting_steps": round(t["waits"] / t["rows"], 3),
                        "tokens_per_step_and_wait": round(t["tokens"] / (t["rows"] + t["waits"]), 3)}
             results[f"{name}/speculate{speculate}"] = summary
-            print(f"{name:6} speculate {speculate}: {t['rows']} rows ({t['verify_rows']} verify, {t['void_rows']} void), "
-                  f"drafted "
+            print(f"{name:6} speculate {speculate}: {t['rows']} rows ({t['verify_rows']} verify, "
+                  f"{t['void_rows']} void), drafted "
                   f"{t['drafted']}, accepted {t['accepted']} ({summary['acceptance_rate']}), tokens/step "
                   f"{summary['tokens_per_step']}, waits/step {summary['waiting_steps']}, tokens/(step + wait) "
                   f"{summary['tokens_per_step_and_wait']}")
