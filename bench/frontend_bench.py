@@ -69,6 +69,7 @@ def serve(tokenizer_dir: str, port: int, workers: int, conn, profile: str | None
 
     from engine.client import RouterClient
     from tgi_compat import ServerSettings, create_app
+    from tgi_compat.http_protocol import HeaderTimeoutProtocol
 
     settings = ServerSettings(model_id="frontend-bench", max_input_tokens=100_000, max_total_tokens=100_001,
                               max_concurrent_requests=100_000, validation_workers=workers)
@@ -80,7 +81,7 @@ def serve(tokenizer_dir: str, port: int, workers: int, conn, profile: str | None
         profiler = cProfile.Profile()
         signal.signal(signal.SIGUSR1, lambda *_: (profiler.disable(), profiler.dump_stats(profile)))
         profiler.enable()
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http=HeaderTimeoutProtocol)   # the server's
     sys.exit(0)
 
 
