@@ -345,6 +345,31 @@ def test_rows_chained_behind_verify_rows_map_and_free_the_right_slots():
     assert shards.stood > 0 and shards.void > 0 and waits < plain_waits, (shards.stood, shards.void, waits)
 
 
+def test_a_verify_row_that_ends_its_request_voids_the_row_chained_behind_it():
+    """The copied period's only twist, at position 39 (after several verify rows kept every draft, so a row is
+    chained behind the one that meets it), makes the token 6, the stop token: that verify row keeps the drafts
+    before it and the 6, the row chained behind it is void, the request ends on the stop token exactly as
+    without chaining, and no slot stays taken."""
+    ended = {}
+    for chain in (False, True):
+        alloc = SlotAllocator(num_slots=400, max_requests=4)
+        scheduler = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4, verify_step_cost=0.0,
+                                                     prefix_caching=False, chain_verify_rows=chain))
+        shards = LoggingShards(period=5, twist=39)
+        router = Router(scheduler, shards, eos_token_ids=(6,))
+        router.submit(GenerationRequest(1, [3, 1, 4, 1, 5] * 3, 60, SamplingParams()))
+        events = []
+        for _ in range(100):
+            if not router.has_work():
+                break
+            events.extend(router.step())
+            scheduler.check_integrity()
+        ended[chain] = [(e.token_id, e.finish_reason) for e in events]
+        assert alloc.used_slots == 0 and alloc.free_slots == 400
+    assert ended[True] == ended[False] and ended[True][-1] == (6, "eos_token") and len(ended[True]) == 25
+    assert shards.void > 0
+
+
 def test_an_abort_with_a_chained_row_in_flight_frees_every_slot():
     """A request aborted while its verify row and the row chained behind it are in flight: both results are
     ignored when they come, and every slot is free (but the prompt and known tokens the prefix cache keeps)."""
