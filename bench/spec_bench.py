@@ -146,12 +146,8 @@ def demo(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(DEMO)
     prompts = [rename_prompt(tokenizer, f) for f in stdlib_functions()][: getattr(args, "prompts", None)]
     lengths = [int(n) for n in str(getattr(args, "speculate", None) or "4").split(",")]
-    engines = {n: Engine(EngineConfig(model_dir=str(DEMO), max_requests=8, speculate=n, num_slots=DEMO_SLOTS,
-                                      kernel_backend=getattr(args, "kernel_backend", None)))
-               for n in [0, *lengths]}
-    if getattr(args, "no_chain", False):        # the scheduler's rows chained behind verify rows, off (an A/B)
-        for engine in engines.values():
-            engine.router.scheduler.config = replace(engine.router.scheduler.config, chain_verify_rows=False)
+    engines = demo_engines([0, *lengths], getattr(args, "kernel_backend", None),
+                           chain=not getattr(args, "no_chain", False))
     try:
         results, outputs, tops = _timed_passes(engines, prompts, args.new_tokens)
     finally:
@@ -184,6 +180,16 @@ def demo(args) -> dict:
             "identical_prompts": min(results[n]["identical_prompts"] for n in lengths),
             "not_near_tie_prompts": sum(results[n]["not_near_tie_prompts"] for n in lengths),
             "by_speculate": {str(n): results[n] for n in lengths}}
+
+
+def demo_engines(lengths: list[int], kernel_backend: str | None, chain: bool = True) -> dict[int, Engine]:
+    """One demo-model engine per --speculate length; ``chain`` False: no rows chained behind verify rows
+    (``engine.router.scheduler``, the A/B of ``--no-chain``)."""
+    engines = {n: Engine(EngineConfig(model_dir=str(DEMO), max_requests=8, speculate=n, num_slots=DEMO_SLOTS,
+                                      kernel_backend=kernel_backend)) for n in lengths}
+    for engine in engines.values():
+        engine.router.scheduler.config = replace(engine.router.scheduler.config, chain_verify_rows=chain)
+    return engines
 
 
 def _timed_passes(engines: dict[int, Engine], prompts: list[list[int]], new_tokens: int):

@@ -31,6 +31,16 @@ def test_compare_prompts_tells_identical_runs_near_ties_and_real_differences():
         "identical", "near-tie at step 1", "NOT a near-tie at step 2"]
 
 
+def test_no_chain_turns_chained_rows_off_in_every_demo_engine():
+    for chain in (True, False):
+        engines = spec_bench.demo_engines([0, 4], "torch", chain=chain)
+        try:
+            assert [e.router.scheduler.config.chain_verify_rows for e in engines.values()] == [chain, chain]
+        finally:
+            for engine in engines.values():
+                engine.close()
+
+
 @pytest.mark.parametrize("no_chain", [False, True])
 def test_demo_reports_each_prompt_from_an_untimed_pass_with_top_tokens(no_chain):
     """The demo model on the CPU (float32, the torch kernels): the speculating run's tokens are plain
