@@ -1,4 +1,6 @@
 """bench.frontend_bench on the demo tokenizer: a burst against the front end alone."""
+import os
+
 import pytest
 
 from bench import frontend_bench
@@ -15,5 +17,7 @@ def test_frontend_bench_reports_the_burst(tmp_path, route):
     assert result["itl_s"]["count"] == 12 * 3 and result["itl_s"]["p50"] > 0
     assert 0 < result["validation_mean_s"] < result["wall_s"]
     assert result["frontend_cpu_s"] > 0 and result["cpu_us_per_event"] > 0
-    assert 0 <= result["event_loop_cpu_s"] <= result["frontend_cpu_s"]
+    # the kernel rounds each thread's and the process's time to clock ticks separately
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert 0 <= result["event_loop_cpu_s"] <= result["frontend_cpu_s"] + 2 * tick
     assert (tmp_path / "out.json").exists()
