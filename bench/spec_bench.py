@@ -17,8 +17,8 @@ near-tie (step k), or NOT at a near-tie (tests/gpu/greedy.py ``near_tie_problem`
 verify: B requests prefilled to --context tokens; the wall time of one ``ModelWorker.execute`` of a
 plain decode step ([FED_BACK] per row) and of a verify step (4 drafts per row), and their ratio.
 profile: the same two steps under torch.profiler, device time per kernel per step, side by side.
-host: the same two steps with the forward replaced by ready logits (a graph replay's host cost): the
-wall time of the rest of ``execute`` and the torch ops of one step; on a CPU through the eager
+host: the same two steps with the forward replaced by ready logits and hidden states (a graph replay's
+host cost): the wall time of the rest of ``execute`` and the torch ops of one step; on a CPU through the eager
 PaddedDecoder / PaddedVerifier, the code CUDA runs around its graphs.
 load: N random prompts (no repetition to find) all queued at once, output tokens/s with --speculate
 0 and 2 (drafts rarely hit: the cost of trying).
@@ -363,8 +363,10 @@ def host(args) -> dict:
         worker.decoder = PaddedDecoder(worker.model, worker.kv_cache, worker.last_tokens, max(sizes), None, False)
         worker.verifier = PaddedVerifier(worker.model, worker.kv_cache, worker.last_tokens, max(sizes), DRAFTS, False)
     ready = torch.randn(max(sizes) * (1 + DRAFTS), config.vocab_size, device=device)
-    worker.decoder._forward = lambda size: ready[:size]
-    worker.verifier._forward = lambda rows: ready[: rows * worker.verifier.width]
+    hidden = torch.randn(ready.shape[0], config.hidden_size, device=device)
+    worker.decoder._forward = lambda size: (ready[:size], hidden[:size])
+    width = worker.verifier.width
+    worker.verifier._forward = lambda rows: (ready[: rows * width], hidden[: rows * width])
     results = []
     for batch_size in sizes:
         fixture = DecodeFixture(worker, batch_size, args.context, first_id=batch_size * 100_000)

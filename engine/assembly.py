@@ -23,6 +23,7 @@ import torch
 
 from engine.models import family_for, load_model_config
 from engine.models.config import ModelConfig
+from engine.models.medusa import is_medusa_dir, open_heads, read_medusa_config
 from engine.models.parallel import TensorParallel
 from engine.ops import BACKENDS, default_backend
 from engine.router.allocator import SlotAllocator
@@ -30,6 +31,7 @@ from engine.router.router import Router
 from engine.router.scheduler import SchedulerConfig, Scheduler
 from engine.worker.kv_cache import kv_cache_dtype
 from engine.worker.model_worker import WorkerConfig, resolve_dtype
+from weights.checkpoint import MEDUSA_FILE
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class EngineConfig:
     quantize: str | None = None           # --quantize: fp8 quantizes a float checkpoint at load; gptq / awq /
                                           # compressed-tensors must match its quantization_config (read anyway)
     speculate: int = 0                    # draft tokens per verify row (engine.router.scheduler); 0: off
+    draft_heads: str | None = None        # a directory of Medusa heads for model_dir (engine.models.medusa): they
+                                          # draft instead of n-gram lookup; speculate picks the first heads
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,9 @@ class EnginePlan:
 
 def plan_engine(config: EngineConfig) -> EnginePlan:
     """Decide every engine setting once; ValueError (with what to change) on any that cannot work."""
+    if is_medusa_dir(config.model_dir):
+        raise ValueError(f"{config.model_dir} holds Medusa heads, not a model: give the model they were trained on "
+                         f"as model_dir and this directory as draft_heads (the launcher does so for --model-id)")
     model_config = load_model_config(config.model_dir, rope_scaling=config.rope_scaling, quantize=config.quantize)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     num_shards = resolve_shards(config.num_shards, device)
@@ -96,19 +103,16 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         warmup_tokens=max(config.max_prefill_tokens, config.max_requests * (1 + config.speculate)),
         cuda_graphs=config.cuda_graphs,
         watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta,
-        kv_cache_dtype=config.kv_cache_dtype, speculate=config.speculate)
+        kv_cache_dtype=config.kv_cache_dtype, speculate=config.speculate, draft_heads=config.draft_heads)
     kv_cache_dtype(config.kv_cache_dtype, worker.dtype)        # a bad name fails here, before any process
-    heads = draft_heads(config.model_dir)
-    if heads:
-        log.warning("the checkpoint carries draft heads (%s) that this engine does not load; --speculate drafts "
-                    "by n-gram lookup in each request's own tokens instead", heads)
+    check_draft_heads(config, model_config)
     attention_span, kv_weight_tokens = step_cost_model(model_config)
     scheduler = SchedulerConfig(
         max_prefill_tokens=config.max_prefill_tokens, stall_free_tokens=config.stall_free_tokens,
         attention_span=attention_span, kv_weight_tokens=kv_weight_tokens,
         waiting_served_ratio=config.waiting_served_ratio, max_waiting_steps=config.max_waiting_steps,
         max_seq_len=max_seq_len, admission=config.admission, prefix_caching=config.prefix_caching,
-        speculate=config.speculate)
+        speculate=config.speculate, draft_heads=config.draft_heads is not None)
     return EnginePlan(config, model_config, worker, scheduler, eos_token_ids(config.model_dir, model_config),
                       num_shards)
 
@@ -152,18 +156,30 @@ def resolve_shards(requested: int | None, device: torch.device) -> int:
     return shards
 
 
-MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+def check_draft_heads(config: EngineConfig, model_config: ModelConfig) -> None:
+    """Medusa heads (``draft_heads``) must fit the model and ``speculate`` (headers only, before any process);
+    heads the engine was not given are named in a warning."""
+    if config.draft_heads is None:
+        unused = unused_draft_heads(config.model_dir)
+        if unused:
+            log.warning("the checkpoint carries draft heads (%s) that this engine does not load; --speculate drafts "
+                        "by n-gram lookup in each request's own tokens instead", unused)
+        return
+    medusa = read_medusa_config(config.draft_heads)
+    if not 1 <= config.speculate <= medusa.num_heads:
+        raise ValueError(f"--speculate {config.speculate} with the {medusa.num_heads} Medusa heads of "
+                         f"{config.draft_heads}: use 1 to {medusa.num_heads} (one draft per head)")
+    open_heads(medusa, model_config)[0].close()
 
 
-def draft_heads(model_dir: str) -> str | None:
-    """What marks the checkpoint as carrying Medusa / speculator draft heads (TGI loads them: a
-    ``medusa_num_heads`` or ``speculator`` entry in config.json, or a ``medusa_lm_head`` file), or None."""
+def unused_draft_heads(model_dir: str) -> str | None:
+    """What marks a model directory as carrying draft heads it is not run with (a Medusa heads file, or
+    config.json's ``speculator``: IBM's MLP speculator, which this engine does not load), or None."""
     directory = Path(model_dir)
-    marks = [name for name in MEDUSA_FILES if (directory / name).is_file()]
+    marks = [name for name in (MEDUSA_FILE, "medusa_lm_head.pt") if (directory / name).is_file()]
     path = directory / "config.json"
     if path.is_file():
-        config = json.loads(path.read_text())
-        marks += [f"config.json {key!r}" for key in ("medusa_num_heads", "speculator") if key in config]
+        marks += [f"config.json {key!r}" for key in ("speculator",) if key in json.loads(path.read_text())]
     return ", ".join(marks) or None
 
 

@@ -112,3 +112,59 @@ def save_tiny_server_model(family: str, path: Path, seed: int = 0) -> Path:
     """A tiny checkpoint with a tokenizer: what `launcher.py --model-id` needs."""
     save_tiny_model(family, path, seed)
     return save_tiny_tokenizer(path)
+
+
+def save_medusa_heads(path: Path, base: Path, num_heads: int = 3, num_layers: int = 1, own_out: bool = True,
+                      fit_prompts: tuple[list[int], ...] = (), new_tokens: int = 20, seed: int = 0) -> Path:
+    """Medusa heads for the tiny checkpoint ``base``, saved as TGI loads them: config.json
+    (``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``) and
+    ``medusa_lm_head.safetensors``. The residual blocks are random; with ``own_out`` each head has its
+    own out projection, fitted (least squares over the blocks' outputs) where ``fit_prompts`` are given,
+    so that along those prompts' greedy continuations every head names exactly the token it drafts
+    (at most hidden_size positions per head), else random; without it the heads share the model's head."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from engine.models.medusa import residual_blocks
+
+    model = load_hf(base)
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for k in range(num_heads):
+        for j in range(num_layers):
+            tensors[f"{k}.{j}.linear.weight"] = torch.randn(hidden, hidden, generator=generator) * 0.1
+            tensors[f"{k}.{j}.linear.bias"] = torch.randn(hidden, generator=generator) * 0.1
+    if own_out:
+        states, targets = _continuation_states(model, fit_prompts, new_tokens, num_heads)
+        for k in range(num_heads):
+            out = torch.randn(vocab, hidden, generator=generator) * 0.3
+            if states:
+                x = residual_blocks(tensors, k, num_layers, torch.cat(states))
+                wanted = torch.nn.functional.one_hot(torch.tensor(targets[k]), vocab).double() * 10
+                out = (torch.linalg.pinv(x.double()) @ wanted).T.float()
+            tensors[f"{k}.{num_layers}.weight"] = out
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path / "medusa_lm_head.safetensors"))
+    config = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "base_model_name_or_path": str(base)}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _continuation_states(model, prompts, new_tokens: int, num_heads: int):
+    """(final hidden states at each position from every prompt's last token on, per head k the token at
+    position + 2 + k), along each prompt's greedy continuation; positions whose target lies past the
+    continuation are dropped for every head (so all heads share the rows)."""
+    states, targets = [], [[] for _ in range(num_heads)]
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            sequence = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0]
+            hidden = model(sequence[None], output_hidden_states=True).hidden_states[-1][0]
+        positions = range(len(prompt) - 1, len(sequence) - 1 - num_heads)
+        states.append(hidden[list(positions)])
+        for k in range(num_heads):
+            targets[k].extend(sequence[t + 2 + k].item() for t in positions)
+    return states, targets
+

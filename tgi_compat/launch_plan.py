@@ -46,12 +46,13 @@ def plan_server(config: LaunchConfig) -> ServerPlan:
     log.info("resolving the weights of %s%s", config.model_id, " (offline: the hub cache only)" if offline else "")
     model_dir = str(resolve_model(config.model_id, config.revision, config.huggingface_hub_cache, config.hf_token,
                                   offline=offline))
+    model_dir, heads_dir = _resolve_medusa(config, model_dir, offline)
     model_config = load_model_config(model_dir, rope_scaling=config.rope, quantize=config.quantize)
     log.info("checking the checkpoint in %s", model_dir)
     _check_checkpoint(model_dir, model_config)
     _check_tokenizer_config(config.tokenizer_config_path)
     limits = resolve_limits(config, model_config.max_context, None)
-    engine = plan_engine(engine_config(config, limits, model_dir))
+    engine = plan_engine(engine_config(config, limits, model_dir, heads_dir))
     _check_master_address(config.master_addr, config.master_port, engine.num_shards)
     sha, pipeline_tag = model_info(config.model_id, config.revision, config.hf_token, offline=offline)
     frontend = FrontendSpec(model_dir, config.hostname, config.port, _settings(config, limits, sha, pipeline_tag, engine),
@@ -64,7 +65,41 @@ def _offline(config: LaunchConfig) -> bool | None:
     return True if config.hf_hub_offline else None
 
 
-def engine_config(config: LaunchConfig, limits: Limits, model_dir: str) -> EngineConfig:
+def _resolve_medusa(config: LaunchConfig, model_dir: str, offline: bool | None) -> tuple[str, str | None]:
+    """(the model's directory, the Medusa heads' directory or None). A --model-id of Medusa heads (TGI's
+    way: config.json's ``medusa_num_heads`` and ``base_model_name_or_path``) serves the base model they
+    name (resolved like --model-id, at its default revision) with the heads drafting; with
+    ``--speculate 0`` the heads are not loaded."""
+    from engine.models.medusa import is_medusa_dir, read_medusa_config
+    from weights.hub import resolve_model
+
+    if not is_medusa_dir(model_dir):
+        return model_dir, None
+    medusa = read_medusa_config(model_dir)
+    if medusa.base_model is None:
+        raise ValueError(f"{config.model_id} holds Medusa heads but its config.json names no "
+                         f"base_model_name_or_path: add the id or path of the model the heads were trained on")
+    log.info("%s holds %d Medusa heads for %s: resolving the base model", config.model_id, medusa.num_heads,
+             medusa.base_model)
+    base = str(resolve_model(medusa.base_model, None, config.huggingface_hub_cache, config.hf_token, offline=offline))
+    if config.speculate == 0:
+        log.info("--speculate 0: the Medusa heads are not loaded")
+        return base, None
+    return base, model_dir
+
+
+def speculate_drafts(config: LaunchConfig, heads_dir: str | None) -> int:
+    """--speculate, or without it the Medusa heads' count (TGI's default), else 0."""
+    if config.speculate is not None:
+        return config.speculate
+    if heads_dir is not None:
+        from engine.models.medusa import read_medusa_config
+
+        return read_medusa_config(heads_dir).num_heads
+    return 0
+
+
+def engine_config(config: LaunchConfig, limits: Limits, model_dir: str, heads_dir: str | None = None) -> EngineConfig:
     """TGI's flags as the engine's settings (what the engine derives itself stays unset)."""
     watermark = {"watermark_gamma": config.watermark_gamma, "watermark_delta": config.watermark_delta}
     return EngineConfig(
@@ -77,7 +112,8 @@ def engine_config(config: LaunchConfig, limits: Limits, model_dir: str) -> Engin
         admission=config.admission, cuda_graphs=config.cuda_graphs, prefix_caching=config.prefix_caching,
         num_shards=resolve_num_shard(config, _visible_gpus()), master_addr=config.master_addr,
         master_port=config.master_port, rope_scaling=config.rope, step_timeout_s=config.step_timeout,
-        kv_cache_dtype=config.kv_cache_dtype, quantize=config.quantize, speculate=config.speculate or 0,
+        kv_cache_dtype=config.kv_cache_dtype, quantize=config.quantize,
+        speculate=speculate_drafts(config, heads_dir), draft_heads=heads_dir,
         **{k: v for k, v in watermark.items() if v is not None})
 
 

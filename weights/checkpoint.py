@@ -20,6 +20,7 @@ from tqdm import tqdm
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+MEDUSA_FILE = "medusa_lm_head.safetensors"   # draft heads beside a model (engine.models.medusa), never its weights
 _LIST_LIMIT = 10  # names shown per problem kind in check()
 
 # safetensors dtype strings -> torch dtypes.
@@ -65,7 +66,7 @@ def open_checkpoint(model_dir: str | Path) -> "Checkpoint":
         return Checkpoint(model_dir, _weight_map_from_index(index_path))
     if (model_dir / SINGLE_FILE).is_file():
         return Checkpoint(model_dir, None, files=[SINGLE_FILE])
-    files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    files = sorted(p.name for p in model_dir.glob("*.safetensors") if p.name != MEDUSA_FILE)
     if files:  # shards without an index: each file's own header says what it holds
         return Checkpoint(model_dir, None, files=files)
     if list(model_dir.glob("pytorch_model*.bin")):

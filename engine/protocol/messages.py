@@ -121,6 +121,8 @@ class RowResult:
     error: str | None = None      # a request feature failed in the worker (a grammar): the request ends with it
     following: list["RowResult"] = field(default_factory=list)   # a verify row's tokens after token_id:
                                                                   # accepted drafts but the first, then one more
+    drafts: list[int] | None = None   # draft heads' tokens for the positions after the row's last token
+                                      # (engine.models.medusa); None without heads
 
 
 @dataclass

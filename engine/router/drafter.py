@@ -1,4 +1,5 @@
-"""N-gram drafts (prompt lookup) for speculative decoding, on the router side.
+"""Drafts for speculative decoding, on the router side: n-gram lookup (``NgramDrafter``) or the
+tokens the shard's Medusa heads proposed (``HeadDrafter``).
 
 A request's next tokens often repeat its own earlier ones (code edits, extraction, chat that
 quotes its input). ``NgramDrafter`` proposes the tokens that followed an earlier occurrence of
@@ -86,6 +87,42 @@ class NgramDrafter:
         if start >= len(self.tokens) or self.tokens[self.target :] != self.tokens[self.source : start]:
             return None
         return start
+
+
+class HeadDrafter:
+    """The drafts of the shard's Medusa heads (``engine.models.medusa``), with ``NgramDrafter``'s interface.
+
+    Every sampled row's result brings the heads' tokens for the positions after its last token
+    (``receive``, once the result's tokens are in). They stay the request's drafts until the next
+    result: known tokens since must equal the drafts they overtook, and ``ahead`` unknown tokens
+    (a row in flight) take the drafts' places as the drafter's guess, so behind one plain row the
+    proposal is the drafts after the first.
+    """
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.drafts: list[int] = []
+        self.base = 0                      # len(tokens) when the drafts came: drafts[i] is for tokens[base + i]
+        self.streak = 0
+
+    def extend(self, tokens: list[int], score: bool = False) -> None:
+        for token in tokens:
+            if score:
+                self.streak = self.streak + 1 if self.foresee() == token else 0
+            self.tokens.append(token)
+
+    def receive(self, drafts: list[int]) -> None:
+        self.drafts, self.base = list(drafts), len(self.tokens)
+
+    def propose(self, max_drafts: int, ahead: int = 0) -> list[int]:
+        since = len(self.tokens) - self.base
+        if max_drafts <= 0 or self.tokens[self.base :] != self.drafts[:since]:
+            return []
+        return self.drafts[since + ahead : since + ahead + max_drafts]
+
+    def foresee(self) -> int | None:
+        drafts = self.propose(1)
+        return drafts[0] if drafts else None
 
 
 def latest_match(follow: list[dict[tuple[int, ...], int]], tokens: list[int], max_ngram: int) -> int | None:

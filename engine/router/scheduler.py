@@ -47,7 +47,8 @@ Prefix cache (``engine.router.prefix_cache``, on unless ``prefix_caching=False``
 
 Speculation (``speculate`` > 0, TGI's ``--speculate``): every request (``speculates``) decodes
 through verify rows ``[FED_BACK, d1 .. dn]``, whose drafts ``d`` come
-from ``engine.router.drafter`` (prompt lookup in the request's own tokens); the shard returns
+from ``engine.router.drafter`` (prompt lookup in the request's own tokens, or with ``draft_heads``
+the tokens the shard's Medusa heads proposed with the request's newest result); the shard returns
 the accepted drafts plus one corrected or bonus token, each through the stop criteria here in
 order (never a token past ``max_new_tokens``: n <= remaining - 1). A verify row's result decides
 the next row's position (1 to n + 1 tokens come back), so a request is not planned while a verify
@@ -94,7 +95,7 @@ from dataclasses import dataclass, field
 
 from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, StepResult, StepRow
 from engine.router.allocator import SlotAllocator
-from engine.router.drafter import NgramDrafter
+from engine.router.drafter import HeadDrafter, NgramDrafter
 from engine.router.prefix_cache import Match, PrefixCache, TreeNode, common_prefix_length
 from engine.router.shared_prefix import SharedPrefixes
 
@@ -127,6 +128,7 @@ class SchedulerConfig:
     max_draft_pause: int = MAX_DRAFT_PAUSE   # plain rows at most between draft attempts after misses; 0: none
     verify_step_cost: float = VERIFY_STEP_COST   # a verify step's extra cost per row (module docstring); 0: no gate
     chain_verify_rows: bool = True       # rows chained behind verify rows where a step would be empty (docstring)
+    draft_heads: bool = False            # drafts come from the shard's Medusa heads (``RowResult.drafts``), not n-grams
 
     def __post_init__(self):
         if self.admission not in ADMISSION_RULES:
@@ -160,7 +162,7 @@ class Request:
     cached_prefix: int = 0             # prompt tokens taken from the prefix cache at admission
     cached_len: int = 0                # leading tokens whose slots lie on the lock path (in the tree)
     lock_node: TreeNode | None = None  # the prefix cache node this request locks (with its ancestors)
-    drafter: NgramDrafter | None = None  # set when the request speculates (its known tokens indexed)
+    drafter: NgramDrafter | HeadDrafter | None = None  # set when the request speculates (its known tokens in)
     draft_misses: int = 0              # verify rows in a row that had nothing accepted
     draft_pause: int = 0               # plain decode rows to plan before drafting again
     draft_gain: float = PRIOR_DRAFT_GAIN  # accepted drafts per verify row it has been getting (module docstring)
@@ -261,7 +263,7 @@ class Scheduler:
             raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_new_tokens ({request.max_new_tokens}) = "
                              f"{total} exceeds the limit of {min(self.config.max_seq_len, self.allocator.num_slots)}")
         if self.config.speculate:
-            request.drafter = NgramDrafter()
+            request.drafter = HeadDrafter() if self.config.draft_heads else NgramDrafter()
             request.drafter.extend(request.prompt_ids)
         self.waiting.append(request)
 
@@ -557,6 +559,8 @@ class Scheduler:
         if request.speculates:
             request.drafter.extend(request.generated[len(request.drafter.tokens) - len(request.prompt_ids) :],
                                    score=True)
+            if res.drafts is not None:
+                request.drafter.receive(res.drafts)  # the shard's draft heads, for the positions after them
             if request.drafter.streak >= RESUME_STREAK:
                 request.draft_pause = 0             # the drafter foresaw the newest tokens: draft again
                 request.draft_gain = max(request.draft_gain, PRIOR_DRAFT_GAIN)

@@ -21,8 +21,8 @@ own graphs (``PaddedVerifier``): every row padded to ``1 + drafts`` tokens
 (``forward_batch.verify_layout``), attended by the prefill kernel (causal within each row).
 
 Padding rows read and write only the dummy slot, so they never touch a request's KV.
-Each bucket's forward and logits are captured once; ``run`` copies the inputs, writes
-the new table entries and replays. With graphs off the same padded forward runs
+Each bucket's forward, logits and final hidden states (draft heads read them) are captured
+once; ``run`` copies the inputs, writes the new table entries and replays. With graphs off the same padded forward runs
 eagerly, so eager and graph decoding compute exactly the same numbers.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ class PaddedDecoder:
         self.inputs = torch.empty((INPUT_ROWS, size), dtype=torch.int64, device=device)
         self.q_start = torch.arange(size, dtype=torch.int32, device=device)
         self.q_len = torch.ones(size, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         if use_graphs:
             self._capture_all()
 
@@ -68,8 +68,8 @@ class PaddedDecoder:
         return len(step.rows) <= self.buckets[-1] and all(
             len(r.input_ids) == 1 and r.logprob_targets is None for r in step.rows)
 
-    def run(self, step: Step) -> torch.Tensor:
-        """float32 logits [len(step.rows), vocab] of a decode step."""
+    def run(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits [len(step.rows), vocab] of a decode step, and the final hidden states."""
         count = len(step.rows)
         size = next(b for b in self.buckets if b >= count)
         self.turn ^= 1
@@ -81,11 +81,11 @@ class PaddedDecoder:
             self.copied[self.turn].record()
         self.kv_cache.write_table(self.inputs[3, :count], self.inputs[1, :count], self.inputs[2, :count])
         if size in self.graphs:
-            graph, logits = self.graphs[size]
+            graph, (logits, hidden) = self.graphs[size]
             graph.replay()
         else:
-            logits = self._forward(size)
-        return logits[:count]
+            logits, hidden = self._forward(size)
+        return logits[:count], hidden[:count]
 
     @property
     def host(self) -> torch.Tensor:
@@ -122,7 +122,8 @@ class PaddedDecoder:
             shared_prefix=(x[5, :size].to(torch.int32), x[6, :2].to(torch.int32))
             if size >= SHARED_PREFIX_MIN_ROWS else None,
         )
-        return self.model.compute_logits(self.model.forward(batch, self.kv_cache))
+        hidden = self.model.forward(batch, self.kv_cache)
+        return self.model.compute_logits(hidden), hidden
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -150,7 +151,7 @@ class PaddedVerifier:
         self.host = torch.empty((5, size), dtype=torch.int64, pin_memory=on_gpu)
         self.copied = torch.cuda.Event() if on_gpu else None
         self.inputs = torch.empty((5, size), dtype=torch.int64, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         if use_graphs:
             self._capture_all()
 
@@ -161,8 +162,8 @@ class PaddedVerifier:
             (len(r.input_ids) == 1 or r.input_ids[0] == FED_BACK) and len(r.input_ids) <= self.width
             and r.logprob_targets is None and r.start_pos + self.width <= limit for r in step.rows)
 
-    def run(self, step: Step) -> torch.Tensor:
-        """float32 logits [the step's tokens, vocab], row after row."""
+    def run(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits [the step's tokens, vocab], row after row, and the final hidden states."""
         rows = next(b for b in self.buckets if b >= len(step.rows))
         layout = verify_layout(step.rows, rows, self.width, self.kv_cache.max_requests, self.kv_cache.num_slots)
         tokens = rows * self.width
@@ -176,21 +177,23 @@ class PaddedVerifier:
             self.copied.record()
         self.kv_cache.write_table(self.inputs[3, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens])
         if rows in self.graphs:
-            graph, logits = self.graphs[rows]
+            graph, (logits, hidden) = self.graphs[rows]
             graph.replay()
         else:
-            logits = self._forward(rows)
+            logits, hidden = self._forward(rows)
         real = layout.real
         if real[-1] == len(real) - 1:     # no padding before the last real token: a view, no index copy
-            return logits[: len(real)]
-        return logits[to_device(real, torch.int64, logits.device)]
+            return logits[: len(real)], hidden[: len(real)]
+        index = to_device(real, torch.int64, logits.device)
+        return logits[index], hidden[index]
 
     def _forward(self, rows: int) -> torch.Tensor:
         x, tokens = self.inputs, rows * self.width
         token_rows = x[3, :tokens]
         input_ids = torch.where(x[0, :tokens] == FED_BACK, self.last_tokens[token_rows], x[0, :tokens])
         batch = verify_batch(input_ids, x[1, :tokens], x[2, :tokens], x[4, :rows], x[4, rows : 2 * rows], self.width)
-        return self.model.compute_logits(self.model.forward(batch, self.kv_cache))
+        hidden = self.model.forward(batch, self.kv_cache)
+        return self.model.compute_logits(hidden), hidden
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -206,8 +209,8 @@ class PaddedVerifier:
                                                                   torch.tensor(layout.seq_len))
 
 
-def capture_graphs(buckets: list[int], dummy_inputs, forward) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
-    """One CUDA graph of ``forward(size)`` per bucket, with its output: the largest first (the smaller graphs
+def capture_graphs(buckets: list[int], dummy_inputs, forward) -> dict[int, tuple[torch.cuda.CUDAGraph, tuple]]:
+    """One CUDA graph of ``forward(size)`` per bucket, with its outputs (logits, hidden states): the largest first (the smaller graphs
     reuse its memory pool), each run once outside the capture on ``dummy_inputs(size)`` (compile, warm up)."""
     graphs, pool = {}, None
     for size in reversed(buckets):
@@ -216,8 +219,8 @@ def capture_graphs(buckets: list[int], dummy_inputs, forward) -> dict[int, tuple
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = forward(size)
+            outputs = forward(size)
         pool = graph.pool()
-        graphs[size] = (graph, logits)
+        graphs[size] = (graph, outputs)
     torch.cuda.synchronize()
     return graphs

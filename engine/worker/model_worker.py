@@ -20,6 +20,11 @@ verify row's tokens are on the host: if it kept fewer, the chained row stands on
 positions and is void. It is not sampled (no state, penalty count, grammar or seed moves), its
 ``last_tokens`` entry keeps the verify row's last kept token, and its result carries no token;
 the router, which sees the same verify result first, has already dropped its slots.
+
+With Medusa heads (``WorkerConfig.draft_heads``, ``engine.models.medusa``) every sampled row's
+result also carries the heads' drafts for the positions after its last kept token: the heads read
+the final hidden state at the position whose logits chose that token (a verify row's
+``_last_kept``), on every rank (their out projections are split like the model's head).
 """
 from __future__ import annotations
 
@@ -30,13 +35,14 @@ import torch
 
 from engine.models import build_model, load_model_config
 from engine.models.config import ModelConfig
+from engine.models.medusa import DraftHeads, read_medusa_config
 from engine.models.parallel import TensorParallel
 from engine.ops import KernelOps, default_backend
 from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, StepResult, StepRow
 from engine.sampling.grammar import GrammarCompiler, GrammarMatcher
 from engine.sampling.sampler import RowSampling, Sampler
 from engine.sampling.watermark import WatermarkConfig
-from engine.transfer import to_device
+from engine.transfer import start_to_host, to_device
 from engine.worker.cuda_graphs import PaddedDecoder, PaddedVerifier
 from engine.worker.forward_batch import SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs
 from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
@@ -88,6 +94,8 @@ class WorkerConfig:
     watermark_delta: float = 2.0
     kv_cache_dtype: str | None = None     # --kv-cache-dtype: int8 | fp8_e4m3fn | fp8_e5m2; None: ``dtype``
     speculate: int = 0                    # --speculate: drafts per verify row (the warm-up runs such a step)
+    draft_heads: str | None = None        # a directory of Medusa heads (engine.models.medusa): the first
+                                          # ``speculate`` heads draft after every sampled row
 
 
 def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -123,6 +131,7 @@ class ModelWorker:
             self.model.load_weights(checkpoint)
             fp8 = self.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
             self.kv_tensor_scales = read_kv_scales(checkpoint, self.model_config.num_layers) if fp8 else None
+        self.draft_heads = self._load_draft_heads()
         self.sampler = self._new_sampler()
         self._sampling: dict[int, RowSampling] = {}
         self.kv_cache: KVCache | None = None
@@ -148,6 +157,17 @@ class ModelWorker:
                                                config.speculate, use_graphs=capture)
         if self.sampler.grammars is not None:
             self.sampler.grammars.wait_loaded()    # loaded beside the weights: ready before the first request
+
+    def _load_draft_heads(self) -> DraftHeads | None:
+        cfg = self.config
+        if cfg.draft_heads is None:
+            return None
+        medusa = read_medusa_config(cfg.draft_heads)
+        heads = DraftHeads.load(medusa, self.model_config, self.model, cfg.speculate, cfg.dtype, cfg.device, self.tp)
+        log.info("Medusa heads: the first %d of %d from %s (%d residual blocks each, %s) draft after every sampled row",
+                 heads.count, medusa.num_heads, medusa.directory, medusa.num_layers,
+                 "the model's own head" if heads.outs is None else "their own out projections")
+        return heads
 
     def _new_sampler(self) -> Sampler:
         """Rank 0 samples: it alone holds the grammar engine (its tokenizer loads on first use)."""
@@ -275,16 +295,16 @@ class ModelWorker:
         results = [RowResult(r.request_id) for r in step.rows]
         self._map_cached_prefixes(step)            # before either path's forward reads the table
         if self.decoder is not None and self.decoder.accepts(step):
-            sampled, logits = self._decode_with_graphs(step, self.decoder)
+            sampled, logits, hidden = self._decode_with_graphs(step, self.decoder)
         elif self.verifier is not None and self.verifier.accepts(step):
-            sampled, logits = self._decode_with_graphs(step, self.verifier)
+            sampled, logits, hidden = self._decode_with_graphs(step, self.verifier)
         else:
-            sampled, logits = self._forward(step, results)
+            sampled, logits, hidden = self._forward(step, results)
         self._finish_previous()
         self._track_rows(step)
         if not sampled:
             return LaunchedStep.done(StepResult(results))
-        return self._launch_sampling(step, sampled, logits, results)
+        return self._launch_sampling(step, sampled, logits, hidden, results)
 
     def _finish_previous(self) -> None:
         if self._unfinished is not None:
@@ -313,8 +333,9 @@ class ModelWorker:
             state.grammar = grammars.matcher(row.params.grammar_type, row.params.grammar)
         return state
 
-    def _forward(self, step: Step, results: list[RowResult]) -> tuple[list[int], torch.Tensor | None]:
-        """The eager forward of any step: (indices of the sampled rows, their logits)."""
+    def _forward(self, step: Step, results: list[RowResult]):
+        """The eager forward of any step: (indices of the sampled rows, their logits, the final hidden
+        states at the same positions)."""
         batch = self._forward_batch(step)
         hidden = self.model.forward(batch, self.kv_cache)
         offsets, offset = [], 0
@@ -324,13 +345,14 @@ class ModelWorker:
         self._prompt_logprobs(step, hidden, offsets, results)
         sampled = [i for i, r in enumerate(step.rows) if r.sample]
         if not sampled:
-            return sampled, None
+            return sampled, None, None
         positions = []
         for i in sampled:
             end = offsets[i] + len(step.rows[i].input_ids)
             positions.extend(range(end - logit_positions(step.rows[i]), end))
         index = to_device(positions, torch.int64, self.device)
-        return sampled, self.model.compute_logits(hidden[index])     # a collective: every rank computes
+        hidden = hidden[index]
+        return sampled, self.model.compute_logits(hidden), hidden     # a collective: every rank computes
 
     def _forward_batch(self, step: Step) -> ForwardBatch:
         ids, positions, slots, token_rows, q_start, q_len, seq_len = [], [], [], [], [], [], []
@@ -364,11 +386,12 @@ class ModelWorker:
             max_q_len=max(q_len), is_decode=is_decode, shared_prefix=shared, max_seq_len=max(seq_len),
         )
 
-    def _decode_with_graphs(self, step: Step, graphs) -> tuple[list[int], torch.Tensor]:
+    def _decode_with_graphs(self, step: Step, graphs):
         """Decode rows through the CUDA graphs (``graphs``: the decoder, or the verifier when rows
-        carry drafts): (the rows that sample, their logits: every token's of a verify row). A row may
-        be a one-token prompt chunk (a prompt the prefix cache held but for its last token)."""
-        logits = graphs.run(step)
+        carry drafts): (the rows that sample, their logits: every token's of a verify row, the hidden
+        states there). A row may be a one-token prompt chunk (a prompt the prefix cache held but for
+        its last token)."""
+        logits, hidden = graphs.run(step)
         sampled = [i for i, r in enumerate(step.rows) if r.sample]
         if len(sampled) < len(step.rows):
             offsets, positions = [0], []
@@ -376,8 +399,9 @@ class ModelWorker:
                 offsets.append(offsets[-1] + len(r.input_ids))
             for i in sampled:
                 positions.extend(range(offsets[i], offsets[i + 1]))
-            logits = logits[to_device(positions, torch.int64, self.device)]
-        return sampled, logits
+            index = to_device(positions, torch.int64, self.device)
+            logits, hidden = logits[index], hidden[index]
+        return sampled, logits, hidden
 
     def _map_cached_prefixes(self, step: Step) -> None:
         """req_to_token[row, 0:k] = the cached prefix slots a request's first row brings (prefix cache).
@@ -407,10 +431,11 @@ class ModelWorker:
             self.kv_cache.write_table(to_device(table_rows, torch.int64, dev), to_device(positions, torch.int64, dev),
                                       to_device(slots, torch.int64, dev))
 
-    def _launch_sampling(self, step: Step, sampled: list[int], logits, results: list[RowResult]) -> "LaunchedStep":
+    def _launch_sampling(self, step: Step, sampled: list[int], logits, hidden, results: list[RowResult]) -> "LaunchedStep":
         """Rank 0 samples and broadcasts the tokens; every rank feeds them back into ``last_tokens``.
         Void chained rows (module docstring) are left out of rank 0's sampling: their broadcast tokens
-        are ``VOID`` and leave ``last_tokens`` as it was."""
+        are ``VOID`` and leave ``last_tokens`` as it was. With draft heads, every rank runs them on the
+        hidden state where each row's last kept token was chosen (``draft_heads``)."""
         rows = [step.rows[i] for i in sampled]
         chained = any(r.chained for r in rows)
         live = self._live_rows(rows) if chained and self.tp.rank == 0 else list(range(len(rows)))
@@ -419,14 +444,16 @@ class ModelWorker:
         sample, tokens = self._sample_tokens(logits, rows, live, states)
         if self.tp.world_size > 1:
             torch.distributed.broadcast(tokens, src=0)
-        kept = tokens if logits.shape[0] == len(rows) else tokens[self._last_kept(rows, tokens)]
+        kept_at = None if logits.shape[0] == len(rows) else self._last_kept(rows, tokens)
+        kept = tokens if kept_at is None else tokens[kept_at]
         rows_t = to_device([r.row for r in rows], torch.int64, self.device)
         if chained:
             kept = torch.where(kept == VOID, self.last_tokens[rows_t], kept)
         self.last_tokens.index_copy_(0, rows_t, kept)
+        drafts = self._draft_heads(hidden, kept_at)
         if sample is None:
             return LaunchedStep.done(StepResult(results))      # only rank 0 replies (or nothing was live)
-        host = sample.start_copy()
+        host, drafts_host = sample.start_copy(), start_to_host(drafts)
         event = torch.cuda.Event() if self.device.type == "cuda" else None
         if event is not None:
             event.record()
@@ -435,6 +462,10 @@ class ModelWorker:
             if event is not None:
                 event.synchronize()
             self._record_tokens(live_sampled, live_rows, host.output(), states, results, self.sampler.penalties)
+            if drafts_host is not None:
+                draft_lists = drafts_host.tolist()
+                for j in live:
+                    results[sampled[j]].drafts = draft_lists[j]
             self._kept_all = {r.request_id: results[i].error is None
                               and len(results[i].following) == logit_positions(r) - 1
                               for r, i in zip(live_rows, live_sampled)}
@@ -459,6 +490,13 @@ class ModelWorker:
         sample = self._sample_positions(logits[index], [rows[j] for j in live], states)
         tokens.index_copy_(0, index, sample.token_ids)
         return sample, tokens
+
+    def _draft_heads(self, hidden: torch.Tensor, kept_at: torch.Tensor | None) -> torch.Tensor | None:
+        """[rows, heads] drafts for the positions after each sampled row's last kept token: the heads read
+        the hidden state whose logits chose that token (``kept_at``: its logit position; None: one per row)."""
+        if self.draft_heads is None:
+            return None
+        return self.draft_heads(self.ops, hidden if kept_at is None else hidden[kept_at])
 
     def _live_rows(self, rows: list[StepRow]) -> list[int]:
         """Indices of the rows to sample: all but the chained rows whose verify row (in the step collected

@@ -1,5 +1,6 @@
 """--speculate through the HTTP API: the demo model served with speculation answers /generate with
-the tokens, logprobs and details of the server without it, and /metrics counts the drafts."""
+the tokens, logprobs and details of the server without it, and /metrics counts the drafts; a Medusa
+--model-id serves its base model with the heads drafting."""
 from __future__ import annotations
 
 import inspect
@@ -7,9 +8,12 @@ import re
 import textwrap
 
 import requests
+from transformers import AutoTokenizer
 
 from tests.e2e.conftest import make_settings, serve
 from tests.e2e.demo_server import DEMO, DEMO_MODEL_ID, demo_tokenizer, serve_demo
+from tests.e2e.server import assert_server_greedy_equals, running
+from tests.tiny_models import load_hf, save_medusa_heads, save_tiny_server_model
 
 
 def _speculating_app():
@@ -74,3 +78,20 @@ def test_speculating_server_answers_like_the_plain_one_and_counts_drafts():
     accepted = float(re.search(r"^tgi_speculation_accepted_tokens (\S+)$", metrics, re.M).group(1))
     speculated = float(re.search(r"^tgi_request_speculated_tokens (\S+)$", metrics, re.M).group(1))
     assert drafted >= accepted == speculated > 0
+
+
+def test_a_medusa_model_id_serves_its_base_model_with_the_heads_drafting(tmp_path):
+    """TGI's Medusa command line: --model-id names the heads, the launcher serves the base model their
+    config names, with --speculate at the heads' count. Greedy answers equal transformers' on the base
+    model, and the heads (fitted to one prompt's continuation) get drafts accepted."""
+    base = save_tiny_server_model("llama", tmp_path / "base")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    prompt = "hello world, hello there! def main(): return 0"
+    heads = save_medusa_heads(tmp_path / "heads", base, num_heads=3, fit_prompts=(tokenizer(prompt)["input_ids"],),
+                              new_tokens=16)
+    with running(heads) as server:
+        assert_server_greedy_equals(server.url, tokenizer, load_hf(base), [prompt, "the lazy dog"], 16, "medusa")
+        drafted, accepted = _speculation_counters(server.url)
+        log = server.output()
+    assert drafted >= accepted > 0
+    assert "3 Medusa heads" in log

@@ -337,7 +337,7 @@ def test_the_verify_graphs_padded_layout_gives_the_eager_logits(tiny_models, bac
         verify.append(StepRow(request_id=i, row=i, start_pos=len(p), input_ids=[FED_BACK, *drafts],
                               slots=list(range(slot, slot + 1 + len(drafts))), sample=True))
         slot += 1 + len(drafts)
-    _, eager = worker._forward(Step(rows=verify), [RowResult(r.request_id) for r in verify])
+    _, eager, eager_hidden = worker._forward(Step(rows=verify), [RowResult(r.request_id) for r in verify])
     cache = worker.kv_cache
     layout = verify_layout(verify, rows=4, width=4, dummy_row=cache.max_requests, dummy_slot=cache.num_slots)
     assert layout.real == [0, 1, 2, 3, 4, 8, 9, 10] and layout.req_rows == [0, 1, 2, cache.max_requests]
@@ -351,7 +351,9 @@ def test_the_verify_graphs_padded_layout_gives_the_eager_logits(tiny_models, bac
     torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
     verifier = PaddedVerifier(worker.model, cache, worker.last_tokens, max_requests=6, drafts=3, use_graphs=False)
     assert verifier.buckets == [1, 2, 4, 6] and verifier.accepts(Step(rows=verify))
-    torch.testing.assert_close(verifier.run(Step(rows=verify)), eager, atol=1e-4, rtol=1e-4)   # eager on a CPU
+    logits, hidden = verifier.run(Step(rows=verify))                                # eager on a CPU
+    torch.testing.assert_close(logits, eager, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hidden, eager_hidden, atol=1e-4, rtol=1e-4)
     too_many = replace(verify[0], input_ids=[FED_BACK] + [1] * 4, slots=list(range(5)))
     assert not verifier.accepts(Step(rows=[too_many]))
 
@@ -377,26 +379,6 @@ def test_the_warm_up_runs_a_verify_step_after_its_prompts(tiny_models):
     worker.execute(Step(rows=[], released=[r.request_id for r in prompts]))
     worker.config = replace_config(worker.config, speculate=0)
     assert worker._warmup_verify_rows(prompts, next_slot=20) == []
-
-
-def test_draft_heads_in_a_checkpoint_are_named_in_a_warning(tiny_models, tmp_path, caplog):
-    """Medusa heads (TGI loads them) are not: the plan says so and speculation drafts by n-gram."""
-    import json
-    import logging
-    import shutil
-
-    from engine.assembly import draft_heads, plan_engine
-
-    assert draft_heads(str(tiny_models["llama"])) is None
-    model = tmp_path / "medusa"
-    shutil.copytree(tiny_models["llama"], model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "medusa_num_heads": 4}))
-    (model / "medusa_lm_head.safetensors").write_bytes(b"")
-    assert draft_heads(str(model)) == "medusa_lm_head.safetensors, config.json 'medusa_num_heads'"
-    with caplog.at_level(logging.WARNING, logger="engine.assembly"):
-        plan = plan_engine(EngineConfig(model_dir=str(model), device="cpu", speculate=2))
-    assert plan.scheduler.speculate == 2 and "does not load" in caplog.text and "medusa_lm_head" in caplog.text
 
 
 def test_two_shards_verify_like_one(tiny_models):
