@@ -10,8 +10,9 @@
 
 demo: the bundled demo model, one request at a time, on prompts that quote their input ("the same
 function, renamed": real standard-library sources read with inspect.getsource, then the first line
-of the renamed copy); output tokens/s of the decode phase with --speculate 0 and 4, their ratio and
-the acceptance rate (accepted / drafted tokens); then, untimed, each engine runs the prompts again
+of the renamed copy; ``--task write``: only the function's signature and docstring); output tokens/s
+of the decode phase with --speculate 0 and 4, their ratio, the tokens per forward step and the
+acceptance rate (accepted / drafted tokens), drafted by n-gram lookup or by ``--draft-heads``; then, untimed, each engine runs the prompts again
 asking for the top 5 tokens of every step, and each prompt is reported identical, parting at a
 near-tie (step k), or NOT at a near-tie (tests/gpu/greedy.py ``near_tie_problem``).
 verify: B requests prefilled to --context tokens; the wall time of one ``ModelWorker.execute`` of a
@@ -79,19 +80,36 @@ def rename_prompt(tokenizer, function) -> list[int]:
         "input_ids"]
 
 
+def write_prompt(tokenizer, function) -> list[int]:
+    """A function's first lines up to the end of its docstring: the model writes a body it has not seen
+    in the prompt (little for n-gram lookup to copy)."""
+    lines = inspect.getsource(function).splitlines()
+    quotes = [i for i, line in enumerate(lines) if '"""' in line or "'''" in line]
+    end = quotes[1] if len(quotes) > 1 and lines[quotes[0]].count('"""') + lines[quotes[0]].count("'''") < 2 \
+        else (quotes[0] if quotes else 0)
+    return tokenizer("\n".join(lines[: end + 1]) + "\n")["input_ids"]
+
+
+PROMPT_TASKS = {"rename": rename_prompt, "write": write_prompt}
+
+
 def decode_tokens_per_s(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
-    """One request at a time: tokens after the first over the time from the first to the last."""
-    tokens, seconds, outputs = 0, 0.0, []
+    """One request at a time: tokens after the first over the time from the first to the last (the
+    engine's ``decode_steps`` attribute: the steps that took them)."""
+    tokens, seconds, outputs, steps = 0, 0.0, [], 0
     for i, prompt in enumerate(prompts):
         engine.add_request(GenerationRequest(i, prompt, new_tokens, SamplingParams(), stop_token_ids=[]))
         stamps, out = [], []
         while engine.has_work():
-            for event in engine.step():
+            events = engine.step()
+            steps += bool(stamps)                  # the steps after the first token's
+            for event in events:
                 stamps.append(time.perf_counter())
                 out.append(event.token_id)
         tokens += len(stamps) - 1
         seconds += stamps[-1] - stamps[0]
         outputs.append(out)
+    engine.decode_steps = steps
     return tokens / seconds, outputs
 
 
@@ -144,10 +162,11 @@ def demo(args) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO)
-    prompts = [rename_prompt(tokenizer, f) for f in stdlib_functions()][: getattr(args, "prompts", None)]
+    task = getattr(args, "task", None) or "rename"
+    prompts = [PROMPT_TASKS[task](tokenizer, f) for f in stdlib_functions()][: getattr(args, "prompts", None)]
     lengths = [int(n) for n in str(getattr(args, "speculate", None) or "4").split(",")]
     engines = demo_engines([0, *lengths], getattr(args, "kernel_backend", None),
-                           chain=not getattr(args, "no_chain", False))
+                           chain=not getattr(args, "no_chain", False), draft_heads=getattr(args, "draft_heads", None))
     try:
         results, outputs, tops = _timed_passes(engines, prompts, args.new_tokens)
     finally:
@@ -163,9 +182,10 @@ def demo(args) -> dict:
         r["identical_prompts"] = r["prompts"].count("identical")
         r["not_near_tie_prompts"] = sum(v.startswith("NOT") for v in r["prompts"])
         ties = [v.removeprefix("near-tie at step ") for v in r["prompts"] if v.startswith("near-tie")]
-        print(f"demo batch 1 ({len(prompts)} rename prompts x {args.new_tokens} tokens): speculate 0 "
+        print(f"demo batch 1 ({len(prompts)} {task} prompts x {args.new_tokens} tokens): speculate 0 "
               f"{results[0]['tokens_per_s']} tokens/s, speculate {speculate} {r['tokens_per_s']} "
-              f"tokens/s, speed-up {r['speedup']}x, acceptance {r['acceptance_rate']}, identical "
+              f"tokens/s, speed-up {r['speedup']}x, {r['tokens_per_step']} tokens per step, acceptance "
+              f"{r['acceptance_rate']}, identical "
               f"{r['outputs_identical']}: {r['identical_prompts']}/{len(prompts)} prompts identical, "
               f"{len(ties)} part at a near-tie (steps {', '.join(ties) or '-'}), {r['not_near_tie_prompts']} "
               f"NOT at a near-tie")
@@ -182,11 +202,14 @@ def demo(args) -> dict:
             "by_speculate": {str(n): results[n] for n in lengths}}
 
 
-def demo_engines(lengths: list[int], kernel_backend: str | None, chain: bool = True) -> dict[int, Engine]:
+def demo_engines(lengths: list[int], kernel_backend: str | None, chain: bool = True,
+                 draft_heads: str | None = None) -> dict[int, Engine]:
     """One demo-model engine per --speculate length; ``chain`` False: no rows chained behind verify rows
-    (``engine.router.scheduler``, the A/B of ``--no-chain``)."""
+    (``engine.router.scheduler``, the A/B of ``--no-chain``); ``draft_heads``: the speculating engines
+    draft with these Medusa heads."""
     engines = {n: Engine(EngineConfig(model_dir=str(DEMO), max_requests=8, speculate=n, num_slots=DEMO_SLOTS,
-                                      kernel_backend=kernel_backend)) for n in lengths}
+                                      kernel_backend=kernel_backend, draft_heads=draft_heads if n else None))
+               for n in lengths}
     for engine in engines.values():
         engine.router.scheduler.config = replace(engine.router.scheduler.config, chain_verify_rows=chain)
     return engines
@@ -197,7 +220,7 @@ def _timed_passes(engines: dict[int, Engine], prompts: list[list[int]], new_toke
     (the host's slow spells hit every engine), then an untimed pass asking for the top tokens. Per engine:
     (the best pass's tokens/s, every timed pass and the last one's draft counts; the last pass's outputs;
     its top-token runs)."""
-    results, outputs, tops = {}, {}, {}
+    results, outputs, tops, tokens_per_step = {}, {}, {}, {}
     rates = {n: [] for n in engines}
     for _ in range(1 + DEMO_PASSES):
         for n, engine in engines.items():
@@ -205,10 +228,12 @@ def _timed_passes(engines: dict[int, Engine], prompts: list[list[int]], new_toke
             engine.router.scheduler.speculation.accepted_tokens = 0
             rate, outputs[n] = decode_tokens_per_s(engine, prompts, new_tokens)
             rates[n].append(round(rate, 1))
+            tokens_per_step[n] = round(sum(len(out) - 1 for out in outputs[n]) / max(engine.decode_steps, 1), 3)
     for n, engine in engines.items():
         print(f"speculate {n}: tokens/s of the warm-up pass and the timed passes {rates[n]}")
         stats = engine.router.scheduler.speculation
-        results[n] = {"tokens_per_s": max(rates[n][1:]), "passes": rates[n][1:], "drafted": stats.drafted_tokens,
+        results[n] = {"tokens_per_s": max(rates[n][1:]), "passes": rates[n][1:], "tokens_per_step": tokens_per_step[n],
+                      "drafted": stats.drafted_tokens,
                       "accepted": stats.accepted_tokens,
                       "acceptance_rate": round(stats.accepted_tokens / max(stats.drafted_tokens, 1), 3)}
         tops[n] = top_tokens_pass(engine, prompts, new_tokens)
@@ -618,6 +643,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompts", type=int, help="demo, batch: only the first N rename prompts (a smoke run)")
     parser.add_argument("--no-chain", action="store_true", help="demo: no rows chained behind verify rows "
                                                                 "(engine.router.scheduler), to compare")
+    parser.add_argument("--task", choices=sorted(PROMPT_TASKS), default="rename",
+                        help="demo: rename (the function quoted, then its renamed copy) or write (its signature and "
+                             "docstring only: a body to write)")
+    parser.add_argument("--draft-heads", help="demo: the speculating engines draft with these Medusa heads "
+                                              "(e.g. weights/demo/medusa) instead of n-gram lookup")
     parser.add_argument("--references", help="steps: cache of the greedy outputs (computed when missing)")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.assembly import EngineConfig, EnginePlan, plan_engine
 from engine.processes import LogSetup, spawn_context, spawn_router, spawn_shards
@@ -81,7 +82,9 @@ def _resolve_medusa(config: LaunchConfig, model_dir: str, offline: bool | None) 
                          f"base_model_name_or_path: add the id or path of the model the heads were trained on")
     log.info("%s holds %d Medusa heads for %s: resolving the base model", config.model_id, medusa.num_heads,
              medusa.base_model)
-    base = str(resolve_model(medusa.base_model, None, config.huggingface_hub_cache, config.hf_token, offline=offline))
+    beside = Path(model_dir) / medusa.base_model        # a relative path: beside the heads first (weights/demo/medusa)
+    where = str(beside) if not Path(medusa.base_model).is_absolute() and beside.is_dir() else medusa.base_model
+    base = str(resolve_model(where, None, config.huggingface_hub_cache, config.hf_token, offline=offline))
     if config.speculate == 0:
         log.info("--speculate 0: the Medusa heads are not loaded")
         return base, None

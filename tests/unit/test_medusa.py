@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +46,9 @@ def test_head_drafter_proposes_the_heads_tokens_past_the_known_ones():
     assert drafter.streak == 1 and drafter.propose(3) == [8, 9]
     drafter.extend([4], score=True)                      # one they did not: nothing more to propose
     assert drafter.streak == 0 and drafter.propose(3) == [] and drafter.foresee() is None
+    drafter.extend([1, 2])                               # quoting itself ("1 2" occurred before): n-gram lookup's
+    drafter.receive([5, 6, 7])
+    assert drafter.propose(3) == [3, 7, 4] and drafter.foresee() == 3 and drafter.head_drafts(3) == [5, 6, 7]
 
 
 @pytest.mark.parametrize("heads", ["fitted", "shared"])
@@ -201,3 +205,6 @@ def test_the_launcher_serves_the_base_model_of_a_medusa_model_id(models, tmp_pat
     with pytest.raises(ValueError, match="names no base_model_name_or_path"):
         plan_server(parse_args(["--model-id", str(heads)], environ))
     assert read_medusa_config(heads).num_heads == 3
+    demo = Path(__file__).resolve().parents[2] / "weights" / "demo"     # its heads name it as ".."
+    plan = plan_server(parse_args(["--model-id", str(demo / "medusa")], environ)).engine
+    assert plan.config.model_dir == str(demo) and plan.scheduler.speculate == 4 and plan.scheduler.draft_heads

@@ -41,16 +41,19 @@ def test_no_chain_turns_chained_rows_off_in_every_demo_engine():
                 engine.close()
 
 
-@pytest.mark.parametrize("no_chain", [False, True])
-def test_demo_reports_each_prompt_from_an_untimed_pass_with_top_tokens(no_chain):
+@pytest.mark.parametrize("no_chain,task,heads", [(False, "rename", None), (True, "rename", None),
+                                                (False, "write", spec_bench.DEMO / "medusa")])
+def test_demo_reports_each_prompt_from_an_untimed_pass_with_top_tokens(no_chain, task, heads):
     """The demo model on the CPU (float32, the torch kernels): the speculating run's tokens are plain
-    decoding's on every prompt, with rows chained behind verify rows and without (``--no-chain``)."""
+    decoding's on every prompt, with rows chained behind verify rows and without (``--no-chain``), and
+    with the bundled Medusa heads drafting on prompts that ask for a function's body."""
     summary = spec_bench.demo(Namespace(new_tokens=24, prompts=2, speculate="4", kernel_backend="torch",
-                                        no_chain=no_chain))
+                                        no_chain=no_chain, task=task, draft_heads=heads and str(heads)))
     result = summary["by_speculate"]["4"]
     assert result["prompts"] == ["identical", "identical"] and summary["not_near_tie_prompts"] == 0
     assert result["top_pass_equals_timed"] and summary["outputs_identical"] and result["drafted"] > 0
     assert len(result["passes"]) == spec_bench.DEMO_PASSES and result["tokens_per_s"] == max(result["passes"])
+    assert result["tokens_per_step"] > 1 and result["accepted"] > 0
 
 
 def test_verify_states_copy_every_field_of_the_row_state_but_the_draft_position_ones():
