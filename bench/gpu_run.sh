@@ -5,7 +5,8 @@
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
 #                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8),
 #                                         wquant_families (quantized Phi-3 / StarCoder2), spec (speculative
-#                                         decoding), spec_chain (its chained rows on / off), verify_attn (the
+#                                         decoding), spec_chain (its chained rows on / off), spec_medusa (the
+#                                         demo's Medusa heads against n-gram lookup), verify_attn (the
 #                                         attention launches of verify rows), spec_profile (a
 #                                         verify step's kernels), spec_lengths (its
 #                                         draft lengths), frontend, quant_gemm
@@ -301,6 +302,16 @@ for stage in $stages; do
       for flag in "" "--no-chain"; do
         timeout 200 python3 -m bench.spec_bench demo $flag --json "$OUT/spec_chain${flag:+_off}.json" 2>&1 \
           | grep -v -E "it/s|s/it" | tee "$OUT/spec_chain${flag:+_off}.log" | grep -E "speculate|speed-up"
+      done; rc=0 ;;
+    spec_medusa)
+      # the demo's bundled Medusa heads (weights/demo/medusa) against n-gram lookup, on rename and write prompts:
+      # tokens/s, tokens per step and acceptance at batch 1, one run after the other on this machine
+      for task in rename write; do
+        for heads in "" "--draft-heads weights/demo/medusa"; do
+          name="spec_medusa_${task}${heads:+_heads}"
+          timeout 200 python3 -m bench.spec_bench demo --task $task $heads --json "$OUT/$name.json" 2>&1 \
+            | grep -v -E "it/s|s/it" | tee "$OUT/$name.log" | grep -E "speed-up"
+        done
       done; rc=0 ;;
     spec_profile)
       # where a batch-1 verify step's extra time goes (bench.spec_bench profile): kernels of a decode and a verify

@@ -51,3 +51,13 @@ def test_demo_model_rename_prompts_with_4_and_8_drafts_keep_the_tokens():
     print(summary)
     _assert_only_near_ties(summary)
     assert all(r["accepted"] > 0 for r in summary["by_speculate"].values()), summary
+
+
+def test_demo_medusa_heads_through_the_cuda_graphs_keep_the_tokens():
+    """The bundled Medusa heads (weights/demo/medusa) read the hidden states that the decode and verify
+    CUDA graphs return beside their logits: on write prompts (the heads draft where the request does not
+    quote itself) the tokens are --speculate 0's up to near-ties, and drafts are accepted."""
+    summary = spec_bench.demo(Namespace(new_tokens=128, task="write", draft_heads=str(spec_bench.DEMO / "medusa")))
+    print(summary)
+    _assert_only_near_ties(summary)
+    assert summary["by_speculate"]["4"]["accepted"] > 0, summary

@@ -105,3 +105,25 @@ def test_the_training_script_smoke_run_writes_a_servable_checkpoint(tmp_path):
     engine = Engine(EngineConfig(model_dir=str(out), device="cpu", kernel_backend="torch", num_slots=512))
     events = engine.generate([GenerationRequest(0, tokenizer("def ")["input_ids"], 8, stop_token_ids=[])])[0]
     assert len(events) == 8 and engine.kv_usage()[0] == 0
+
+
+def test_the_medusa_training_script_smoke_run_writes_heads_the_engine_loads(tmp_path):
+    """`train_medusa.py` on a few windows and steps: heads in TGI's layout, with a config naming the demo model
+    relative to themselves, that the engine plans with and that draft (the bundled heads came from a full run)."""
+    import subprocess
+    import sys
+
+    from engine.assembly import plan_engine
+
+    out = tmp_path / "medusa"
+    run = subprocess.run([sys.executable, str(DEMO / "train_medusa.py"), "--out", str(out), "--windows", "2",
+                          "--heldout-windows", "1", "--steps", "3", "--batch", "16", "--heads", "2", "--layers", "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["medusa_num_heads"] == 2 and config["medusa_num_layers"] == 2
+    assert (out / config["base_model_name_or_path"]).resolve() == DEMO.resolve()
+    record = json.loads((out / "training_log.json").read_text())
+    assert record["run"]["steps"] == 3 and len(record["heldout_after"]["head_accuracy"]) == 2
+    plan = plan_engine(EngineConfig(model_dir=str(DEMO), device="cpu", speculate=2, draft_heads=str(out)))
+    assert plan.scheduler.draft_heads and plan.worker.draft_heads == str(out)
