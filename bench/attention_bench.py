@@ -197,7 +197,8 @@ def main(argv=None) -> list[dict]:
                       f"top5 {r['top5']}", flush=True)
             elif args.shared_prefix:
                 r = sweep_shared(batch, seq_len, args.shared_prefix, args)
-                print(f"batch {batch:4d} seq {seq_len:5d} shared {args.shared_prefix}: without {r['without_us']:.2f} us; "
+                print(f"batch {batch:4d} seq {seq_len:5d} shared {args.shared_prefix}: "
+                      f"without {r['without_us']:.2f} us; "
                       f"with: default {r['default']} {r['default_us']:.2f} us, best {r['best']} {r['best_us']:.2f} us "
                       f"(max |diff| {r['best_max_abs_diff']:.1e}); top5 {r['top5']}", flush=True)
             else:

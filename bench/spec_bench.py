@@ -12,7 +12,8 @@ demo: the bundled demo model, one request at a time, on prompts that quote their
 function, renamed": real standard-library sources read with inspect.getsource, then the first line
 of the renamed copy; ``--task write``: only the function's signature and docstring); output tokens/s
 of the decode phase with --speculate 0 and 4, their ratio, the tokens per forward step and the
-acceptance rate (accepted / drafted tokens), drafted by n-gram lookup or by ``--draft-heads``; then, untimed, each engine runs the prompts again
+acceptance rate (accepted / drafted tokens), drafted by n-gram lookup or by ``--draft-heads``; then,
+untimed, each engine runs the prompts again
 asking for the top 5 tokens of every step, and each prompt is reported identical, parting at a
 near-tie (step k), or NOT at a near-tie (tests/gpu/greedy.py ``near_tie_problem``).
 verify: B requests prefilled to --context tokens; the wall time of one ``ModelWorker.execute`` of a
@@ -43,6 +44,7 @@ drafted and accepted, and the cost in decode steps if a verify step costs ``VERI
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import inspect
 import json
@@ -83,11 +85,12 @@ def rename_prompt(tokenizer, function) -> list[int]:
 def write_prompt(tokenizer, function) -> list[int]:
     """A function's first lines up to the end of its docstring: the model writes a body it has not seen
     in the prompt (little for n-gram lookup to copy)."""
-    lines = inspect.getsource(function).splitlines()
-    quotes = [i for i, line in enumerate(lines) if '"""' in line or "'''" in line]
-    end = quotes[1] if len(quotes) > 1 and lines[quotes[0]].count('"""') + lines[quotes[0]].count("'''") < 2 \
-        else (quotes[0] if quotes else 0)
-    return tokenizer("\n".join(lines[: end + 1]) + "\n")["input_ids"]
+    source = inspect.getsource(function)
+    definition = ast.parse(source).body[0]
+    first = definition.body[0]
+    docstring = isinstance(first, ast.Expr) and isinstance(getattr(first.value, "value", None), str)
+    end = first.end_lineno if docstring else definition.lineno       # else the signature's first line
+    return tokenizer("\n".join(source.splitlines()[:end]) + "\n")["input_ids"]
 
 
 PROMPT_TASKS = {"rename": rename_prompt, "write": write_prompt}

@@ -23,7 +23,7 @@ import torch
 
 from engine.models import family_for, load_model_config
 from engine.models.config import ModelConfig
-from engine.models.medusa import is_medusa_dir, open_heads, read_medusa_config
+from engine.models.medusa import check_head_count, is_medusa_dir, open_heads, read_medusa_config
 from engine.models.parallel import TensorParallel
 from engine.ops import BACKENDS, default_backend
 from engine.router.allocator import SlotAllocator
@@ -166,9 +166,7 @@ def check_draft_heads(config: EngineConfig, model_config: ModelConfig) -> None:
                         "by n-gram lookup in each request's own tokens instead", unused)
         return
     medusa = read_medusa_config(config.draft_heads)
-    if not 1 <= config.speculate <= medusa.num_heads:
-        raise ValueError(f"--speculate {config.speculate} with the {medusa.num_heads} Medusa heads of "
-                         f"{config.draft_heads}: use 1 to {medusa.num_heads} (one draft per head)")
+    check_head_count(medusa, config.speculate)
     open_heads(medusa, model_config)[0].close()
 
 

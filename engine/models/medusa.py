@@ -19,7 +19,6 @@ so they decide only how many tokens a forward pass may produce, never which.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 from engine.models.config import ModelConfig
 from engine.models.layers import Linear, LMHead
 from engine.models.parallel import FULL, TensorParallel, read
-from weights.checkpoint import MEDUSA_FILE, Checkpoint, CheckpointError
+from weights.checkpoint import MEDUSA_FILE, Checkpoint, CheckpointError, read_config
 
 MEDUSA_KEY = "medusa_num_heads"
 
@@ -43,20 +42,16 @@ class MedusaConfig:
 
 def is_medusa_dir(directory: str | Path) -> bool:
     """Whether ``directory``'s config.json describes Medusa heads (``medusa_num_heads``)."""
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        return False
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
+        return MEDUSA_KEY in read_config(directory)
+    except CheckpointError:       # no config.json, or not a JSON object: not heads (the model's checks say why)
         return False
-    return isinstance(config, dict) and MEDUSA_KEY in config
 
 
 def read_medusa_config(directory: str | Path) -> MedusaConfig:
     """The heads' config; CheckpointError (what is wrong, what to do) for anything unusable."""
     directory = Path(directory)
-    raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    raw = read_config(directory)
     heads, layers = raw.get(MEDUSA_KEY), raw.get("medusa_num_layers", 1)
     for name, value in ((MEDUSA_KEY, heads), ("medusa_num_layers", layers)):
         if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == MEDUSA_KEY else 0):
@@ -71,6 +66,13 @@ def read_medusa_config(directory: str | Path) -> MedusaConfig:
                               f"download the whole Medusa repository")
     base = raw.get("base_model_name_or_path")
     return MedusaConfig(str(directory), heads, layers, base if isinstance(base, str) and base else None)
+
+
+def check_head_count(medusa: MedusaConfig, count: int) -> None:
+    """One draft per head: ``count`` (--speculate) must be 1 to the heads' number."""
+    if not 1 <= count <= medusa.num_heads:
+        raise ValueError(f"--speculate {count} with the {medusa.num_heads} Medusa heads of {medusa.directory}: "
+                         f"use 1 to {medusa.num_heads} (one draft per head)")
 
 
 def head_shapes(medusa: MedusaConfig, c: ModelConfig, with_out: bool) -> dict[str, tuple[int, ...]]:
@@ -110,9 +112,7 @@ class DraftHeads:
     @classmethod
     def load(cls, medusa: MedusaConfig, c: ModelConfig, model, count: int, dtype: torch.dtype,
              device: torch.device, tp: TensorParallel = TensorParallel()) -> "DraftHeads":
-        if not 1 <= count <= medusa.num_heads:
-            raise ValueError(f"--speculate {count} asks for more drafts than the {medusa.num_heads} Medusa heads "
-                             f"in {medusa.directory}: use --speculate {medusa.num_heads} or less")
+        check_head_count(medusa, count)
         checkpoint, with_out = open_heads(medusa, c)
         with checkpoint:
             blocks = [[Linear(read(checkpoint, f"{k}.{j}.linear.weight", FULL, dtype, device),
@@ -159,5 +159,6 @@ def reference_drafts(path: str | Path, hidden: torch.Tensor, lm_head: torch.Tens
 def residual_blocks(tensors: dict[str, torch.Tensor], head: int, num_layers: int, x: torch.Tensor) -> torch.Tensor:
     """Head ``head``'s residual blocks over ``x`` in plain torch, from the file's named tensors."""
     for j in range(num_layers):
-        x = x + torch.nn.functional.silu(x @ tensors[f"{head}.{j}.linear.weight"].T + tensors[f"{head}.{j}.linear.bias"])
+        weight, bias = tensors[f"{head}.{j}.linear.weight"], tensors[f"{head}.{j}.linear.bias"]
+        x = x + torch.nn.functional.silu(x @ weight.T + bias)
     return x

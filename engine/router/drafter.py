@@ -117,17 +117,21 @@ class HeadDrafter:
     """
 
     def __init__(self, max_ngram: int = MAX_NGRAM):
-        self.tokens: list[int] = []
+        self.ngram = NgramDrafter(max_ngram)   # holds the request's tokens
         self.drafts: list[int] = []
         self.base = 0                      # len(tokens) when the drafts came: drafts[i] is for tokens[base + i]
         self.streak = 0
-        self.ngram = NgramDrafter(max_ngram)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.ngram.tokens
 
     def extend(self, tokens: list[int], score: bool = False) -> None:
+        if not score:
+            self.ngram.extend(tokens)
+            return
         for token in tokens:
-            if score:
-                self.streak = self.streak + 1 if self.foresee() == token else 0
-            self.tokens.append(token)
+            self.streak = self.streak + 1 if self.foresee() == token else 0
             self.ngram.extend([token])
 
     def receive(self, drafts: list[int]) -> None:

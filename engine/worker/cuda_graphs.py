@@ -22,8 +22,8 @@ own graphs (``PaddedVerifier``): every row padded to ``1 + drafts`` tokens
 
 Padding rows read and write only the dummy slot, so they never touch a request's KV.
 Each bucket's forward, logits and final hidden states (draft heads read them) are captured
-once; ``run`` copies the inputs, writes the new table entries and replays. With graphs off the same padded forward runs
-eagerly, so eager and graph decoding compute exactly the same numbers.
+once; ``run`` copies the inputs, writes the new table entries and replays. With graphs off the
+same padded forward runs eagerly, so eager and graph decoding compute exactly the same numbers.
 """
 from __future__ import annotations
 
@@ -68,8 +68,9 @@ class PaddedDecoder:
         return len(step.rows) <= self.buckets[-1] and all(
             len(r.input_ids) == 1 and r.logprob_targets is None for r in step.rows)
 
-    def run(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 logits [len(step.rows), vocab] of a decode step, and the final hidden states."""
+    def run(self, step: Step, hidden_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 logits [len(step.rows), vocab] of a decode step, and with ``hidden_states`` the final
+        hidden states (else None)."""
         count = len(step.rows)
         size = next(b for b in self.buckets if b >= count)
         self.turn ^= 1
@@ -85,7 +86,7 @@ class PaddedDecoder:
             graph.replay()
         else:
             logits, hidden = self._forward(size)
-        return logits[:count], hidden[:count]
+        return logits[:count], hidden[:count] if hidden_states else None
 
     @property
     def host(self) -> torch.Tensor:
@@ -162,8 +163,9 @@ class PaddedVerifier:
             (len(r.input_ids) == 1 or r.input_ids[0] == FED_BACK) and len(r.input_ids) <= self.width
             and r.logprob_targets is None and r.start_pos + self.width <= limit for r in step.rows)
 
-    def run(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 logits [the step's tokens, vocab], row after row, and the final hidden states."""
+    def run(self, step: Step, hidden_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 logits [the step's tokens, vocab], row after row, and with ``hidden_states`` the final
+        hidden states there (None without: their gather past the padding costs a copy)."""
         rows = next(b for b in self.buckets if b >= len(step.rows))
         layout = verify_layout(step.rows, rows, self.width, self.kv_cache.max_requests, self.kv_cache.num_slots)
         tokens = rows * self.width
@@ -183,9 +185,9 @@ class PaddedVerifier:
             logits, hidden = self._forward(rows)
         real = layout.real
         if real[-1] == len(real) - 1:     # no padding before the last real token: a view, no index copy
-            return logits[: len(real)], hidden[: len(real)]
+            return logits[: len(real)], hidden[: len(real)] if hidden_states else None
         index = to_device(real, torch.int64, logits.device)
-        return logits[index], hidden[index]
+        return logits[index], hidden[index] if hidden_states else None
 
     def _forward(self, rows: int) -> torch.Tensor:
         x, tokens = self.inputs, rows * self.width
@@ -210,8 +212,9 @@ class PaddedVerifier:
 
 
 def capture_graphs(buckets: list[int], dummy_inputs, forward) -> dict[int, tuple[torch.cuda.CUDAGraph, tuple]]:
-    """One CUDA graph of ``forward(size)`` per bucket, with its outputs (logits, hidden states): the largest first (the smaller graphs
-    reuse its memory pool), each run once outside the capture on ``dummy_inputs(size)`` (compile, warm up)."""
+    """One CUDA graph of ``forward(size)`` per bucket, with its outputs (logits, hidden states): the largest
+    first (the smaller graphs reuse its memory pool), each run once outside the capture on
+    ``dummy_inputs(size)`` (compile, warm up)."""
     graphs, pool = {}, None
     for size in reversed(buckets):
         dummy_inputs(size)

@@ -389,9 +389,10 @@ class ModelWorker:
     def _decode_with_graphs(self, step: Step, graphs):
         """Decode rows through the CUDA graphs (``graphs``: the decoder, or the verifier when rows
         carry drafts): (the rows that sample, their logits: every token's of a verify row, the hidden
-        states there). A row may be a one-token prompt chunk (a prompt the prefix cache held but for
-        its last token)."""
-        logits, hidden = graphs.run(step)
+        states there when draft heads read them, else None). A row may be a one-token prompt chunk (a
+        prompt the prefix cache held but for its last token)."""
+        heads = self.draft_heads is not None
+        logits, hidden = graphs.run(step, hidden_states=heads)
         sampled = [i for i, r in enumerate(step.rows) if r.sample]
         if len(sampled) < len(step.rows):
             offsets, positions = [0], []
@@ -400,7 +401,7 @@ class ModelWorker:
             for i in sampled:
                 positions.extend(range(offsets[i], offsets[i + 1]))
             index = to_device(positions, torch.int64, self.device)
-            logits, hidden = logits[index], hidden[index]
+            logits, hidden = logits[index], hidden[index] if heads else None
         return sampled, logits, hidden
 
     def _map_cached_prefixes(self, step: Step) -> None:
@@ -431,7 +432,8 @@ class ModelWorker:
             self.kv_cache.write_table(to_device(table_rows, torch.int64, dev), to_device(positions, torch.int64, dev),
                                       to_device(slots, torch.int64, dev))
 
-    def _launch_sampling(self, step: Step, sampled: list[int], logits, hidden, results: list[RowResult]) -> "LaunchedStep":
+    def _launch_sampling(self, step: Step, sampled: list[int], logits, hidden,
+                         results: list[RowResult]) -> "LaunchedStep":
         """Rank 0 samples and broadcasts the tokens; every rank feeds them back into ``last_tokens``.
         Void chained rows (module docstring) are left out of rank 0's sampling: their broadcast tokens
         are ``VOID`` and leave ``last_tokens`` as it was. With draft heads, every rank runs them on the

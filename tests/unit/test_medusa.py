@@ -147,6 +147,7 @@ def test_the_plan_takes_the_heads_and_refuses_what_cannot_work(models, tmp_path)
     (lambda d: (d / "medusa_lm_head.safetensors").rename(d / "medusa_lm_head.pt"), "pickle"),
     (lambda d: _edit_config(d, medusa_num_heads="4"), "medusa_num_heads is '4'"),
     (lambda d: _edit_config(d, medusa_num_layers=-1), "medusa_num_layers is -1"),
+    (lambda d: (d / "config.json").write_text("{not json"), "is not valid JSON"),
 ])
 def test_broken_heads_are_refused_with_what_to_do(models, tmp_path, change, message):
     import shutil
@@ -196,7 +197,8 @@ def test_the_launcher_serves_the_base_model_of_a_medusa_model_id(models, tmp_pat
     assert (plan.engine.config.model_dir, plan.engine.worker.draft_heads) == (str(base.resolve()), str(heads.resolve()))
     assert plan.engine.scheduler.speculate == 3 and plan.engine.scheduler.draft_heads
     assert plan.frontend.model_dir == str(base.resolve())              # the base model's tokenizer
-    assert plan_server(parse_args(["--model-id", str(heads), "--speculate", "2"], environ)).engine.scheduler.speculate == 2
+    two = plan_server(parse_args(["--model-id", str(heads), "--speculate", "2"], environ)).engine
+    assert two.scheduler.speculate == 2
     off = plan_server(parse_args(["--model-id", str(heads), "--speculate", "0"], environ)).engine
     assert off.scheduler.speculate == 0 and off.worker.draft_heads is None
     with pytest.raises(ValueError, match="--speculate 5 with the 3 Medusa heads"):

@@ -351,9 +351,10 @@ def test_the_verify_graphs_padded_layout_gives_the_eager_logits(tiny_models, bac
     torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
     verifier = PaddedVerifier(worker.model, cache, worker.last_tokens, max_requests=6, drafts=3, use_graphs=False)
     assert verifier.buckets == [1, 2, 4, 6] and verifier.accepts(Step(rows=verify))
-    logits, hidden = verifier.run(Step(rows=verify))                                # eager on a CPU
+    logits, hidden = verifier.run(Step(rows=verify), hidden_states=True)            # eager on a CPU
     torch.testing.assert_close(logits, eager, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(hidden, eager_hidden, atol=1e-4, rtol=1e-4)
+    assert verifier.run(Step(rows=verify))[1] is None            # no draft heads: no gather of hidden states
     too_many = replace(verify[0], input_ids=[FED_BACK] + [1] * 4, slots=list(range(5)))
     assert not verifier.accepts(Step(rows=[too_many]))
 
