@@ -62,7 +62,7 @@ from engine.router.scheduler import VERIFY_STEP_COST, SchedulerConfig
 DEMO = Path(__file__).resolve().parents[1] / "weights" / "demo"
 DRAFTS = 4              # verify: drafts per verify row
 WARMUP_STEPS = 3        # verify: untimed steps before each measurement
-DEMO_PASSES = 3         # demo: timed passes of each engine, in turn (the best counts)
+DEMO_PASSES = 5         # demo: timed passes of each engine, in turn (the best counts)
 DEMO_SLOTS = 32768      # demo: KV slots of each engine (side by side: not sized from free memory)
 
 

@@ -20,6 +20,9 @@ Verify steps (speculation: rows ``[FED_BACK, drafts..]``, beside plain decode ro
 own graphs (``PaddedVerifier``): every row padded to ``1 + drafts`` tokens
 (``forward_batch.verify_layout``), attended by the prefill kernel (causal within each row).
 
+Medusa draft heads run from graphs of their own (``HeadGraphs``), over the hidden states where each
+row's last kept token was chosen.
+
 Padding rows read and write only the dummy slot, so they never touch a request's KV.
 Each bucket's forward, logits and final hidden states (draft heads read them) are captured
 once; ``run`` copies the inputs, writes the new table entries and replays. With graphs off the
@@ -227,3 +230,38 @@ def capture_graphs(buckets: list[int], dummy_inputs, forward) -> dict[int, tuple
         graphs[size] = (graph, outputs)
     torch.cuda.synchronize()
     return graphs
+
+
+class HeadGraphs:
+    """Medusa draft heads (``engine.models.medusa.DraftHeads``) on CUDA, replayed from one graph per row
+    bucket over a static buffer of hidden states: ``run`` gathers the rows' hidden states into it (one
+    kernel) and replays. Eagerly the heads cost ~10 launches each (blocks, activations, residual adds,
+    the head, argmax): on a small model at batch 1 that host work cost more than the step itself.
+    Rows past the largest bucket, and every row where graphs are off, run eagerly."""
+
+    def __init__(self, heads, ops, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 buckets: list[int], use_graphs: bool):
+        self.heads, self.ops, self.buckets = heads, ops, buckets
+        self.hidden = torch.zeros((buckets[-1], hidden_size), dtype=dtype, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if use_graphs:
+            with torch.inference_mode():
+                self.graphs = capture_graphs(buckets, lambda size: None, self._forward)
+            log.info("captured Medusa head CUDA graphs for batch sizes %s", buckets)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.heads(self.ops, self.hidden[:size])
+
+    def run(self, hidden: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, heads] drafts from ``hidden`` [tokens, hidden] at the positions ``index`` (None: every row)."""
+        rows = hidden.shape[0] if index is None else index.shape[0]
+        size = next((b for b in self.buckets if b >= rows), None)
+        if size not in self.graphs:
+            return self.heads(self.ops, hidden if index is None else hidden[index])
+        if index is None:
+            self.hidden[:rows].copy_(hidden)
+        else:
+            torch.index_select(hidden, 0, index, out=self.hidden[:rows])
+        graph, drafts = self.graphs[size]
+        graph.replay()
+        return drafts[:rows]

@@ -24,7 +24,8 @@ the router, which sees the same verify result first, has already dropped its slo
 With Medusa heads (``WorkerConfig.draft_heads``, ``engine.models.medusa``) every sampled row's
 result also carries the heads' drafts for the positions after its last kept token: the heads read
 the final hidden state at the position whose logits chose that token (a verify row's
-``_last_kept``), on every rank (their out projections are split like the model's head).
+``_last_kept``), on every rank (their out projections are split like the model's head), replayed
+from CUDA graphs of their own on a GPU (``cuda_graphs.HeadGraphs``).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from engine.sampling.grammar import GrammarCompiler, GrammarMatcher
 from engine.sampling.sampler import RowSampling, Sampler
 from engine.sampling.watermark import WatermarkConfig
 from engine.transfer import start_to_host, to_device
-from engine.worker.cuda_graphs import PaddedDecoder, PaddedVerifier
+from engine.worker.cuda_graphs import HeadGraphs, PaddedDecoder, PaddedVerifier
 from engine.worker.forward_batch import SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs
 from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
 from kernels.prefill_attention import MIN_SPLIT_KEYS
@@ -137,6 +138,7 @@ class ModelWorker:
         self.kv_cache: KVCache | None = None
         self.decoder: PaddedDecoder | None = None      # the warm-up below runs eagerly
         self.verifier: PaddedVerifier | None = None    # verify steps' graphs (--speculate)
+        self.head_graphs: HeadGraphs | None = None     # the Medusa heads' graphs
         self._unfinished: LaunchedStep | None = None   # launched; its tokens not yet in the row states
         self._kept_all: dict[int, bool] = {}           # rank 0: per request, whether its row of the newest
                                                        # collected step kept every draft (chained rows)
@@ -155,6 +157,9 @@ class ModelWorker:
             if config.speculate:
                 self.verifier = PaddedVerifier(self.model, self.kv_cache, self.last_tokens, config.max_requests,
                                                config.speculate, use_graphs=capture)
+            if self.draft_heads is not None:
+                self.head_graphs = HeadGraphs(self.draft_heads, self.ops, self.model_config.hidden_size,
+                                              config.dtype, self.device, self.decoder.buckets, use_graphs=capture)
         if self.sampler.grammars is not None:
             self.sampler.grammars.wait_loaded()    # loaded beside the weights: ready before the first request
 
@@ -498,6 +503,8 @@ class ModelWorker:
         the hidden state whose logits chose that token (``kept_at``: its logit position; None: one per row)."""
         if self.draft_heads is None:
             return None
+        if self.head_graphs is not None:
+            return self.head_graphs.run(hidden, kept_at)
         return self.draft_heads(self.ops, hidden if kept_at is None else hidden[kept_at])
 
     def _live_rows(self, rows: list[StepRow]) -> list[int]:

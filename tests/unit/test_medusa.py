@@ -16,6 +16,7 @@ from engine.generation import GenerationRequest
 from engine.models.medusa import DraftHeads, read_medusa_config, reference_drafts
 from engine.protocol.messages import FED_BACK, SamplingParams, Step, StepRow
 from engine.router.drafter import HeadDrafter
+from engine.worker.cuda_graphs import HeadGraphs
 from tests.tiny_models import load_hf, save_medusa_heads, save_tiny_model
 from tests.unit.test_speculation_engine import make_engine, run
 
@@ -58,6 +59,18 @@ def test_draft_heads_equal_the_torch_reference(models, heads):
     drafts = worker.draft_heads(worker.ops, hidden)
     expected = reference_drafts(models[heads], hidden, load_hf(models["base"]).lm_head.weight, count=2)
     assert drafts.shape == (7, 2) and torch.equal(drafts, expected)
+
+
+def test_head_graphs_draft_from_the_indexed_rows(models):
+    """``HeadGraphs`` (the heads' CUDA graphs; eager here, as past the largest bucket): rows picked by
+    ``index`` or every row, each drafted from its own hidden state."""
+    worker = make_engine(models["base"], 2, draft_heads=str(models["shared"])).worker
+    graphs = HeadGraphs(worker.draft_heads, worker.ops, 64, torch.float32, torch.device("cpu"), [1, 2, 4],
+                        use_graphs=False)
+    hidden = torch.randn(7, 64, generator=torch.Generator().manual_seed(5))
+    index = torch.tensor([6, 0, 3])
+    expected = reference_drafts(models["shared"], hidden, load_hf(models["base"]).lm_head.weight, count=2)
+    assert torch.equal(graphs.run(hidden, index), expected[index]) and torch.equal(graphs.run(hidden), expected)
 
 
 def test_the_worker_drafts_where_each_rows_last_kept_token_was_chosen(models):
