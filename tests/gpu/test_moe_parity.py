@@ -32,13 +32,12 @@ def checkpoint(name: str, tmp_root: Path) -> str:
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_float32_greedy_tokens_equal_transformers(name, tmp_path_factory, monkeypatch):
-    monkeypatch.setattr(greedy, "NEW_TOKENS", NEW_TOKENS)
+def test_float32_greedy_tokens_equal_transformers(name, tmp_path_factory):
     model_dir = checkpoint(name, tmp_path_factory.mktemp("moe"))
     all_prompts = greedy.prompts(REAL_CONFIGS[name]["vocab_size"])
     # the reference is transformers' per-expert loop (not its GPU default, grouped_mm)
-    ref = transformers_greedy(model_dir, torch.float32, all_prompts, experts_implementation="eager")
-    ours = engine_greedy(all_prompts, model_dir=model_dir, dtype="float32")
+    ref = transformers_greedy(model_dir, torch.float32, all_prompts, NEW_TOKENS, experts_implementation="eager")
+    ours = engine_greedy(all_prompts, NEW_TOKENS, model_dir=model_dir, dtype="float32")
     print(f"\n{name}: " + describe(ours, ref, "ours fp32", "transformers fp32"))
     assert all(len(g.tokens) == NEW_TOKENS for g in ours + ref)
     assert [g.tokens for g in ours] == [g.tokens for g in ref]
