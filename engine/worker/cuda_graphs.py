@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 INPUT_ROWS = 7
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 VERIFY_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)     # verify graphs: larger batches run eagerly
+# Medusa heads' graphs up to this many rows; more run eagerly: a graph's pool keeps its heads' logits
+# ([heads x rows, vocab] float32) for good, 1 GB at 512 rows of 4 heads over Llama-3's vocabulary
+HEAD_GRAPH_ROWS = 64
 
 
 class PaddedDecoder:
@@ -237,17 +240,18 @@ class HeadGraphs:
     bucket over a static buffer of hidden states: ``run`` gathers the rows' hidden states into it (one
     kernel) and replays. Eagerly the heads cost ~10 launches each (blocks, activations, residual adds,
     the head, argmax): on a small model at batch 1 that host work cost more than the step itself.
-    Rows past the largest bucket, and every row where graphs are off, run eagerly."""
+    Rows past the largest bucket (``HEAD_GRAPH_ROWS``), and every row where graphs are off, run eagerly."""
 
     def __init__(self, heads, ops, hidden_size: int, dtype: torch.dtype, device: torch.device,
                  buckets: list[int], use_graphs: bool):
-        self.heads, self.ops, self.buckets = heads, ops, buckets
-        self.hidden = torch.zeros((buckets[-1], hidden_size), dtype=dtype, device=device)
+        self.heads, self.ops = heads, ops
+        self.buckets = [b for b in buckets if b <= HEAD_GRAPH_ROWS]
+        self.hidden = torch.zeros((max(self.buckets, default=0), hidden_size), dtype=dtype, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if use_graphs:
+        if use_graphs and self.buckets:
             with torch.inference_mode():
-                self.graphs = capture_graphs(buckets, lambda size: None, self._forward)
-            log.info("captured Medusa head CUDA graphs for batch sizes %s", buckets)
+                self.graphs = capture_graphs(self.buckets, lambda size: None, self._forward)
+            log.info("captured Medusa head CUDA graphs for batch sizes %s", self.buckets)
 
     def _forward(self, size: int) -> torch.Tensor:
         return self.heads(self.ops, self.hidden[:size])

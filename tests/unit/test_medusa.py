@@ -65,8 +65,9 @@ def test_head_graphs_draft_from_the_indexed_rows(models):
     """``HeadGraphs`` (the heads' CUDA graphs; eager here, as past the largest bucket): rows picked by
     ``index`` or every row, each drafted from its own hidden state."""
     worker = make_engine(models["base"], 2, draft_heads=str(models["shared"])).worker
-    graphs = HeadGraphs(worker.draft_heads, worker.ops, 64, torch.float32, torch.device("cpu"), [1, 2, 4],
+    graphs = HeadGraphs(worker.draft_heads, worker.ops, 64, torch.float32, torch.device("cpu"), [1, 2, 4, 512],
                         use_graphs=False)
+    assert graphs.buckets == [1, 2, 4]          # past HEAD_GRAPH_ROWS rows the heads run eagerly
     hidden = torch.randn(7, 64, generator=torch.Generator().manual_seed(5))
     index = torch.tensor([6, 0, 3])
     expected = reference_drafts(models["shared"], hidden, load_hf(models["base"]).lm_head.weight, count=2)
