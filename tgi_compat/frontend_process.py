@@ -32,7 +32,11 @@ def frontend_main(spec: FrontendSpec, conn, log_level="INFO") -> None:
 
     client = RouterClient(conn)
     log.info("loading the tokenizer of %s", spec.model_dir)
-    tokenizer = load_tokenizer(spec.model_dir, spec.tokenizer_config_path)
+    try:
+        tokenizer = load_tokenizer(spec.model_dir, spec.tokenizer_config_path)
+    except TokenizerError as e:
+        log.error("not serving: %s", e)
+        raise SystemExit(1) from None
     log.info("waiting for the shards to load the model, warm up and size the KV cache")
     status = client.wait_ready()
     if not status.healthy:
@@ -56,6 +60,10 @@ def serving_line(spec: FrontendSpec, kv_slots: int) -> str:
             f"max_concurrent_requests {s.max_concurrent_requests}")
 
 
+class TokenizerError(RuntimeError):
+    """The model's tokenizer cannot be loaded (the message says why and what to do)."""
+
+
 # What a tokenizer_config.json given by --tokenizer-config-path replaces (TGI reads the same keys).
 TOKENIZER_CONFIG_KEYS = ("chat_template", "bos_token", "eos_token")
 
@@ -68,7 +76,12 @@ def load_tokenizer(model_dir: str, tokenizer_config_path: str | None = None):
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001  (missing files, a converter that is not installed, a corrupt file)
+        reason = " ".join(str(e).split())
+        raise TokenizerError(f"the tokenizer of {model_dir} cannot be loaded ({reason}); the server needs a fast "
+                             f"tokenizer: add the base model's tokenizer.json to the model's folder") from None
     if tokenizer_config_path:
         overrides = json.loads(Path(tokenizer_config_path).read_text())
         for key in TOKENIZER_CONFIG_KEYS:

@@ -92,3 +92,22 @@ def test_omp_num_threads_is_the_users_choice(monkeypatch, restore_threads):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(9)))
     _limit_cpu_threads(world_size=1)
     assert torch.get_num_threads() == 3
+
+
+def test_a_model_without_a_tokenizer_is_refused_before_any_process_starts(model_dir, tmp_path):
+    """No tokenizer file at all: the launcher's plan refuses it. Files that do not make a fast tokenizer
+    (a sentencepiece model only, and sentencepiece is not installed): the front end's clear error."""
+    import shutil
+
+    from tgi_compat.frontend_process import TokenizerError, load_tokenizer
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (bare / name).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="has no tokenizer .*copy tokenizer.json"):
+        plan_server(parse_args(["--model-id", str(bare)], environ={}))
+    (bare / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer"}')
+    (bare / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(TokenizerError, match="cannot be loaded .*add the base model's tokenizer.json"):
+        load_tokenizer(str(bare))
