@@ -184,10 +184,8 @@ class GrammarCompiler:
         """The first mask builds llguidance's token tables (0.8 s on the demo's vocabulary): once, here."""
         from llguidance import LLMatcher
 
-        import llguidance.torch as llg_torch
-
         warm = LLMatcher(self._tokenizer, grammar_source("json", json_grammar_text({"type": "object"})), log_level=0)
-        llg_torch.fill_next_token_bitmask(warm, torch.empty((1, self.words), dtype=torch.int32), 0)
+        _fill_row(warm, torch.empty((1, self.words), dtype=torch.int32), 0)
 
     def wait_loaded(self) -> None:
         """Block until the background load ends (a failure is reported to grammar requests only)."""
@@ -242,8 +240,6 @@ class GrammarCompiler:
 
     def fill_bitmasks(self, matchers: list[GrammarMatcher], pin: bool = False) -> torch.Tensor:
         """Packed masks [len(matchers), words] int32 on the CPU, one row per matcher."""
-        import llguidance.torch as llg_torch
-
         bitmask = torch.empty((len(matchers), self.words), dtype=torch.int32, pin_memory=pin)
         live = []
         for i, m in enumerate(matchers):
@@ -252,10 +248,19 @@ class GrammarCompiler:
             else:
                 live.append((m.raw, i))
         if len(live) == 1:
-            llg_torch.fill_next_token_bitmask(live[0][0], bitmask, live[0][1])
+            _fill_row(live[0][0], bitmask, live[0][1])
         elif live:
-            llg_torch.fill_next_token_bitmask_par(self._executor, live, bitmask)
+            self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), self.words * 4, len(matchers))
         return bitmask
+
+
+# llguidance's own torch helpers (llguidance.torch) do what these two lines do, but importing that
+# module compiles a torch.compile decorator's machinery (torch._dynamo, inductor): 3.4 s of every
+# shard's start on a 2-core CPU, on the path to ready.
+def _fill_row(matcher, bitmask: torch.Tensor, row: int) -> None:
+    """Row ``row`` of a contiguous int32 CPU ``bitmask``: the tokens ``matcher`` allows next."""
+    view = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

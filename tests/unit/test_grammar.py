@@ -230,6 +230,8 @@ def test_a_grammar_compiles_once_per_text_and_each_request_gets_its_own_state(de
         first.advance(token)
     masks = unpack_bitmask(demo_grammars.fill_bitmasks([first, second]), DEMO_VOCAB)
     assert first.error is None and not torch.equal(masks[0], masks[1])
+    for row, matcher in enumerate((first, second)):           # the batch call fills each row as one call would
+        assert torch.equal(masks[row], unpack_bitmask(demo_grammars.fill_bitmasks([matcher]), DEMO_VOCAB)[0])
 
 
 def test_a_model_without_a_tokenizer_cannot_take_down_the_worker(tmp_path):
