@@ -74,12 +74,10 @@ class LaunchConfig:
                                   "from n-gram lookup in the request's own prompt and output, or from the Medusa "
                                   "heads when --model-id is a Medusa repository (medusa_num_heads and "
                                   "base_model_name_or_path in its config.json: the base model is served); the "
-                                  "output is "
-                                  "exactly that of --speculate 0 (greedy: the same tokens; sampling: the same "
-                                  "distribution, the same tokens per seed; penalties and grammars included). "
+                                  "output is exactly that of --speculate 0 (greedy: the same tokens; sampling: the "
+                                  "same distribution, the same tokens per seed; penalties and grammars included). "
                                   f"Default: 0 (off), or the Medusa heads' count; at most {MAX_SPECULATE} (each "
-                                  f"verify row computes 1 + N "
-                                  "positions, and its warm-up sizes the KV cache for them)",
+                                  "verify row computes 1 + N positions, and its warm-up sizes the KV cache for them)",
                                   minimum=0, maximum=MAX_SPECULATE)
     kv_cache_dtype: str | None = _flag("KV cache dtype: fp8_e4m3fn or fp8_e5m2 (per-tensor scales from the "
                                        "checkpoint's k_scale/v_scale or kv_scale, else 1.0) or int8 (our extension, "

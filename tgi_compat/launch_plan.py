@@ -51,7 +51,7 @@ def plan_server(config: LaunchConfig) -> ServerPlan:
     model_config = load_model_config(model_dir, rope_scaling=config.rope, quantize=config.quantize)
     log.info("checking the checkpoint in %s", model_dir)
     _check_checkpoint(model_dir, model_config)
-    check_tokenizer_files(model_dir)
+    _check_tokenizer_files(model_dir)
     _check_tokenizer_config(config.tokenizer_config_path)
     limits = resolve_limits(config, model_config.max_context, None)
     engine = plan_engine(engine_config(config, limits, model_dir, heads_dir))
@@ -141,11 +141,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "spiece.model", "tiktoken.model")
 
 
-def check_tokenizer_files(model_dir: str) -> None:
+def _check_tokenizer_files(model_dir: str) -> None:
     """A model without any tokenizer file is refused before a process starts (the front end would fail
     only once the shards were loading the weights)."""
-    from pathlib import Path
-
     if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): the server needs "
                          f"the model's tokenizer; use a repository that ships one, or copy tokenizer.json and "
