@@ -12,6 +12,11 @@ device's measured copy bandwidth that gives the fastest batch-1 decode possible,
     floor tokens/s = bandwidth / active bytes
 
 and the report gives ours as a fraction of it (the issue's target: >= 70%).
+
+``--routing-ab``: then batch-1 decode again with the routing and the expert alignment done by
+torch's ops (``moe_route_ref``, ``align_by_expert_torch``: about 30 launches per MoE layer) and by
+the kernels (``moe_route``, ``fused_moe``'s one-program alignment: two), engines built in turn,
+twice each: what those launches cost a decode step, before and after, in one run.
 """
 from __future__ import annotations
 
@@ -62,11 +67,48 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     return best
 
 
+def routing_ab(model_dir: str, rounds: int = 2, workload=None, kernel_backend: str | None = None
+               ) -> dict[str, list[float]]:
+    """Batch-1 decode tokens/s (engine_bench's workload unless ``workload``) with MoE routing by torch's
+    ops and by the kernels, alternating, ``rounds`` engines each."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    from engine.generation import Engine, EngineConfig
+    from engine.ops import TritonOps
+    from kernels import fused_moe, moe_route
+
+    from .workloads import batch1
+
+    def torch_route(self, logits, top_k, renormalize, round_dtype=None):
+        return moe_route.moe_route_ref(logits, top_k, renormalize, round_dtype)
+
+    rates = {"torch ops": [], "kernels": []}
+    for _ in range(rounds):
+        for name, runs in rates.items():
+            with ExitStack() as patches:
+                if name == "torch ops":
+                    patches.enter_context(mock.patch.object(TritonOps, "moe_route", torch_route))
+                    patches.enter_context(mock.patch.object(fused_moe, "ALIGN_MAX_PAIRS", 0))
+                engine = Engine(EngineConfig(model_dir=model_dir, kernel_backend=kernel_backend))
+                try:
+                    timed = workload or batch1(engine.model_config.vocab_size)
+                    runs.append(round(engine_bench.ours_decode_tokens_per_s(engine, timed), 1))
+                finally:
+                    engine.close()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rates
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", action="append", required=True, help="checkpoint directory (repeatable)")
     parser.add_argument("--requests", type=int, default=256, help="requests in the throughput workload")
     parser.add_argument("--no-peer", action="store_true", help="skip the transformers runs")
+    parser.add_argument("--routing-ab", action="store_true", help="also batch-1 decode with the MoE routing and "
+                        "expert alignment by torch's ops and by the kernels, in turn (module docstring)")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
     bandwidth = copy_bandwidth()
@@ -82,6 +124,11 @@ def main(argv=None) -> dict:
                        floor_fraction=numbers["ours_decode"] / floor)
         print(f"active weights {active / 1e9:.2f} GB of {total / 1e9:.2f} GB; batch-1 floor {floor:.1f} tokens/s; "
               f"ours {numbers['ours_decode']:.1f} = {100 * numbers['floor_fraction']:.0f}% of it (target >= 70%)")
+        if args.routing_ab:
+            numbers["routing_ab"] = rates = routing_ab(model_dir)
+            for name, runs in rates.items():
+                print(f"routing by {name}: batch-1 decode {runs} tokens/s = "
+                      f"{', '.join(f'{100 * r / floor:.0f}%' for r in runs)} of the floor")
         results[model_dir] = numbers
         gc.collect()
         torch.cuda.empty_cache()

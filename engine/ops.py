@@ -15,7 +15,7 @@ import os
 import torch
 
 from engine.worker.kv_cache import KVLayer
-from kernels import (decode_attention, fp8_gemm, fused_moe, gelu, layernorm, penalties, prefill_attention,
+from kernels import (decode_attention, fp8_gemm, fused_moe, gelu, layernorm, moe_route, penalties, prefill_attention,
                      quant_gemm, rmsnorm, rotary, silu_and_mul, skinny_gemm)
 
 BACKENDS = ("triton", "torch")
@@ -92,6 +92,11 @@ class TritonOps(KernelOps):
             return fp8_gemm.fp8_linear(x, weight, bias)
         return skinny_gemm.linear(x, weight, bias)
 
+    def moe_route(self, logits, top_k: int, renormalize: bool, round_dtype=None):
+        """(weights [T, k] float32, expert ids [T, k] int32): softmax, top-k, renormalised and rounded as
+        the config says (one launch)."""
+        return moe_route.moe_route(logits, top_k, renormalize, round_dtype)
+
     def fused_moe(self, x, w_gate_up, w_down, topk_weights, topk_ids):
         """Each token through its top-k experts, router-weighted and summed (one launch per projection)."""
         return fused_moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
@@ -141,6 +146,9 @@ class TorchOps(KernelOps):
         if isinstance(weight, fp8_gemm.Fp8Weight):
             return fp8_gemm.fp8_gemm_ref(x, weight, bias)
         return skinny_gemm.skinny_gemm_ref(x, weight, bias)
+
+    def moe_route(self, logits, top_k: int, renormalize: bool, round_dtype=None):
+        return moe_route.moe_route_ref(logits, top_k, renormalize, round_dtype)
 
     def fused_moe(self, x, w_gate_up, w_down, topk_weights, topk_ids):
         return fused_moe.fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids)

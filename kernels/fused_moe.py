@@ -62,10 +62,61 @@ def _grouped_gemm_kernel(
              mask=valid[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, used_ptr, num_pairs, num_experts, capacity,
+                  BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr,
+                  B_BLOCK: tl.constexpr):
+    """``align_by_expert`` in one program (``ALIGN_MAX_PAIRS`` pairs at most): the same layout."""
+    pairs = tl.arange(0, P_BLOCK)
+    is_pair = pairs < num_pairs
+    ids = tl.load(ids_ptr + pairs, mask=is_pair, other=E_BLOCK - 1).to(tl.int32)   # E_BLOCK > E: a spare bin
+    experts = tl.arange(0, E_BLOCK)
+    counts = tl.where(experts < num_experts, tl.histogram(ids, E_BLOCK), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    # a pair's row: its expert's first row, then one row per earlier pair of that expert (a stable sort)
+    earlier = (ids[:, None] == ids[None, :]) & (pairs[None, :] < pairs[:, None])
+    first = tl.sum(tl.where(ids[:, None] == experts[None, :], (end - padded)[None, :], 0), 1)
+    rows = first + tl.sum(earlier.to(tl.int32), 1)
+    slots = tl.arange(0, C_BLOCK)
+    tl.store(sorted_ids_ptr + slots, tl.full([C_BLOCK], 0, tl.int32) + num_pairs, mask=slots < capacity)
+    tl.debug_barrier()          # the padding is written before the pairs land on it
+    tl.store(sorted_ids_ptr + rows, pairs.to(tl.int32), mask=is_pair)
+    blocks = tl.arange(0, B_BLOCK)
+    # a block's expert: the experts whose padded runs end at or before the block's first row (searchsorted)
+    before = (end[None, :] <= (blocks * BLOCK_M)[:, None]) & (experts[None, :] < num_experts)
+    block_expert = tl.minimum(tl.sum(before.to(tl.int32), 1), num_experts - 1)
+    tl.store(block_expert_ptr + blocks, block_expert, mask=blocks * BLOCK_M < capacity)
+    tl.store(used_ptr + blocks, tl.zeros([B_BLOCK], tl.int32) + tl.sum(padded, 0), mask=blocks == 0)
+
+
+ALIGN_MAX_PAIRS = 128   # (token, choice) pairs that one program aligns (decode batches); more take torch's ops
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """(sorted_ids, block_expert, used): pair indices (token * k + j) grouped by expert, each
     expert's run padded to a multiple of ``block_m`` with the sentinel T * k; the expert of
-    each block; the used length (a 1-element tensor). Sizes depend only on T, k, E."""
+    each block; the used length (a 1-element tensor). Sizes depend only on T, k, E. Up to
+    ``ALIGN_MAX_PAIRS`` pairs one kernel builds it (``_align_kernel``; torch's ops took about 25
+    launches, each a few microseconds of a decode step); more pairs take ``align_by_expert_torch``."""
+    pairs = topk_ids.numel()
+    capacity = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+    if pairs > ALIGN_MAX_PAIRS or pairs == 0:
+        return align_by_expert_torch(topk_ids, num_experts, block_m)
+    device = topk_ids.device
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    used = torch.empty(1, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](
+        topk_ids.contiguous(), sorted_ids, block_expert, used, pairs, num_experts, capacity,
+        BLOCK_M=block_m, P_BLOCK=max(16, triton.next_power_of_2(pairs)),
+        E_BLOCK=triton.next_power_of_2(num_experts + 1), C_BLOCK=triton.next_power_of_2(capacity),
+        B_BLOCK=max(16, triton.next_power_of_2(capacity // block_m)), num_warps=8)
+    return sorted_ids, block_expert, used
+
+
+def align_by_expert_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """``align_by_expert`` in torch's ops (any number of pairs)."""
     flat = topk_ids.flatten().to(torch.int64)
     pairs = flat.numel()
     # counted by scatter_add, not bincount (which reads the max id on the host: no graph capture)
@@ -133,9 +184,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     _check(x, w_gate_up, w_down, topk_weights, topk_ids)
     tokens, top_k = topk_ids.shape
     experts, two_inter, hidden = w_gate_up.shape
-    out = torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
     if tokens == 0:
-        return out
+        return torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
     x = x.contiguous()
     pairs = tokens * top_k
     block_m = 16 if pairs <= 4 * experts else 64

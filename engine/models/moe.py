@@ -4,7 +4,8 @@ Their decoder is Llama's (``llama.LlamaFamilyModel``) with the MLP of a layer re
 sparse MoE block:
 
     logits  = h @ w_router.T                       [T, E]  (router replicated on every shard)
-    weights, ids = topk(softmax(logits in float32), k)     (renormalised to sum 1 if the config says)
+    weights, ids = topk(softmax(logits in float32), k)     (``KernelOps.moe_route``: renormalised, rounded
+                                                            as the config says)
     out     = sum_j weights[:, j] * expert_{ids[:, j]}(h)  (``KernelOps.fused_moe``: one launch per projection)
     out    += sigmoid(h @ w_shared_gate.T) * shared_expert(h)  (Qwen2-MoE's shared expert)
     all-reduce(out)                                         (each shard holds a slice of every expert)
@@ -102,13 +103,8 @@ class SparseMoE:
 
     def route(self, ops, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) as transformers' router computes them."""
-        logits = ops.linear(x, self.router)
-        weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.round_weights:
-            weights = weights.to(x.dtype).float()
-        return weights, ids
+        return ops.moe_route(ops.linear(x, self.router), self.top_k, self.renormalize,
+                             x.dtype if self.round_weights else None)
 
     def __call__(self, ops, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(ops, x)

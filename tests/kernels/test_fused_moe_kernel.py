@@ -1,9 +1,11 @@
-"""The fused MoE kernel equals its per-expert torch reference (and a plain dense computation)."""
+"""The fused MoE kernel equals its per-expert torch reference (and a plain dense computation); the
+one-program alignment equals torch's; the routing kernel equals transformers' softmax / top-k."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fused_moe import align_by_expert, fused_moe, fused_moe_ref
+from kernels.fused_moe import ALIGN_MAX_PAIRS, align_by_expert, align_by_expert_torch, fused_moe, fused_moe_ref
+from kernels.moe_route import moe_route, moe_route_ref
 
 TOL = {torch.bfloat16: (2e-2, 2e-2), torch.float32: (1e-5, 1e-5)}
 
@@ -75,3 +77,55 @@ def test_only_the_chosen_experts_weights_are_read(device):
     out = fused_moe(x, w_gate_up, w_down, weights, ids)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, fused_moe_ref(x, w_gate_up, w_down, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [
+    (1, 8, 128, 16),       # Qwen3-30B-A3B at batch 1
+    (16, 8, 128, 16),      # ALIGN_MAX_PAIRS pairs: the most one program takes
+    (32, 2, 8, 64),        # Mixtral's 64-row blocks (more pairs than 4 x experts)
+    (7, 3, 5, 4),          # ragged runs, an expert count that is not a power of two
+    (2, 1, 1, 16),         # one expert
+])
+def test_one_program_aligns_like_torch(device, tokens, top_k, experts, block_m):
+    """The one-program alignment (up to ALIGN_MAX_PAIRS pairs) builds torch's layout exactly: every
+    sorted pair, the padding, each block's expert and the used length."""
+    g = torch.Generator().manual_seed(tokens * 100 + experts)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(device)
+    assert ids.numel() <= ALIGN_MAX_PAIRS
+    ours = align_by_expert(ids.to(torch.int32), experts, block_m)
+    torch_ops = align_by_expert_torch(ids, experts, block_m)
+    for name, a, b in zip(("sorted_ids", "block_expert", "used"), ours, torch_ops):
+        assert torch.equal(a.cpu().long(), b.cpu().long()), name
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize,rounded", [
+    (1, 8, 2, True, False),        # Mixtral
+    (5, 128, 8, True, True),       # Qwen3-MoE
+    (3, 60, 4, False, True),       # Qwen1.5-MoE
+    (4, 7, 7, False, False),       # every expert, an odd count
+])
+def test_routing_equals_softmax_topk(device, logits_dtype, tokens, experts, top_k, renormalize, rounded):
+    # distinct logits, exact in bfloat16: no tie at the k-th place, where either expert would be right
+    logits = torch.stack([torch.randperm(experts) * (4 / experts) for _ in range(tokens)]).to(device, logits_dtype)
+    round_dtype = torch.bfloat16 if rounded else None
+    weights, ids = moe_route(logits, top_k, renormalize, round_dtype)
+    ref_weights, ref_ids = moe_route_ref(logits, top_k, renormalize, round_dtype)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 == ref_ids.dtype
+    # compared expert by expert (the order of the k slots is not the contract)
+    order, ref_order = ids.argsort(dim=-1), ref_ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(-1, order), ref_ids.gather(-1, ref_order))
+    tol = 2 ** -8 if rounded else 1e-6
+    torch.testing.assert_close(weights.gather(-1, order), ref_weights.gather(-1, ref_order), atol=tol, rtol=tol)
+    if renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(tokens, device=device), atol=tol * top_k, rtol=0)
+
+
+def test_routing_refuses_what_it_cannot_route(device):
+    logits = torch.randn(2, 4, device=device)
+    with pytest.raises(ValueError, match="top_k 5 must be 1 to the 4 experts"):
+        moe_route(logits, 5, True)
+    with pytest.raises(ValueError, match="contiguous along the experts"):
+        moe_route(logits.T, 1, True)
+    with pytest.raises(ValueError, match="round_dtype"):
+        moe_route(logits, 1, True, torch.int8)

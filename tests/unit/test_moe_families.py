@@ -67,12 +67,13 @@ def test_dense_layers_follow_mlp_only_layers_and_the_sparse_step():
     assert qwen_dense_layers({"num_hidden_layers": 4, "decoder_sparse_step": 2}) == (0, 2)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_router_takes_the_top_k_of_the_softmax_renormalised_or_not(renormalize):
+def test_router_takes_the_top_k_of_the_softmax_renormalised_or_not(renormalize, backend):
     router = torch.eye(5)
     block = SparseMoE(router, torch.zeros(5, 2, 5), torch.zeros(5, 5, 1), 2, renormalize, False, TensorParallel())
     probs = torch.tensor([[0.1, 0.3, 0.2, 0.15, 0.25]])
-    weights, ids = block.route(KernelOps.create("torch"), probs.log())
+    weights, ids = block.route(KernelOps.create(backend), probs.log())
     assert ids.tolist() == [[1, 4]]
     top = [[0.3, 0.25]] if not renormalize else [[0.3 / 0.55, 0.25 / 0.55]]
     torch.testing.assert_close(weights, torch.tensor(top))
@@ -102,3 +103,23 @@ def test_the_bench_floor_counts_the_published_active_parameters(name, active, to
     embedding = config.vocab_size * config.hidden_size
     assert (ours_active + embedding) / 1e9 == pytest.approx(active, rel=0.03)
     assert ours_total / 1e9 == pytest.approx(total, abs=0.05)
+
+
+def test_the_bench_routing_ab_routes_by_torch_then_by_the_kernels(tmp_path, monkeypatch):
+    """``bench.moe_bench --routing-ab``: the first engine of each round routes by torch's ops, the second
+    by the routing kernel (the Triton kernels, under the interpreter here)."""
+    from bench import moe_bench
+    from bench.workloads import Workload
+    from kernels import moe_route
+    from tests.tiny_models import save_tiny_model
+
+    calls = []
+    for name in ("moe_route", "moe_route_ref"):
+        original = getattr(moe_route, name)
+        monkeypatch.setattr(moe_route, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    path = save_tiny_model("qwen3_moe", tmp_path / "qwen3_moe")
+    rates = moe_bench.routing_ab(str(path), rounds=1, workload=Workload("tiny", [[5, 9, 13]], 2),
+                                 kernel_backend="triton")
+    assert set(rates) == {"torch ops", "kernels"} and all(len(r) == 1 and r[0] > 0 for r in rates.values())
+    first = calls.index("moe_route")
+    assert first > 0 and set(calls[:first]) == {"moe_route_ref"} and set(calls[first:]) == {"moe_route"}
