@@ -1,6 +1,8 @@
 """Decode linear layers on one GPU: cuBLAS ``F.linear`` against the Triton skinny GEMM's configs.
 
-    python -m bench.gemm_bench [--rows 1,2,4,8] [--shapes qkv,o_proj,...] [--json FILE]
+    python -m bench.gemm_bench [--rows 1,2,4,8] [--shapes qkv,o_proj,...,5120x2048] [--json FILE]
+
+A shape is one of Llama-2-7B's projections by name or any ``NxK`` (another model's layers).
 
 For each Llama-2-7B projection (N, K) and each row count M it times
 
@@ -47,6 +49,16 @@ from kernels.skinny_gemm import (
 LLAMA2_7B = {"qkv": (12288, 4096), "o_proj": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
              "lm_head": (32000, 4096)}
 LAYER_SHAPES = ("qkv", "o_proj", "gate_up", "down")
+
+
+def shape_of(name: str) -> tuple[int, int]:
+    """(N, K) of a Llama-2-7B projection's name or of ``NxK``; ValueError for anything else."""
+    if name in LLAMA2_7B:
+        return LLAMA2_7B[name]
+    n, sep, k = name.partition("x")
+    if sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0:
+        return int(n), int(k)
+    raise ValueError(f"unknown shape {name!r}: use one of {', '.join(LLAMA2_7B)} or NxK (e.g. 5120x2048)")
 NUM_LAYERS = 32
 SMEM_BUDGET = 200 * 1024   # bytes of pipeline buffers a dot config may ask for (H100: 227 KiB a block)
 GRAPH_TARGET_US = 1500.0   # aim each graph replay at about this long
@@ -223,7 +235,7 @@ def _cfg_str(cfg) -> str:
 
 
 def bench_shape(M: int, name: str, weights: list[torch.Tensor], top: int, compile_threads: int) -> dict:
-    N, K = LLAMA2_7B[name]
+    N, K = shape_of(name)
     bench = ShapeBench(M, N, K, weights, compile_threads)
     started = time.perf_counter()
     cublas = bench.cublas_us()
@@ -286,7 +298,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,4,8", help=f"comma-separated M values (1..{MAX_ROWS})")
     parser.add_argument("--shapes", default=",".join(LLAMA2_7B),
-                        help="comma-separated subset of " + ",".join(LLAMA2_7B))
+                        help="comma-separated Llama-2-7B projections (" + ",".join(LLAMA2_7B) + ") or NxK shapes")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--top", type=int, default=4, help="coarse-stage configs refined in the second stage")
     parser.add_argument("--compile-threads", type=int, default=min(16, os.cpu_count() or 1),
@@ -299,9 +311,10 @@ def main(argv=None) -> dict:
     if any(not 1 <= m <= MAX_ROWS for m in rows_list):
         raise SystemExit(f"--rows must be in 1..{MAX_ROWS}, got {args.rows}")
     names = args.shapes.split(",")
-    unknown = [n for n in names if n not in LLAMA2_7B]
-    if unknown:
-        raise SystemExit(f"unknown shapes {unknown}; choose from {list(LLAMA2_7B)}")
+    try:
+        shapes = {name: shape_of(name) for name in names}
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -311,7 +324,7 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     rows = []
     for name in names:
-        weights = rotating_weights(*LLAMA2_7B[name], dtype, device)
+        weights = rotating_weights(*shapes[name], dtype, device)
         for M in rows_list:
             rows.append(bench_shape(M, name, weights, args.top, args.compile_threads))
         del weights
