@@ -4,7 +4,7 @@
 #                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant,
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
 #                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8),
-#                                         moe_routing (MoE routing kernels against torch's ops),
+#                                         moe_routing (the MoE launch work, step by step),
 #                                         wquant_families (quantized Phi-3 / StarCoder2), spec (speculative
 #                                         decoding), spec_chain (its chained rows on / off), spec_medusa (the
 #                                         demo's Medusa heads against n-gram lookup), verify_attn (the
@@ -247,16 +247,19 @@ for stage in $stages; do
         rm -rf "$MOE_DIR/$name"-*l
       done ;;
     moe_routing)
-      # MoE routing and expert alignment by the kernels (kernels.moe_route, fused_moe's one-program alignment)
-      # against torch's ops, batch-1 decode of Qwen3-30B-A3B (16 layers) and Mixtral-8x7B (8 layers), engines
-      # built in turn (bench.moe_bench --routing-ab), then the floor fraction of the landed kernels
+      # What each step of the MoE launch work brings to batch-1 decode (bench.moe_bench --routing-ab): from torch's
+      # routing and alignment, through the routing kernels, the one-token expert kernels and Qwen2-MoE's shared
+      # expert inside them, to Qwen3's q/k norms inside the rotary kernel; one MoE block in a CUDA graph per
+      # variant, then an engine per variant. Qwen3-30B-A3B (16 layers), Qwen1.5-MoE-A2.7B (all 24) and
+      # Mixtral-8x7B (8 layers), with --requests 64 for the throughput line (about 3 minutes a model on an H100)
       MOE_DIR=${MOE_DIR:-/tmp/moe}; mkdir -p "$MOE_DIR"; rc=0
-      for spec in qwen3-30b-a3b:16 mixtral-8x7b:8; do
+      for spec in qwen3-30b-a3b:16 qwen1.5-moe-a2.7b:24 mixtral-8x7b:8; do
         dir=$MOE_DIR/${spec%:*}-${spec#*:}l
         [ -f "$dir/config.json" ] || python3 -m weights.random_checkpoint --config ${spec%:*} --out "$dir" \
           --dtype bfloat16 --device cuda --num-layers ${spec#*:} 2>&1 | tail -1
-        python3 -m bench.moe_bench --no-peer --routing-ab --model-dir "$dir" --json "$OUT/moe_routing_${spec%:*}.json" \
-          2>&1 | tee -a "$OUT/moe_routing.log" | grep -E "bandwidth|routing by|floor" | tail -6
+        python3 -m bench.moe_bench --no-peer --routing-ab --requests 64 --model-dir "$dir" \
+          --json "$OUT/moe_routing_${spec%:*}.json" 2>&1 | tee -a "$OUT/moe_routing.log" \
+          | grep -E "bandwidth|routing by|floor|MoE block" | tail -8
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         rm -rf "$dir"
       done ;;

@@ -13,10 +13,13 @@ device's measured copy bandwidth that gives the fastest batch-1 decode possible,
 
 and the report gives ours as a fraction of it (the issue's target: >= 70%).
 
-``--routing-ab``: then batch-1 decode again with the routing and the expert alignment done by
-torch's ops (``moe_route_ref``, ``align_by_expert_torch``: about 30 launches per MoE layer) and by
-the kernels (``moe_route``, ``fused_moe``'s one-program alignment: two), engines built in turn,
-twice each: what those launches cost a decode step, before and after, in one run.
+``--routing-ab``: then one MoE block at batch 1 in a CUDA graph (``moe_layer_ab``), and batch-1
+decode again (``routing_ab``), as each of ``ROUTING_VARIANTS``, every one adding a change to the
+one before: torch's ops for routing and alignment (``moe_route_ref``, ``align_by_expert_torch``:
+about 30 launches per MoE layer), grouped GEMMs and Qwen3's q/k norms as launches of their own
+(before); the routing and alignment kernels; the one-token path (two matrix-vector launches, no
+alignment); Qwen2-MoE's shared expert inside the one-token path; the q/k norms inside the rotary
+kernel (today). Before and after, in one run.
 """
 from __future__ import annotations
 
@@ -67,29 +70,69 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     return best
 
 
-def routing_ab(model_dir: str, rounds: int = 2, workload=None, kernel_backend: str | None = None
-               ) -> dict[str, list[float]]:
-    """Batch-1 decode tokens/s (engine_bench's workload unless ``workload``) with MoE routing by torch's
-    ops and by the kernels, alternating, ``rounds`` engines each."""
+ROUTING_VARIANTS = ("before: torch's routing, head norms apart", "+ routing kernels", "+ one-token experts",
+                    "+ shared expert in the one-token kernels", "+ head norms in rotary")
+
+
+def _variant(name: str):
+    """Patches that make the model run as ``name`` of ``ROUTING_VARIANTS`` says, each variant adding
+    one change to the one before: torch's ops for routing and alignment, the grouped GEMMs at every
+    batch and Qwen3's q/k norms as two rmsnorm launches (how this stood before); the routing and
+    alignment kernels; the one-token path at batch 1; the q/k norms inside the rotary kernel (today)."""
     from contextlib import ExitStack
     from unittest import mock
 
-    from engine.generation import Engine, EngineConfig
+    from engine.models.layers import QKNormAttention
     from engine.ops import TritonOps
     from kernels import fused_moe, moe_route
-
-    from .workloads import batch1
 
     def torch_route(self, logits, top_k, renormalize, round_dtype=None):
         return moe_route.moe_route_ref(logits, top_k, renormalize, round_dtype)
 
-    rates = {"torch ops": [], "kernels": []}
+    def norms_apart(self, ops, hidden):
+        q, k, v = super(QKNormAttention, self).project_qkv(ops, hidden)
+        tokens, d = q.shape[0], self.head_dim
+        q = ops.rmsnorm(q.reshape(-1, d), self.q_norm, self.eps).view(tokens, self.num_heads, d)
+        k = ops.rmsnorm(k.reshape(-1, d), self.k_norm, self.eps).view(tokens, self.num_kv_heads, d)
+        return q, k, v
+
+    one_token = fused_moe._fused_moe_one_token
+
+    def shared_apart(x, w_gate_up, w_down, topk_weights, topk_ids, shared):
+        out = one_token(x, w_gate_up, w_down, topk_weights, topk_ids, None)
+        if shared is None:
+            return out
+        expert = ops.linear(ops.silu_and_mul(ops.linear(x, shared.gate_up)), shared.down)
+        return out + torch.sigmoid(shared.gate_logits) * expert
+
+    ops = TritonOps()
+    level = ROUTING_VARIANTS.index(name)
+    patches = ExitStack()
+    if level < 1:
+        patches.enter_context(mock.patch.object(TritonOps, "moe_route", torch_route))
+        patches.enter_context(mock.patch.object(fused_moe, "ALIGN_MAX_PAIRS", 0))
+    if level < 2:
+        patches.enter_context(mock.patch.object(fused_moe, "ONE_TOKEN_TOKENS", 0))
+    if level < 3:
+        patches.enter_context(mock.patch.object(fused_moe, "_fused_moe_one_token", shared_apart))
+    if level < 4:
+        patches.enter_context(mock.patch.object(QKNormAttention, "project_qkv", norms_apart))
+        patches.enter_context(mock.patch.object(QKNormAttention, "head_norms", lambda self: None))
+    return patches
+
+
+def routing_ab(model_dir: str, rounds: int = 1, workload=None, kernel_backend: str | None = None
+               ) -> dict[str, list[float]]:
+    """Batch-1 decode tokens/s (engine_bench's workload unless ``workload``) with each of
+    ``ROUTING_VARIANTS`` in turn, ``rounds`` engines each."""
+    from engine.generation import Engine, EngineConfig
+
+    from .workloads import batch1
+
+    rates = {name: [] for name in ROUTING_VARIANTS}
     for _ in range(rounds):
         for name, runs in rates.items():
-            with ExitStack() as patches:
-                if name == "torch ops":
-                    patches.enter_context(mock.patch.object(TritonOps, "moe_route", torch_route))
-                    patches.enter_context(mock.patch.object(fused_moe, "ALIGN_MAX_PAIRS", 0))
+            with _variant(name):
                 engine = Engine(EngineConfig(model_dir=model_dir, kernel_backend=kernel_backend))
                 try:
                     timed = workload or batch1(engine.model_config.vocab_size)
@@ -100,6 +143,62 @@ def routing_ab(model_dir: str, rounds: int = 2, workload=None, kernel_backend: s
             gc.collect()
             torch.cuda.empty_cache()
     return rates
+
+
+def moe_layer_ab(config, layers: int = 8, replays: int = 20) -> dict[str, float]:
+    """Microseconds per MoE block at batch 1 (router, routing, experts), ``layers`` blocks of random
+    weights in the shapes of ``config`` replayed from one CUDA graph, for each of ``ROUTING_VARIANTS``
+    and each one-token tile of ``ONE_TOKEN_SWEEP`` (GPU only)."""
+    from engine.models.moe import SparseMoE
+    from engine.models.parallel import TensorParallel
+    from engine.ops import TritonOps
+    from kernels import fused_moe
+
+    h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    s = config.shared_expert_intermediate_size
+
+    def rand(*shape):
+        return (torch.randn(*shape, device="cuda", generator=gen) / shape[-1] ** 0.5).bfloat16()
+
+    blocks = [SparseMoE(rand(e + (1 if s else 0), h), rand(e, 2 * i, h), rand(e, h, i), config.top_k,
+                        config.norm_topk_prob, config.round_router_weights, TensorParallel(),
+                        rand(2 * s, h) if s else None, rand(h, s) if s else None)
+              for _ in range(layers)]
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+    ops, results = TritonOps(), {}
+
+    def timed(label: str) -> None:
+        for block in blocks:         # compile before capture
+            block(ops, x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for block in blocks:
+                block(ops, x)
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        results[label] = round(start.elapsed_time(end) * 1e3 / replays / layers, 1)
+
+    for name in ROUTING_VARIANTS[:4]:        # the head norms are not in this block
+        with _variant(name):
+            timed(name)
+    from unittest import mock
+    for gate_up, down in ONE_TOKEN_SWEEP:
+        with mock.patch.object(fused_moe, "ONE_TOKEN_TILES", gate_up), \
+             mock.patch.object(fused_moe, "ONE_TOKEN_DOWN_TILES", down):
+            timed(f"one-token tiles {gate_up} {down}")
+    active = (3 * h * i * config.top_k + 3 * h * s + (e + 1) * h) * 2
+    print(f"MoE block at batch 1 (hidden {h}, {e} experts of {i}, top {config.top_k}, shared {s}): "
+          f"{active / 1e6:.1f} MB read a block; microseconds a block: {results}")
+    return results
+
+
+ONE_TOKEN_SWEEP = (((8, 256, 3), (8, 128, 3)), ((4, 512, 3), (8, 64, 3)), ((4, 512, 3), (8, 256, 3)))
 
 
 def main(argv=None) -> dict:
@@ -125,6 +224,7 @@ def main(argv=None) -> dict:
         print(f"active weights {active / 1e9:.2f} GB of {total / 1e9:.2f} GB; batch-1 floor {floor:.1f} tokens/s; "
               f"ours {numbers['ours_decode']:.1f} = {100 * numbers['floor_fraction']:.0f}% of it (target >= 70%)")
         if args.routing_ab:
+            numbers["moe_layer_ab"] = moe_layer_ab(load_model_config(model_dir))
             numbers["routing_ab"] = rates = routing_ab(model_dir)
             for name, runs in rates.items():
                 print(f"routing by {name}: batch-1 decode {runs} tokens/s = "
@@ -136,6 +236,7 @@ def main(argv=None) -> dict:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return results
+
 
 
 if __name__ == "__main__":

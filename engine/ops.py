@@ -48,9 +48,10 @@ class TritonOps(KernelOps):
     def add_rmsnorm(self, x, residual, weight, eps: float):
         return rmsnorm.add_rmsnorm(x, residual, weight, eps)
 
-    def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, kv: KVLayer, slots) -> None:
-        """Rotate q in place; rotated k and v into their slots of the KV cache (no cos_sin_cache: no rotation)."""
-        rotary.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales)
+    def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, kv: KVLayer, slots, head_norms=None) -> None:
+        """Rotate q in place; rotated k and v into their slots of the KV cache (no cos_sin_cache: no rotation);
+        ``head_norms`` (q_norm, k_norm, eps): q and k heads RMS-normed first."""
+        rotary.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales, head_norms)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
                           max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None):
@@ -97,9 +98,10 @@ class TritonOps(KernelOps):
         the config says (one launch)."""
         return moe_route.moe_route(logits, top_k, renormalize, round_dtype)
 
-    def fused_moe(self, x, w_gate_up, w_down, topk_weights, topk_ids):
-        """Each token through its top-k experts, router-weighted and summed (one launch per projection)."""
-        return fused_moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    def fused_moe(self, x, w_gate_up, w_down, topk_weights, topk_ids, shared=None):
+        """Each token through its top-k experts, router-weighted and summed (one launch per projection), plus
+        the ``shared`` expert (``kernels.fused_moe.SharedExpert``) if there is one."""
+        return fused_moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, shared)
 
 
 class TorchOps(KernelOps):
@@ -111,8 +113,8 @@ class TorchOps(KernelOps):
     def add_rmsnorm(self, x, residual, weight, eps: float):
         return rmsnorm.add_rmsnorm_ref(x, residual, weight, eps)
 
-    def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, kv: KVLayer, slots) -> None:
-        rotary.rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales)
+    def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, kv: KVLayer, slots, head_norms=None) -> None:
+        rotary.rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales, head_norms)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
                           max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None):
@@ -150,5 +152,5 @@ class TorchOps(KernelOps):
     def moe_route(self, logits, top_k: int, renormalize: bool, round_dtype=None):
         return moe_route.moe_route_ref(logits, top_k, renormalize, round_dtype)
 
-    def fused_moe(self, x, w_gate_up, w_down, topk_weights, topk_ids):
-        return fused_moe.fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids)
+    def fused_moe(self, x, w_gate_up, w_down, topk_weights, topk_ids, shared=None):
+        return fused_moe.fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, shared)

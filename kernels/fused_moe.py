@@ -13,15 +13,34 @@ blocks past the used length return at once.
 Launch 1: gate|up of every pair ([T*k, 2I]); the existing ``silu_and_mul`` kernel; launch 2:
 down of every pair, scaled by its router weight ([T*k, H]); the k rows of a token are then
 summed. Float32 inputs use exact (IEEE) dot products, like the other GEMM kernels.
+
+One token (batch-1 decode: its k experts are distinct, so nothing is shared between pairs)
+takes two matrix-vector kernels instead, with no alignment and no padded rows:
+``_one_token_gate_up_kernel`` (grid: k pairs, plus the shared expert if any, x blocks of I)
+writes silu(gate) * up of each pair, and ``_one_token_down_kernel`` (grid: blocks of H) reads
+the k experts' rows side by side, scales each output by its router weight, sums them and adds
+the shared expert's gated output. Both round as the two-launch path does.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_tensor, upcast_dots
+from . import skinny_gemm
+from ._checks import check_last_dim_contiguous, check_tensor, upcast_dots
+from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
+from ._rounding import round_to
 from .silu_and_mul import silu_and_mul, silu_and_mul_ref
+
+
+class SharedExpert(NamedTuple):
+    """Qwen2-MoE's shared expert, which every token takes: ``sigmoid(gate_logits) * down(silu(gate(x)) * up(x))``."""
+    gate_up: torch.Tensor        # [2 * I_shared, H]: gate rows, then up rows
+    down: torch.Tensor           # [H, I_shared]
+    gate_logits: torch.Tensor    # [T, 1]: x @ shared_expert_gate.T, in x's dtype
 
 
 @triton.jit
@@ -88,6 +107,100 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, used_ptr, num_pairs
     block_expert = tl.minimum(tl.sum(before.to(tl.int32), 1), num_experts - 1)
     tl.store(block_expert_ptr + blocks, block_expert, mask=blocks * BLOCK_M < capacity)
     tl.store(used_ptr + blocks, tl.zeros([B_BLOCK], tl.int32) + tl.sum(padded, 0), mask=blocks == 0)
+
+
+@triton.jit
+def _one_token_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, inter, hidden, stride_we, stride_wn,
+                              shared_w_ptr, shared_act_ptr, shared_inter, shared_stride_wn, top_k,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                              PDL: tl.constexpr):
+    """act[j, cols] = silu(x @ gate_e[cols].T) * (x @ up_e[cols].T), e = ids[j], rounded as silu_and_mul;
+    pair ``top_k`` (when the grid has it) is the shared expert, into shared_act."""
+    pair = tl.program_id(0)
+    block = tl.program_id(1)
+    ks = tl.arange(0, BLOCK_K)
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
+    if pair < top_k:
+        w_base = w_ptr + tl.load(ids_ptr + pair).to(tl.int64) * stride_we
+        n = inter
+        stride_n = stride_wn
+        out_ptr = act_ptr + pair * inter
+    else:
+        w_base = shared_w_ptr
+        n = shared_inter
+        stride_n = shared_stride_wn
+        out_ptr = shared_act_ptr
+    if block * BLOCK_N >= n:
+        return
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (cols % n).to(tl.int64)              # past-the-end columns re-read valid rows (stores are masked)
+    gate_ptrs = w_base + rows[:, None] * stride_n + ks[None, :]
+    up_ptrs = gate_ptrs + n * stride_n
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=NUM_STAGES):
+        k_ok = (k0 + ks) < hidden
+        x = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        acc_gate += tl.load(gate_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first").to(tl.float32) * x
+        acc_up += tl.load(up_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first").to(tl.float32) * x
+    dtype = act_ptr.dtype.element_ty
+    gate = round_to(tl.sum(acc_gate, 1), dtype).to(tl.float32)    # the gate|up output, rounded to the dtype
+    up = round_to(tl.sum(acc_up, 1), dtype).to(tl.float32)
+    act = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+    tl.store(out_ptr + cols, round_to(act * up, dtype), mask=cols < n)
+
+
+@triton.jit
+def _one_token_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, stride_we, stride_wn,
+                           shared_act_ptr, shared_w_ptr, shared_gate_ptr, shared_inter, shared_stride_wn,
+                           TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           NUM_STAGES: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
+    """out[cols] = sum_j round(round(act[j] @ down_e[cols].T) * weights[j]), e = ids[j]. The k experts are
+    read side by side (one [K_BLOCK, BLOCK_N, BLOCK_K] tile a step), not one after another: a short
+    loop per expert would leave the loads unpipelined between experts. ``SHARED``: plus the shared
+    expert's output, sigmoid(gate logit) * (shared_act @ shared_down[cols].T), rounded as torch's ops."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (cols % hidden).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    slots = tl.arange(0, K_BLOCK)
+    slot_ok = slots < TOP_K
+    dtype = out_ptr.dtype.element_ty
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
+    experts = tl.load(ids_ptr + slots, mask=slot_ok, other=0).to(tl.int64)
+    w_ptrs = w_ptr + experts[:, None, None] * stride_we + rows[None, :, None] * stride_wn + ks[None, None, :]
+    a_ptrs = act_ptr + slots[:, None] * inter + ks[None, :]
+    acc = tl.zeros([K_BLOCK, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, inter, BLOCK_K, num_stages=NUM_STAGES):
+        k_ok = slot_ok[:, None] & ((k0 + ks) < inter)[None, :]
+        a = tl.load(a_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=k_ok[:, None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * a[:, None, :]
+    y = round_to(tl.sum(acc, 2), dtype).to(tl.float32)                  # [K_BLOCK, BLOCK_N]: each expert's output
+    y = y * tl.load(weights_ptr + slots, mask=slot_ok, other=0.0)[:, None]
+    out = round_to(tl.sum(round_to(y, dtype).to(tl.float32), 0), dtype)
+    if SHARED:
+        shared = _row_block_gemv(shared_act_ptr, shared_w_ptr + rows[:, None] * shared_stride_wn, shared_inter,
+                                 BLOCK_N, BLOCK_K * K_BLOCK, NUM_STAGES)
+        gate = tl.load(shared_gate_ptr).to(tl.float32)
+        gate = round_to(1.0 / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+        mixed = round_to(gate * round_to(shared, dtype).to(tl.float32), dtype).to(tl.float32)
+        out = round_to(out.to(tl.float32) + mixed, dtype)
+    tl.store(out_ptr + cols, out, mask=cols < hidden)
+
+
+@triton.jit
+def _row_block_gemv(x_ptr, w_rows, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """float32 [BLOCK_N]: the weight rows at ``w_rows`` ([BLOCK_N, 1] pointers) times the vector x [k]."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
+        k_ok = (k0 + ks) < k
+        x = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k0 + ks[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x[None, :]
+    return tl.sum(acc, 1)
 
 
 ALIGN_MAX_PAIRS = 128   # (token, choice) pairs that one program aligns (decode batches); more take torch's ops
@@ -164,10 +277,12 @@ def _grouped_gemm(a, w, out, align, num_pairs: int, a_row_div: int, weights, blo
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=num_stages)
 
 
-def _check(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
+def _check(x, w_gate_up, w_down, topk_weights, topk_ids, shared: SharedExpert | None = None) -> None:
     check_tensor("x", x, 2)
     check_tensor("w_gate_up", w_gate_up, 3)
     check_tensor("w_down", w_down, 3)
+    check_last_dim_contiguous("w_gate_up", w_gate_up)
+    check_last_dim_contiguous("w_down", w_down)
     experts, two_inter, hidden = w_gate_up.shape
     if x.shape[1] != hidden or w_down.shape != (experts, hidden, two_inter // 2):
         raise ValueError(f"fused_moe shapes disagree: x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)}, "
@@ -175,18 +290,30 @@ def _check(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must both be [T={x.shape[0]}, k]")
+    if shared is not None:
+        two_shared, shared_hidden = shared.gate_up.shape
+        if (shared_hidden != hidden or two_shared % 2 or shared.down.shape != (hidden, two_shared // 2)
+                or shared.gate_logits.shape != (x.shape[0], 1)):
+            raise ValueError(f"shared expert shapes disagree: gate_up {tuple(shared.gate_up.shape)}, down "
+                             f"{tuple(shared.down.shape)}, gate_logits {tuple(shared.gate_logits.shape)} (expected "
+                             f"[2I, H={hidden}], [H, I] and [T={x.shape[0]}, 1])")
+        for name in ("gate_up", "down"):
+            check_last_dim_contiguous(f"shared {name}", getattr(shared, name))
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, shared: SharedExpert | None = None) -> torch.Tensor:
     """x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I];
-    topk_weights [T, k] float32, topk_ids [T, k] -> [T, H] in x's dtype."""
-    _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    topk_weights [T, k] float32, topk_ids [T, k] -> [T, H] in x's dtype; plus the ``shared`` expert's
+    output (one token: inside the down kernel; more: the skinny GEMM's launches, then torch's)."""
+    _check(x, w_gate_up, w_down, topk_weights, topk_ids, shared)
     tokens, top_k = topk_ids.shape
     experts, two_inter, hidden = w_gate_up.shape
     if tokens == 0:
         return torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
     x = x.contiguous()
+    if tokens <= ONE_TOKEN_TOKENS:
+        return _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared)
     pairs = tokens * top_k
     block_m = 16 if pairs <= 4 * experts else 64
     align = align_by_expert(topk_ids, experts, block_m)
@@ -195,17 +322,64 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     act = silu_and_mul(gate_up)
     down = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w_down, down, align, pairs, 1, topk_weights.contiguous().float(), block_m)
-    return down.view(tokens, top_k, hidden).sum(dim=1)
+    out = down.view(tokens, top_k, hidden).sum(dim=1)
+    if shared is None:
+        return out
+    expert = skinny_gemm.linear(silu_and_mul(skinny_gemm.linear(x, shared.gate_up)), shared.down)
+    return out + torch.sigmoid(shared.gate_logits) * expert
+
+
+ONE_TOKEN_TOKENS = 1         # a batch of this many tokens takes the one-token path (benches set 0: never)
+# (BLOCK_N, BLOCK_K, num_stages) of gate|up and of down (for 8 experts; BLOCK_K scales as 8 / k), from
+# bench.moe_bench --routing-ab on one H100, Qwen3-30B-A3B's block at batch 1: 36.8 us with (8, 256, 3) and
+# (8, 64, 3); gate|up (4, 512, 3) 35.2; down (8, 128, 3) 35.6, (4, 128, 4) 35.5. Qwen1.5-MoE-A2.7B's block
+# (with its shared expert, before it joined these kernels): 58.7 us with these against 61.5 with (8, 256, 3)
+ONE_TOKEN_TILES = (4, 512, 3)
+ONE_TOKEN_DOWN_TILES = (8, 128, 3)
+
+
+def _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared: SharedExpert | None
+                         ) -> torch.Tensor:
+    """``fused_moe`` of one token: two matrix-vector launches, the shared expert's in them (module docstring)."""
+    experts, two_inter, hidden = w_gate_up.shape
+    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    k_block = triton.next_power_of_2(top_k)
+    if x.is_cuda:
+        (block_n, block_k, stages), (down_n, down_k, down_stages) = ONE_TOKEN_TILES, ONE_TOKEN_DOWN_TILES
+        down_k = max(16, down_k * 8 // k_block)     # for any k, the tile holds as many weights as for 8 experts
+    else:
+        (block_n, block_k, stages), (down_n, down_k, down_stages) = (16, 64, 1), (16, 32, 1)
+    ids = topk_ids.reshape(-1).contiguous()
+    act = torch.empty((top_k, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty((1, hidden), dtype=x.dtype, device=x.device)
+    pdl = launch_options(x)
+    # the shared expert, when there is one, is the gate|up launch's last pair
+    shared_inter = shared.down.shape[1] if shared is not None else 0
+    shared_act = torch.empty((1, shared_inter), dtype=x.dtype, device=x.device) if shared is not None else act
+    gate_up_shared = (shared.gate_up, shared_act, shared_inter, shared.gate_up.stride(0)) if shared is not None \
+        else (w_gate_up, act, 0, 1)                  # unread stand-ins
+    _one_token_gate_up_kernel[(top_k + (shared is not None), triton.cdiv(max(inter, shared_inter), block_n))](
+        x, w_gate_up, ids, act, inter, hidden, w_gate_up.stride(0), w_gate_up.stride(1), *gate_up_shared, top_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=4, **pdl)
+    shared_args = (shared_act, shared.down, shared.gate_logits, shared_inter, shared.down.stride(0)) \
+        if shared is not None else (act, w_down, ids, 0, 1)
+    _one_token_down_kernel[(triton.cdiv(hidden, down_n),)](
+        act, w_down, ids, topk_weights.reshape(-1).contiguous().float(), out, hidden, inter,
+        w_down.stride(0), w_down.stride(1), *shared_args, TOP_K=top_k, K_BLOCK=k_block, BLOCK_N=down_n,
+        BLOCK_K=down_k, NUM_STAGES=down_stages, SHARED=shared is not None, num_warps=4, **pdl)
+    return out
 
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, shared: SharedExpert | None = None) -> torch.Tensor:
     """The same, one expert at a time (transformers' loop)."""
-    _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    _check(x, w_gate_up, w_down, topk_weights, topk_ids, shared)
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids).tolist():
         token, slot = torch.where(topk_ids == expert)
         act = silu_and_mul_ref(x[token] @ w_gate_up[expert].T)
         y = (act @ w_down[expert].T) * topk_weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
-    return out
+    if shared is None:
+        return out
+    return out + torch.sigmoid(shared.gate_logits) * (silu_and_mul_ref(x @ shared.gate_up.T) @ shared.down.T)

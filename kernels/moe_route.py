@@ -64,7 +64,7 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool,
         _route_kernel[(tokens,)](
             logits, weights, ids, experts, logits.stride(0),
             K=top_k, K_BLOCK=triton.next_power_of_2(top_k), E_BLOCK=e_block, RENORMALIZE=renormalize,
-            ROUND_DTYPE=ROUND_DTYPES[round_dtype or torch.float32], num_warps=4 if e_block <= 1024 else 8,
+            ROUND_DTYPE=ROUND_DTYPES[round_dtype or torch.float32], num_warps=1 if e_block <= 256 else 4,
             **launch_options(logits))
     return weights, ids
 

@@ -14,7 +14,8 @@ by the caller for every rope variant; the kernel only gathers row ``positions[t]
 With ``x1 = x[..., :D/2]`` and ``x2 = x[..., D/2:]``:
 ``out1 = x1 * cos - x2 * sin`` and ``out2 = x2 * cos + x1 * sin`` (float32 math, rounded to
 the dtype). One kernel instead of a rotary kernel plus a copy kernel saves a launch and a
-round trip of K through memory per layer.
+round trip of K through memory per layer. Qwen3's per-head q/k RMSNorm (``head_norms``) runs in
+the same kernel before the rotation: two launches fewer a layer.
 Grid: (token, block of heads); each program handles a block of q heads and of kv heads.
 """
 from __future__ import annotations
@@ -33,20 +34,38 @@ from ._checks import (
 from ._kv_quant import KV_DTYPES, check_kv, quantize, quantize_ref, row_scales, scale_args
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
+from .rmsnorm import rmsnorm_ref
+
+
+@triton.jit
+def _head_rmsnorm(x1, x2, weight_ptr, eps, offs_d, half):
+    """Heads [BLOCK_H, D] held as two halves, each RMS-normed over D and scaled by ``weight`` [D], rounded
+    as ``kernels.rmsnorm`` (and transformers' RMSNorm): the normalised value to the dtype, then the product."""
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    rstd = tl.math.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * half) + eps)[:, None]
+    w1 = tl.load(weight_ptr + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(weight_ptr + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
+    n1 = round_to(w1 * round_to(a * rstd, x1.dtype).to(tl.float32), x1.dtype)
+    n2 = round_to(w2 * round_to(b * rstd, x1.dtype).to(tl.float32), x1.dtype)
+    return n1, n2
 
 
 @triton.jit
 def _write_heads(src_ptr, src_stride_head, dst_ptr, dst_stride_head, heads, head_block, cos, sin, offs_d, half,
                   BLOCK_H: tl.constexpr, ROTATE: tl.constexpr, scale_ptr=None, stride_scale_head=0,
-                  KV_SCALES: tl.constexpr = 0):
+                  KV_SCALES: tl.constexpr = 0, norm_ptr=None, eps=0.0, NORM: tl.constexpr = False):
     """dst heads of the block <- the src heads rotated (``ROTATE``) or copied as they are; into a quantized
-    cache (``KV_SCALES``) quantized, int8's per-head scales written at ``scale_ptr``."""
+    cache (``KV_SCALES``) quantized, int8's per-head scales written at ``scale_ptr``. ``NORM``: each head
+    RMS-normed over the head dim with the weight at ``norm_ptr`` first (``_head_rmsnorm``)."""
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (offs_h[:, None] < heads) & (offs_d[None, :] < half)
     src1 = src_ptr + offs_h[:, None] * src_stride_head + offs_d[None, :]
     dst1 = dst_ptr + offs_h[:, None] * dst_stride_head + offs_d[None, :]
     x1 = tl.load(src1, mask=mask, other=0.0)
     x2 = tl.load(src1 + half, mask=mask, other=0.0)
+    if NORM:
+        x1, x2 = _head_rmsnorm(x1, x2, norm_ptr, eps, offs_d, half)
     if ROTATE:
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
@@ -81,7 +100,7 @@ def _rotary_store_kv_kernel(
     q_heads, kv_heads, half,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
-    ROTARY: tl.constexpr = True,
+    ROTARY: tl.constexpr = True, q_norm_ptr=None, k_norm_ptr=None, eps=0.0, HEAD_NORM: tl.constexpr = False,
 ):
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
@@ -95,7 +114,7 @@ def _rotary_store_kv_kernel(
         if head_block * BLOCK_H < q_heads:
             q_row = q_ptr + token * stride_q_token
             _write_heads(q_row, stride_q_head, q_row, stride_q_head, q_heads, head_block,
-                          cos, sin, offs_d, half, BLOCK_H, True)
+                          cos, sin, offs_d, half, BLOCK_H, True, norm_ptr=q_norm_ptr, eps=eps, NORM=HEAD_NORM)
     else:                       # no rotation: positions, the cache and q are not read (cos/sin unused)
         cos = tl.zeros([1, BLOCK_HALF], dtype=tl.float32)
         sin = cos
@@ -104,13 +123,14 @@ def _rotary_store_kv_kernel(
         slot_row = kv_ptr + slot * stride_kv_slot
         k_scales = scales_ptr + slot * stride_scale_slot
         _write_heads(k_ptr + token * stride_k_token, stride_k_head, slot_row, stride_kv_head, kv_heads, head_block,
-                      cos, sin, offs_d, half, BLOCK_H, ROTARY, k_scales, stride_scale_head, KV_SCALES)
+                      cos, sin, offs_d, half, BLOCK_H, ROTARY, k_scales, stride_scale_head, KV_SCALES,
+                      k_norm_ptr, eps, HEAD_NORM)
         _write_heads(v_ptr + token * stride_v_token, stride_v_head, slot_row + kv_heads * stride_kv_head,
                       stride_kv_head, kv_heads, head_block, cos, sin, offs_d, half, BLOCK_H, False,
                       k_scales + v_scale_offset, stride_scale_head, KV_SCALES)
 
 
-def _check(q, k, v, positions, cos_sin_cache, kv_layer, slots, kv_scales) -> None:
+def _check(q, k, v, positions, cos_sin_cache, kv_layer, slots, kv_scales, head_norms=None) -> None:
     check_tensor("q", q, 3)
     device = q.device
     tokens, _, head_dim = q.shape
@@ -129,9 +149,17 @@ def _check(q, k, v, positions, cos_sin_cache, kv_layer, slots, kv_scales) -> Non
     check_shape("slots", slots, (tokens,))
     for name, t in (("q", q), ("k", k), ("v", v), ("kv_layer", kv_layer)):
         check_last_dim_contiguous(name, t)
+    if head_norms is not None:
+        q_norm, k_norm, _ = head_norms
+        for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+            check_tensor(name, w, 1, device=device)
+            check_shape(name, w, (head_dim,))
+            check_same_dtype(name, w, q.dtype)
     if cos_sin_cache is None:
         if positions is not None:
             raise ValueError("positions given without a cos_sin_cache: pass both to rotate, neither to only store")
+        if head_norms is not None:
+            raise ValueError("head_norms need the rotation (a cos_sin_cache): the kernel norms the heads it rotates")
         return
     check_tensor("positions", positions, 1, dtypes=INDEX_DTYPES, device=device)
     check_shape("positions", positions, (tokens,))
@@ -142,11 +170,14 @@ def _check(q, k, v, positions, cos_sin_cache, kv_layer, slots, kv_scales) -> Non
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
                     cos_sin_cache: torch.Tensor | None, kv_layer: torch.Tensor, slots: torch.Tensor,
-                    kv_scales: torch.Tensor | None = None) -> None:
+                    kv_scales: torch.Tensor | None = None,
+                    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
     """Rotate q [T, Hq, D] in place; write rotated k and v [T, Hk, D] into kv_layer [S+1, 2*Hk, D] at ``slots``,
     quantized when the cache is (``kv_scales``, ``kernels._kv_quant``: int8's scales written, fp8's read).
-    ``positions`` and ``cos_sin_cache`` None: no rotation (q untouched, k stored as it is)."""
-    _check(q, k, v, positions, cos_sin_cache, kv_layer, slots, kv_scales)
+    ``positions`` and ``cos_sin_cache`` None: no rotation (q untouched, k stored as it is).
+    ``head_norms`` (q_norm [D], k_norm [D], eps): each q and k head RMS-normed before the rotation
+    (Qwen3), in the same launch."""
+    _check(q, k, v, positions, cos_sin_cache, kv_layer, slots, kv_scales, head_norms)
     rotary = cos_sin_cache is not None
     tokens, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -162,8 +193,15 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         cos_sin_cache.stride(0) if rotary else 0, kv_layer.stride(0), kv_layer.stride(1),
         q_heads, kv_heads, head_dim // 2,
         BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4, **launch_options(q), **scale_args(kv_layer, kv_scales),
-        ROTARY=rotary,
+        ROTARY=rotary, **_norm_args(head_norms),
     )
+
+
+def _norm_args(head_norms) -> dict:
+    if head_norms is None:
+        return {}
+    q_norm, k_norm, eps = head_norms
+    return dict(q_norm_ptr=q_norm, k_norm_ptr=k_norm, eps=float(eps), HEAD_NORM=True)
 
 
 def rotate_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -177,9 +215,14 @@ def rotate_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
 
 def rotary_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
                         cos_sin_cache: torch.Tensor | None, kv_layer: torch.Tensor, slots: torch.Tensor,
-                        kv_scales: torch.Tensor | None = None) -> None:
+                        kv_scales: torch.Tensor | None = None,
+                        head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
     kv_heads = k.shape[1]
     slots = slots.long()
+    if head_norms is not None:
+        q_norm, k_norm, eps = head_norms
+        q.copy_(rmsnorm_ref(q, q_norm, eps))
+        k = rmsnorm_ref(k, k_norm, eps)
 
     def rotate(x):
         return x if cos_sin_cache is None else rotate_ref(x, positions, cos_sin_cache)

@@ -187,7 +187,7 @@ class Attention:
         q, k, v = self.project_qkv(ops, hidden)
         tokens, q_size = q.shape[0], self.num_heads * self.head_dim
         table, positions = rotary if rotary is not None else (None, None)
-        ops.rotary_store_kv(q, k, v, positions, table, kv, batch.out_slots)
+        ops.rotary_store_kv(q, k, v, positions, table, kv, batch.out_slots, self.head_norms())
         if batch.is_decode:
             out = ops.decode_attention(q, kv, req_to_token, batch.req_rows, batch.seq_len, self.sm_scale,
                                        shared=batch.shared_prefix, mods=self.mods)
@@ -196,6 +196,10 @@ class Attention:
                                         batch.seq_len, self.sm_scale, batch.max_q_len, shared=batch.shared_prefix,
                                         max_seq_len=batch.max_seq_len, mods=self.mods)
         return self.o(ops, out.reshape(tokens, q_size))
+
+    def head_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(q_norm, k_norm, eps) when each q and k head is RMS-normed before rotary (in its kernel)."""
+        return None
 
     def project_qkv(self, ops, hidden) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, D], k and v [T, kv_heads, D] of the new tokens, before rotary."""
@@ -209,17 +213,14 @@ class Attention:
 
 @dataclass
 class QKNormAttention(Attention):
-    """Qwen3's attention: each head's q and k RMS-normed over the head dim before rotary."""
+    """Qwen3's attention: each head's q and k RMS-normed over the head dim before rotary (by the
+    rotary kernel, ``ops.rotary_store_kv``'s ``head_norms``)."""
     q_norm: torch.Tensor | None = None    # [head_dim]
     k_norm: torch.Tensor | None = None    # [head_dim]
     eps: float = 1e-6
 
-    def project_qkv(self, ops, hidden) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project_qkv(ops, hidden)
-        tokens, d = q.shape[0], self.head_dim
-        q = ops.rmsnorm(q.reshape(-1, d), self.q_norm, self.eps).view(tokens, self.num_heads, d)
-        k = ops.rmsnorm(k.reshape(-1, d), self.k_norm, self.eps).view(tokens, self.num_kv_heads, d)
-        return q, k, v
+    def head_norms(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        return self.q_norm, self.k_norm, self.eps
 
 
 @dataclass

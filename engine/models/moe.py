@@ -3,11 +3,12 @@
 Their decoder is Llama's (``llama.LlamaFamilyModel``) with the MLP of a layer replaced by a
 sparse MoE block:
 
-    logits  = h @ w_router.T                       [T, E]  (router replicated on every shard)
+    logits  = h @ w_router.T                       [T, E]  (router replicated on every shard; with a
+                                                            shared expert its gate is the router's last row)
     weights, ids = topk(softmax(logits in float32), k)     (``KernelOps.moe_route``: renormalised, rounded
                                                             as the config says)
     out     = sum_j weights[:, j] * expert_{ids[:, j]}(h)  (``KernelOps.fused_moe``: one launch per projection)
-    out    += sigmoid(h @ w_shared_gate.T) * shared_expert(h)  (Qwen2-MoE's shared expert)
+    out    += sigmoid(h @ w_shared_gate.T) * shared_expert(h)  (Qwen2-MoE's shared expert, in ``fused_moe`` too)
     all-reduce(out)                                         (each shard holds a slice of every expert)
 
 Tensor parallelism slices each expert like ``GatedMLP``: gate/up rows (column), down columns
@@ -24,10 +25,10 @@ from typing import Any, Callable
 import torch
 
 from engine.models.config import ModelConfigError
-from engine.models.layers import Linear
 from engine.models.llama import LlamaConfig, LlamaFamilyModel, checkpoint_shapes as llama_shapes, dense_mlp_shapes
 from engine.models.parallel import FULL, Slice, TensorParallel
 from engine.models.qwen3 import qk_norm_attention, qk_norm_shapes
+from kernels.fused_moe import SharedExpert
 
 
 @dataclass(frozen=True)
@@ -90,29 +91,30 @@ def qwen_dense_layers(raw: dict[str, Any]) -> tuple[int, ...]:
 @dataclass
 class SparseMoE:
     """Router, this shard's slice of every expert, and maybe a shared expert with its gate."""
-    router: torch.Tensor                      # [E, hidden], replicated
+    router: torch.Tensor                      # [E, hidden], replicated; with a shared expert [E + 1, hidden]:
+                                              # its gate's row last, so one GEMM gives both logits
     w_gate_up: torch.Tensor                   # [E, 2 * I / shards, hidden]: gate rows, then up rows
     w_down: torch.Tensor                      # [E, hidden, I / shards]
     top_k: int
     renormalize: bool
     round_weights: bool
     tp: TensorParallel
-    shared_gate_up: Linear | None = None      # [2 * I_shared / shards, hidden]
-    shared_down: torch.Tensor | None = None   # [hidden, I_shared / shards]
-    shared_gate: torch.Tensor | None = None   # [1, hidden], replicated
+    shared_gate_up: torch.Tensor | None = None   # [2 * I_shared / shards, hidden]
+    shared_down: torch.Tensor | None = None      # [hidden, I_shared / shards]
 
-    def route(self, ops, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, expert ids [T, k]) as transformers' router computes them."""
-        return ops.moe_route(ops.linear(x, self.router), self.top_k, self.renormalize,
-                             x.dtype if self.round_weights else None)
+    def route(self, ops, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]) from the router logits, as transformers' router
+        computes them (the shared expert's gate logit, when there is one, is not routed)."""
+        return ops.moe_route(logits[:, :self.w_gate_up.shape[0]], self.top_k, self.renormalize,
+                             logits.dtype if self.round_weights else None)
 
     def __call__(self, ops, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(ops, x)
-        out = ops.fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+        logits = ops.linear(x, self.router)
+        weights, ids = self.route(ops, logits)
+        shared = None
         if self.shared_gate_up is not None:
-            shared = ops.linear(ops.silu_and_mul(self.shared_gate_up(ops, x)), self.shared_down)
-            out = out + torch.sigmoid(ops.linear(x, self.shared_gate)) * shared
-        return self.tp.all_reduce(out)
+            shared = SharedExpert(self.shared_gate_up, self.shared_down, logits[:, self.w_gate_up.shape[0]:])
+        return self.tp.all_reduce(ops.fused_moe(x, self.w_gate_up, self.w_down, weights, ids, shared))
 
 
 def moe_checkpoint_shapes(c: MoEConfig, names: ExpertNames) -> dict[str, tuple[int, ...]]:
@@ -168,13 +170,13 @@ class MoEFamilyModel(LlamaFamilyModel):
         w_gate_up = torch.stack([torch.cat([t.pop(f"{b}experts.{e}.{n.gate}.weight"),
                                             t.pop(f"{b}experts.{e}.{n.up}.weight")]) for e in experts])
         w_down = torch.stack([t.pop(f"{b}experts.{e}.{n.down}.weight") for e in experts])
-        block = SparseMoE(t.pop(b + n.router + ".weight"), w_gate_up, w_down, c.top_k, c.norm_topk_prob,
-                          c.round_router_weights, self.tp)
-        if c.shared_expert_intermediate_size:
-            shared = super()._mlp(t, b, "shared_expert.")
-            block.shared_gate_up, block.shared_down = shared.gate_up, shared.down.weight
-            block.shared_gate = t.pop(b + "shared_expert_gate.weight")
-        return block
+        router = t.pop(b + n.router + ".weight")
+        if not c.shared_expert_intermediate_size:
+            return SparseMoE(router, w_gate_up, w_down, c.top_k, c.norm_topk_prob, c.round_router_weights, self.tp)
+        shared = super()._mlp(t, b, "shared_expert.")
+        router = torch.cat([router, t.pop(b + "shared_expert_gate.weight")])
+        return SparseMoE(router, w_gate_up, w_down, c.top_k, c.norm_topk_prob, c.round_router_weights, self.tp,
+                         shared.gate_up.weight, shared.down.weight)
 
 
 def family_shapes(names: ExpertNames) -> Callable[[MoEConfig], dict[str, tuple[int, ...]]]:

@@ -69,13 +69,27 @@ def _top(logprobs: torch.Tensor) -> dict[int, float]:
 
 
 def engine_greedy(all_prompts: list[list[int]], new_tokens: int = NEW_TOKENS, **config) -> list[Greedy]:
+    return engine_greedy_batch_and_alone(all_prompts, new_tokens, alone=False, **config)[0]
+
+
+def engine_greedy_batch_and_alone(all_prompts: list[list[int]], new_tokens: int = NEW_TOKENS, alone: bool = True,
+                                  **config) -> tuple[list[Greedy], list[Greedy]]:
+    """The prompts' greedy runs in one batch, then (``alone``) each prompt by itself (batch-1
+    decode, whose kernels may differ), from one engine."""
     params = SamplingParams(top_n_tokens=TOP_N)
     requests = [GenerationRequest(i, p, new_tokens, params, stop_token_ids=[]) for i, p in enumerate(all_prompts)]
     with Engine(EngineConfig(num_slots=8192, max_requests=8, **config)) as engine:
-        out = engine.generate(requests)
+        batch = engine.generate(requests)
+        single = {}
+        for r in requests if alone else ():
+            single.update(engine.generate([GenerationRequest(100 + r.request_id, r.prompt_ids, new_tokens, params,
+                                                             stop_token_ids=[])]))
     release_memory()
-    return [Greedy([e.token_id for e in out[i]], [e.logprob for e in out[i]],
-                   [dict(zip(e.top_ids, e.top_logprobs)) for e in out[i]]) for i in range(len(all_prompts))]
+
+    def runs(out, first_id):
+        return [Greedy([e.token_id for e in out[first_id + i]], [e.logprob for e in out[first_id + i]],
+                       [dict(zip(e.top_ids, e.top_logprobs)) for e in out[first_id + i]]) for i in range(len(all_prompts))]
+    return runs(batch, 0), runs(single, 100) if alone else []
 
 
 def release_memory() -> None:

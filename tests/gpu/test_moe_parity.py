@@ -1,6 +1,7 @@
 """Random real-config checkpoints of the MoE families and Qwen3 (layers reduced to fit one
 80 GB GPU in float32): greedy tokens identical to transformers on 4 prompts x 32 new tokens,
-float32 on both sides (any difference is a bug), with the fused MoE kernel.
+float32 on both sides (any difference is a bug), with the fused MoE kernel: the prompts in one
+batch, then each alone (batch-1 decode takes the one-token path).
 
 The checkpoints are written under $MOE_DIR (bench/gpu_run.sh moe sets it; a temporary
 directory otherwise) by ``weights.random_checkpoint --num-layers``.
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tests.gpu import greedy
-from tests.gpu.greedy import describe, engine_greedy, max_logprob_gap, transformers_greedy
+from tests.gpu.greedy import describe, engine_greedy_batch_and_alone, max_logprob_gap, transformers_greedy
 from weights.random_checkpoint import REAL_CONFIGS, write_random_checkpoint
 
 # config name -> decoder layers kept: float32 weights of 47, 38, 42 and 33 GB, one model at a time
@@ -37,8 +38,10 @@ def test_float32_greedy_tokens_equal_transformers(name, tmp_path_factory):
     all_prompts = greedy.prompts(REAL_CONFIGS[name]["vocab_size"])
     # the reference is transformers' per-expert loop (not its GPU default, grouped_mm)
     ref = transformers_greedy(model_dir, torch.float32, all_prompts, NEW_TOKENS, experts_implementation="eager")
-    ours = engine_greedy(all_prompts, NEW_TOKENS, model_dir=model_dir, dtype="float32")
-    print(f"\n{name}: " + describe(ours, ref, "ours fp32", "transformers fp32"))
-    assert all(len(g.tokens) == NEW_TOKENS for g in ours + ref)
-    assert [g.tokens for g in ours] == [g.tokens for g in ref]
-    assert max(max_logprob_gap(a, b) for a, b in zip(ours, ref)) < FP32_LOGPROB_TOL
+    # in one batch (the grouped experts), then each prompt alone (batch-1 decode: the one-token path)
+    ours, alone = engine_greedy_batch_and_alone(all_prompts, NEW_TOKENS, model_dir=model_dir, dtype="float32")
+    print(f"\n{name}: " + describe(ours, ref, "ours fp32", "transformers fp32")
+          + "\n  alone: " + describe(alone, ref, "ours fp32 alone", "transformers fp32"))
+    assert all(len(g.tokens) == NEW_TOKENS for g in ours + alone + ref)
+    assert [g.tokens for g in ours] == [g.tokens for g in alone] == [g.tokens for g in ref]
+    assert max(max_logprob_gap(a, b) for a, b in zip(ours + alone, ref + ref)) < FP32_LOGPROB_TOL

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fused_moe import ALIGN_MAX_PAIRS, align_by_expert, align_by_expert_torch, fused_moe, fused_moe_ref
+from kernels.fused_moe import (ALIGN_MAX_PAIRS, SharedExpert, align_by_expert, align_by_expert_torch, fused_moe,
+                               fused_moe_ref)
 from kernels.moe_route import moe_route, moe_route_ref
 
 TOL = {torch.bfloat16: (2e-2, 2e-2), torch.float32: (1e-5, 1e-5)}
@@ -47,6 +48,44 @@ def test_fused_moe_matches_reference(device, dtype, tokens, experts, top_k, unus
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     if dtype == torch.float32:
         torch.testing.assert_close(ref, dense(*args), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts,top_k,hidden,inter", [
+    (128, 8, 32, 48),         # Qwen3-MoE's routing at batch 1
+    (8, 2, 80, 40),           # widths that are no multiple of the tiles: masked rows and K tails
+    (3, 3, 16, 8),            # every expert, fewer rows than one tile
+])
+def test_one_token_path_matches_reference(device, dtype, experts, top_k, hidden, inter):
+    """One token (batch-1 decode) takes the two matrix-vector kernels: the same result as the
+    per-expert reference, and as the grouped path computes for that token among others."""
+    x, w_gate_up, w_down, weights, ids = moe_inputs(device, dtype, 3, experts, top_k, hidden, inter)
+    out = fused_moe(x[:1], w_gate_up, w_down, weights[:1], ids[:1])
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out, fused_moe_ref(x[:1], w_gate_up, w_down, weights[:1], ids[:1]), atol=atol, rtol=rtol)
+    torch.testing.assert_close(out, fused_moe(x, w_gate_up, w_down, weights, ids)[:1], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_shared_expert_is_added_with_its_sigmoid_gate(device, dtype, tokens):
+    """Qwen2-MoE's shared expert: one token mixes it in inside the down kernel, more tokens after the
+    grouped GEMMs; both equal the reference, which is transformers' formula written out."""
+    hidden, inter, shared_inter = 48, 40, 72          # the shared expert is wider than an expert, as in Qwen1.5-MoE
+    x, w_gate_up, w_down, weights, ids = moe_inputs(device, dtype, tokens, 6, 2, hidden, inter)
+    shared = SharedExpert((torch.randn(2 * shared_inter, hidden, device=device) / hidden**0.5).to(dtype),
+                          (torch.randn(hidden, shared_inter, device=device) / shared_inter**0.5).to(dtype),
+                          torch.randn(tokens, 1, device=device).to(dtype))
+    out = fused_moe(x, w_gate_up, w_down, weights, ids, shared)
+    ref = fused_moe_ref(x, w_gate_up, w_down, weights, ids, shared)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    h = x.float() @ shared.gate_up.float().T
+    expert = (F.silu(h[:, :shared_inter]) * h[:, shared_inter:]) @ shared.down.float().T
+    formula = dense(x, w_gate_up, w_down, weights, ids) + torch.sigmoid(shared.gate_logits.float()) * expert
+    torch.testing.assert_close(ref.float(), formula, atol=max(atol, 1e-4) * 4, rtol=max(rtol, 1e-4) * 4)
+    with pytest.raises(ValueError, match="shared expert shapes disagree"):
+        fused_moe(x, w_gate_up, w_down, weights, ids, shared._replace(gate_logits=shared.gate_logits[:, :0]))
 
 
 def test_align_groups_pairs_by_expert_in_padded_blocks(device):

@@ -52,6 +52,35 @@ def test_rotary_store_kv_matches_reference(device, dtype, tokens, q_heads, kv_he
     assert kv_layer[untouched].isnan().all()                                                # no other slot written
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(1, 32, 4, 128), (6, 4, 2, 80), (3, 2, 1, 16)])
+def test_head_norms_before_rotary_match_rmsnorm_then_rotary(device, dtype, tokens, q_heads, kv_heads, head_dim):
+    """Qwen3's per-head q/k RMSNorm inside the rotary kernel equals kernels.rmsnorm's reference on
+    each head followed by the plain rotation."""
+    from kernels.rmsnorm import rmsnorm_ref
+
+    qkv, kv_layer, slots, positions, cache = make_case(tokens, q_heads, kv_heads, head_dim, dtype, device)
+    qkv = qkv * 3                                            # norms far from 1: the normalisation shows
+    q_norm = (1 + torch.randn(head_dim, device=device) / 4).to(dtype)
+    k_norm = (1 + torch.randn(head_dim, device=device) / 4).to(dtype)
+    source = qkv.clone()
+    q, k, v = split_qkv(source.clone(), q_heads, kv_heads, head_dim)
+    q, k = rmsnorm_ref(q, q_norm, 1e-6), rmsnorm_ref(k, k_norm, 1e-6)
+    expected_kv = kv_layer.clone()
+    rotary_store_kv_ref(q, k, v, positions, cache, expected_kv, slots)
+    rotary_store_kv(*split_qkv(qkv, q_heads, kv_heads, head_dim), positions, cache, kv_layer, slots,
+                    head_norms=(q_norm, k_norm, 1e-6))
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(qkv[:, :q_heads * head_dim].view_as(q), q, atol=atol, rtol=rtol)   # q normed, rotated
+    torch.testing.assert_close(kv_layer, expected_kv, atol=atol, rtol=rtol, equal_nan=True)
+    assert torch.equal(kv_layer[slots.long(), kv_heads:], v)                                       # v as it was
+    ref_qkv, ref_kv = source.clone(), torch.full_like(kv_layer, float("nan"))
+    rotary_store_kv_ref(*split_qkv(ref_qkv, q_heads, kv_heads, head_dim), positions, cache, ref_kv, slots,
+                        head_norms=(q_norm, k_norm, 1e-6))
+    torch.testing.assert_close(ref_kv, expected_kv, atol=atol, rtol=rtol, equal_nan=True)          # the ops' reference
+    torch.testing.assert_close(ref_qkv[:, :q_heads * head_dim].view_as(q), q, atol=atol, rtol=rtol)
+
+
 def test_rotary_ref_is_the_half_split_rotation(device):
     qkv = torch.randn(3, (2 + 2) * 8, device=device)
     q, k, v = split_qkv(qkv, 2, 1, 8)

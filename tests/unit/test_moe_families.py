@@ -106,20 +106,43 @@ def test_the_bench_floor_counts_the_published_active_parameters(name, active, to
 
 
 def test_the_bench_routing_ab_routes_by_torch_then_by_the_kernels(tmp_path, monkeypatch):
-    """``bench.moe_bench --routing-ab``: the first engine of each round routes by torch's ops, the second
-    by the routing kernel (the Triton kernels, under the interpreter here)."""
+    """``bench.moe_bench --routing-ab``: each engine adds one change to the one before (the Triton
+    kernels, under the interpreter here): routing by torch's ops, then by the routing kernel, then
+    the one-token path, then the shared expert inside it (none in Qwen3-MoE), then the q/k norms
+    inside the rotary kernel."""
     from bench import moe_bench
     from bench.workloads import Workload
-    from kernels import moe_route
+    from kernels import fused_moe, moe_route
     from tests.tiny_models import save_tiny_model
 
+    from kernels import rotary
+
     calls = []
-    for name in ("moe_route", "moe_route_ref"):
-        original = getattr(moe_route, name)
-        monkeypatch.setattr(moe_route, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    for module, name in ((moe_route, "moe_route"), (moe_route, "moe_route_ref"), (fused_moe, "_fused_moe_one_token"),
+                         (moe_bench, "_variant"), (rotary, "rotary_store_kv")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.append((_n, a)) or _f(*a, **k))
     path = save_tiny_model("qwen3_moe", tmp_path / "qwen3_moe")
     rates = moe_bench.routing_ab(str(path), rounds=1, workload=Workload("tiny", [[5, 9, 13]], 2),
                                  kernel_backend="triton")
-    assert set(rates) == {"torch ops", "kernels"} and all(len(r) == 1 and r[0] > 0 for r in rates.values())
-    first = calls.index("moe_route")
-    assert first > 0 and set(calls[:first]) == {"moe_route_ref"} and set(calls[first:]) == {"moe_route"}
+    assert list(rates) == list(moe_bench.ROUTING_VARIANTS) and all(len(r) == 1 and r[0] > 0 for r in rates.values())
+    by_variant = {}
+    for name, args in calls:
+        if name == "_variant":
+            current = by_variant.setdefault(args[0], set())
+        else:       # the rotary kernel: with or without the q/k head norms
+            current.add(name if name != "rotary_store_kv" else f"norms in rotary: {args[-1] is not None}")
+    before, routing, one_token, shared, today = moe_bench.ROUTING_VARIANTS
+    assert by_variant == {before: {"moe_route_ref", "norms in rotary: False"},
+                          routing: {"moe_route", "norms in rotary: False"},
+                          one_token: {"moe_route", "_fused_moe_one_token", "norms in rotary: False"},
+                          shared: {"moe_route", "_fused_moe_one_token", "norms in rotary: False"},
+                          today: {"moe_route", "_fused_moe_one_token", "norms in rotary: True"}}
+
+
+def test_the_moe_bench_command_line_parses(capsys):
+    from bench import moe_bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        moe_bench.main(["--help"])
+    assert exit_info.value.code == 0 and "--routing-ab" in capsys.readouterr().out
