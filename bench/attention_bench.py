@@ -53,8 +53,9 @@ def make_inputs(batch: int, seq_len: int, q_heads: int, kv_heads: int, head_dim:
     return q, kv_layer, table, rows, lens, 1 / math.sqrt(head_dim)
 
 
-def time_us(fn, replays: int = 20) -> float:
-    """Microseconds per call of ``fn``, from a CUDA graph of LAYERS calls."""
+def time_us(fn, replays: int = 20, calls: int | None = None) -> float:
+    """Microseconds per call of ``fn``, from a CUDA graph of ``calls`` (default LAYERS) calls."""
+    calls = calls or LAYERS
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(2):
@@ -62,7 +63,7 @@ def time_us(fn, replays: int = 20) -> float:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(LAYERS):
+        for _ in range(calls):
             fn()
     graph.replay()
     torch.cuda.synchronize()
@@ -72,7 +73,7 @@ def time_us(fn, replays: int = 20) -> float:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * LAYERS)
+    return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
 def sweep(batch: int, seq_len: int, args) -> dict:

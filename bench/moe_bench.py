@@ -151,6 +151,8 @@ def moe_layer_ab(config, layers: int = 8, replays: int = 20) -> dict[str, float]
     and each one-token tile of ``ONE_TOKEN_SWEEP`` (GPU only)."""
     from engine.models.moe import SparseMoE
     from engine.models.parallel import TensorParallel
+
+    from .attention_bench import time_us
     from engine.ops import TritonOps
     from kernels import fused_moe
 
@@ -169,20 +171,9 @@ def moe_layer_ab(config, layers: int = 8, replays: int = 20) -> dict[str, float]
     ops, results = TritonOps(), {}
 
     def timed(label: str) -> None:
-        for block in blocks:         # compile before capture
-            block(ops, x)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for block in blocks:
-                block(ops, x)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        results[label] = round(start.elapsed_time(end) * 1e3 / replays / layers, 1)
+        # one graph of all the blocks (each its own weights: no block finds another's in the L2 cache)
+        every_block = lambda: [block(ops, x) for block in blocks]        # noqa: E731
+        results[label] = round(time_us(every_block, replays, calls=1) / layers, 1)
 
     for name in ROUTING_VARIANTS[:4]:        # the head norms are not in this block
         with _variant(name):
