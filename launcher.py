@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["HF_HUB_OFFLINE"] = "1"
     if config.json_output:          # a download's bar would be one JSON record per refresh
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    from engine.processes import start_fork_server
+
+    start_fork_server()             # its imports run while this process plans the server
     log.info("args: %r", config)    # secrets (--api-key, --hf-token) are left out of the repr
     for notice in config.notices:   # TGI plumbing flags that are accepted but change nothing here
         log.warning("%s", notice)
