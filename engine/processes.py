@@ -1,11 +1,12 @@
 """The server's processes (spawned by ``launcher.py``) and how they are wired.
 
-    supervisor (launcher) --spawn--> shard 0..N-1   (engine.worker.process; torch.distributed when N > 1)
-                          --spawn--> router         (engine.router.process: scheduler + allocator + step loop)
-                          --spawn--> front end      (tgi_compat.frontend_process: uvicorn), binds its port
+    supervisor (launcher) --fork--> shard 0..N-1   (engine.worker.process; torch.distributed when N > 1)
+                          --fork--> router         (engine.router.process: scheduler + allocator + step loop)
+                          --fork--> front end      (tgi_compat.frontend_process: uvicorn), binds its port
                                                     only after the router reported every shard Ready
-Every pipe is a ``multiprocess`` pipe carrying ``engine.protocol`` messages. A fork server that
-imported torch and transformers once forks every process (``spawn_context``, ``start_process``).
+(each "fork" through the fork server, a clean process the launcher starts first, which imported
+torch and transformers once: ``process_context``, ``start_process``). Every pipe is a
+``multiprocess`` pipe carrying ``engine.protocol`` messages.
 """
 from __future__ import annotations
 
@@ -128,8 +129,8 @@ def die_with_parent() -> None:
     fork server, which dies with the launcher the same way: ``engine.fork_server``). If the parent
     is already gone (it died before this ran), exit now. Elsewhere than Linux: nothing.
 
-    Linux sends the signal when the *thread* that spawned this process ends, so processes are
-    spawned from the launcher's main thread only (``ServerPlan.start`` in ``_Supervisor.run``)."""
+    Linux sends the signal when the *thread* that started this process ends: the fork server forks
+    from its one thread, and the launcher starts the fork server from its main thread (``main``)."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -155,7 +156,7 @@ def _alive(pid: int) -> bool:
 PRELOAD = ("engine.fork_server", "torch", "transformers")   # the first: the fork server dies with its parent
 
 
-def spawn_context():
+def process_context():
     """The start method of the server's processes: a fork server (a clean process that imported
     ``PRELOAD`` and never touched CUDA) forks each one, so a child starts with torch imported."""
     import multiprocess as mp
@@ -168,7 +169,7 @@ def spawn_context():
 def start_process(target, args: tuple, name: str):
     """Start ``target(*args)`` in a child of the fork server, in this process's environment as it is now
     (a forked child would otherwise have the fork server's, from when it started)."""
-    process = spawn_context().Process(target=_in_environment, args=(dict(os.environ), target, args), name=name)
+    process = process_context().Process(target=_in_environment, args=(dict(os.environ), target, args), name=name)
     process.start()
     return process
 
@@ -183,7 +184,7 @@ def start_fork_server() -> None:
     """Start the fork server now (its imports run beside the caller's own start-up), not at the first child."""
     from multiprocess import forkserver
 
-    spawn_context()
+    process_context()               # sets the modules it preloads
     forkserver.ensure_running()
 
 
@@ -195,7 +196,7 @@ def spawn_shards(plan, log_level: "LogSetup | str" = "INFO") -> tuple[list, list
     c = plan.config
     specs = [ShardSpec(rank, plan.num_shards, c.master_addr, c.master_port, plan.worker, plan.model_config)
              for rank in range(plan.num_shards)]
-    router_ends, shard_ends = zip(*(spawn_context().Pipe(duplex=True) for _ in specs))
+    router_ends, shard_ends = zip(*(process_context().Pipe(duplex=True) for _ in specs))
     processes = [start_process(shard_main, (spec, end, log_level), f"shard-{spec.rank}")
                  for spec, end in zip(specs, shard_ends)]
     return processes, list(router_ends)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.assembly import EngineConfig, EnginePlan, plan_engine
-from engine.processes import LogSetup, spawn_context, spawn_router, spawn_shards, start_process
+from engine.processes import LogSetup, process_context, spawn_router, spawn_shards, start_process
 
 from .frontend_process import FrontendSpec, frontend_main
 from .launch_config import STALL_FREE_TOKENS, LaunchConfig, Limits, resolve_limits, resolve_num_shard
@@ -30,7 +30,7 @@ class ServerPlan:
     def start(self) -> list:
         """Spawn the shards, the router and the front end, wired with pipes; in that order."""
         processes, router_ends = spawn_shards(self.engine, self.log_level)
-        front_router, front_end = spawn_context().Pipe(duplex=True)
+        front_router, front_end = process_context().Pipe(duplex=True)
         router = spawn_router(self.engine, front_router, router_ends, self.log_level)
         frontend = start_process(frontend_main, (self.frontend, front_end, self.log_level), "frontend")
         return processes + [router, frontend]

@@ -14,11 +14,11 @@ from weights.checkpoint import open_checkpoint
 PROMPTS = [[5, 9, 11], list(range(3, 40)), [7], list(range(100, 120))]
 
 
-def generate(path, num_shards):
-    config = EngineConfig(model_dir=str(path), device="cpu", kernel_backend="torch", num_slots=400, max_requests=8,
+def generate(path, num_shards, backend="torch", prompts=PROMPTS, new_tokens=16):
+    config = EngineConfig(model_dir=str(path), device="cpu", kernel_backend=backend, num_slots=400, max_requests=8,
                           max_prefill_tokens=16, num_shards=num_shards, master_port=free_port())
     with Engine(config) as engine:
-        out = engine.generate([GenerationRequest(i, p, 16, stop_token_ids=[]) for i, p in enumerate(PROMPTS)])
+        out = engine.generate([GenerationRequest(i, p, new_tokens, stop_token_ids=[]) for i, p in enumerate(prompts)])
         assert engine.kv_usage()[0] == 0
     return {i: [(e.token_id, round(e.logprob, 3)) for e in events] for i, events in out.items()}
 
@@ -34,6 +34,15 @@ def test_two_shards_give_the_same_tokens_as_one(family, tmp_path):
     query_key_value split by whole heads, each shard's 3 of the 6 heads' ALiBi slopes."""
     path = save_tiny_model(family, tmp_path / family)
     assert generate(path, 2) == generate(path, 1)
+
+
+def test_two_shards_of_the_one_token_moe_kernels_give_the_same_tokens_as_one(tmp_path):
+    """A lone request of Qwen2-MoE through the Triton kernels (the interpreter here): its decode steps
+    take fused_moe's one-token path, each shard with its slice of every expert and of the shared
+    expert, whose gated partial outputs the all-reduce sums."""
+    path = save_tiny_model("qwen2_moe", tmp_path / "qwen2_moe")
+    lone = [[5, 9, 11, 40]]
+    assert generate(path, 2, "triton", lone, 6) == generate(path, 1, "triton", lone, 6)
 
 
 class CountingCheckpoint:
