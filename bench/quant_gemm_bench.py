@@ -67,10 +67,10 @@ def fp8_bytes(N: int, K: int) -> int:
 def int4_candidates(M: int, N: int, K: int, sms: int) -> list[Int4Config]:
     out = []
     if M == 1:
-        for block_n, block_k in ((32, 128), (64, 128), (128, 128), (32, 256), (64, 256)):
-            for warps in (2, 4):
-                for stages in (2, 3, 4):
-                    for per_sm in (1, 4, 8):
+        for block_n, block_k in ((16, 512), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128)):
+            for warps in (4, 8):
+                for stages in (3, 4):
+                    for per_sm in (1, 2, 4):
                         split = fill_split_k(triton.cdiv(N, block_n), K, block_k, per_sm, sms)
                         out.append(Int4Config(1, block_n, block_k, split, warps, stages))
     elif M <= 16:
@@ -95,8 +95,8 @@ def fp8_candidates(M: int, N: int, K: int, sms: int) -> list[Fp8Config]:
     out = []
     if M <= FP8_FMA_ROWS:
         block_m = triton.next_power_of_2(M)
-        for block_n in (8, 16, 32):
-            for block_k in (256, 512):
+        for block_n in (8, 16, 32, 64):
+            for block_k in (256, 512, 1024):
                 for warps in (4, 8):
                     if block_n * block_m * block_k > 128 * 32 * warps:   # float32 accumulator registers a thread
                         continue

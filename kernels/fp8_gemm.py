@@ -3,12 +3,14 @@
 The weight is an ``Fp8Weight``: float8_e4m3fn ``weight`` [N, K] and float32 ``scale`` [N] (per output
 channel; a per-tensor checkpoint scale is repeated per channel at load), ``w[n, k] = weight[n, k] *
 scale[n]``. Activations are quantized per token, dynamically, inside the kernel: ``x_scale[m] =
-max_k |x[m, k]| / 448``, ``x_fp8 = round_fp8(x * (1 / x_scale))`` (rounded on the fp8 grid in float32,
-``_rounding.fp8_grid``) (``quantize_per_token`` is the same in torch).
-Program ``(m, n)`` first reads its rows of x for their scales, then multiplies its ``[BLOCK_M, BLOCK_K]``
-x tiles, quantized on the fly (split-K programs each read whole rows for the scales and multiply their
-chunk of K), and ``[BLOCK_N, BLOCK_K]`` weight tiles with float32 accumulation (products of two fp8 values
-are exact in float32), then applies ``x_scale[m] * scale[n]`` and the bias once. Two inner products:
+max_k |x[m, k]| / 448``, ``x_fp8 = round_fp8(x * (1 / x_scale))`` (round to nearest even: the GPU's
+saturating conversion, or on the interpreter the fp8 grid in float32, ``_rounding.fp8_grid``)
+(``quantize_per_token`` is the same in torch).
+Program ``(m, n)`` reads its first weight tile (before the PDL wait, ``_pdl``), then its rows of x for
+their scales (a decode row in one or two loads), then multiplies its ``[BLOCK_M, BLOCK_K]`` x tiles,
+quantized on the fly (split-K programs each read whole rows for the scales and multiply their chunk of K),
+and ``[BLOCK_N, BLOCK_K]`` weight tiles with float32 accumulation (products of two fp8 values are exact in
+float32), then applies ``x_scale[m] * scale[n]`` and the bias once. Two inner products:
 
 - 16 rows and more (``BLOCK_M >= 16``): fp8 tensor-core dots. Hopper's add a tile's products with fewer
   bits, so each tile's dot starts from zero and is added to the float32 accumulator (a promotion every
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_bias, check_last_dim_contiguous, check_shape, check_tensor
+from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import fp8_grid
 from .quant_gemm import fill_split_k, store_tile
 from .skinny_gemm import DOT_ROWS, default_split_k, device_sms, reduce_split_k, split_k_partials, split_layout
@@ -70,34 +73,49 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _row_amax(x_ptrs, m_mask, offs_k, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """max_k |x[m, k]| of the program's rows (float32, [BLOCK_M])."""
+def _row_amax(x_rows, m_mask, K, BLOCK_M: tl.constexpr, AMAX_K: tl.constexpr):
+    """max_k |x[m, k]| of the program's rows (``x_rows``: [BLOCK_M, 1] pointers; float32 [BLOCK_M]), AMAX_K
+    columns a load (the GEMM takes a whole decode row in one or two loads: one wait on memory, not one a tile)."""
+    offs = tl.arange(0, AMAX_K)
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+    for k0 in range(0, K, AMAX_K):
+        x = tl.load(x_rows + k0 + offs[None, :], mask=m_mask[:, None] & ((k0 + offs) < K)[None, :], other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
     return amax
 
 
 @triton.jit
-def _row_scales(x_ptrs, m_mask, offs_k, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _row_scales(x_rows, m_mask, K, BLOCK_M: tl.constexpr, AMAX_K: tl.constexpr):
     """The rows' scales ``amax / 448`` (at least 1e-12) and their correctly rounded reciprocals ([BLOCK_M] each)."""
-    scale = tl.maximum(tl.math.div_rn(_row_amax(x_ptrs, m_mask, offs_k, K, BLOCK_M, BLOCK_K), 448.0), 1e-12)
+    scale = tl.maximum(tl.math.div_rn(_row_amax(x_rows, m_mask, K, BLOCK_M, AMAX_K), 448.0), 1e-12)
     return scale, tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), scale)
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+def _fp8_values(x, HW_CVT: tl.constexpr):
+    """float32 ``x`` (|x| <= 448 but for rounding) on the float8_e4m3fn grid, rounded to nearest even, as fp8: the
+    GPU's conversion (``cvt.rn.satfinite``: round to nearest even, then clamp to +-448), or on the interpreter
+    (whose conversion is not exact) a clamp and the float32 rounding of ``fp8_grid``: the same values."""
+    if HW_CVT:
+        q = x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:
+        q = fp8_grid(tl.minimum(tl.maximum(x, -448.0), 448.0), tl.float8e4nv).to(tl.float8e4nv)
+    return q
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr,
+                          HW_CVT: tl.constexpr):
     """Program m: row m of x to float8_e4m3fn with its scale (``quantize_per_token``), reading the row twice."""
     m = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + m * stride_xm + offs_k[None, :]
     row = tl.full([1], 1, tl.int1)
-    scale, inverse = _row_scales(x_ptrs, row, offs_k, K, 1, BLOCK_K)
+    scale, inverse = _row_scales(x_ptr + m * stride_xm + tl.zeros([1, 1], tl.int64), row, K, 1, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + offs_k) < K
         x = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        q = fp8_grid(x * inverse[:, None], tl.float8e4nv).to(tl.float8e4nv)
+        q = _fp8_values(x * inverse[:, None], HW_CVT)
         tl.store(q_ptr + m * stride_qm + k0 + offs_k[None, :], q, mask=k_ok[None, :])
     tl.store(scale_ptr + m + tl.arange(0, 1), scale)
 
@@ -115,26 +133,37 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M and K:
         _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0),
-                                    BLOCK_K=min(QUANTIZE_BLOCK, triton.next_power_of_2(K)), num_warps=4)
+                                    BLOCK_K=min(QUANTIZE_BLOCK, triton.next_power_of_2(K)), HW_CVT=x.is_cuda,
+                                    num_warps=4)
     elif M:
         scale.fill_(1e-12)
     return q, scale
 
 
 @triton.jit
-def _tile_dot(acc, x_ptrs, w_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT: tl.constexpr):
-    """acc += fp8(x tile * (1 / x_scale)) @ w tile.T at K offset ``k0``: one tensor-core dot into [BLOCK_M, BLOCK_N]
-    (USE_DOT), or elementwise float32 products into [BLOCK_N, BLOCK_M, BLOCK_K] (decode rows; each product of two
-    fp8 values exact in float32)."""
+def _load_weight_tile(w_ptrs, offs_k, k0, K, USE_DOT: tl.constexpr):
+    """The weight tile at K offset ``k0``: [BLOCK_N, BLOCK_K] for the dot, [BLOCK_N, 1, BLOCK_K] for FMA (columns
+    past K: 0). Weights only (no kernel writes them), so the first tile may be read before the PDL wait."""
     k_ok = (k0 + offs_k) < K
-    x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    x = fp8_grid(x * x_inverse[:, None], tl.float8e4nv)       # the fp8 values, in float32
     if USE_DOT:
         w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        acc = acc + tl.dot(x.to(tl.float8e4nv), tl.trans(w))
     else:
         w = tl.load(w_ptrs + k0, mask=k_ok[None, None, :], other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x[None, :, :]
+    return w
+
+
+@triton.jit
+def _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT: tl.constexpr, HW_CVT: tl.constexpr):
+    """acc += fp8(x tile * (1 / x_scale)) @ w.T, the weight tile ``w`` at K offset ``k0``: one tensor-core dot into
+    [BLOCK_M, BLOCK_N] (USE_DOT), or elementwise float32 products into [BLOCK_N, BLOCK_M, BLOCK_K] (decode rows;
+    each product of two fp8 values exact in float32)."""
+    k_ok = (k0 + offs_k) < K
+    x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    x = _fp8_values(x * x_inverse[:, None], HW_CVT)
+    if USE_DOT:
+        acc = acc + tl.dot(x, tl.trans(w))
+    else:
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :, :]
     return acc
 
 
@@ -142,18 +171,18 @@ def _tile_dot(acc, x_ptrs, w_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT: tl
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
     stride_split, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
+    USE_DOT: tl.constexpr, HW_CVT: tl.constexpr, NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask, n_mask = offs_m < M, offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    x_ptrs = x_rows + offs_k[None, :]
     rows = (offs_n % N).to(tl.int64)  # past-the-end columns re-read valid rows (no N mask on the weight loads)
-    # the rows' dynamic scales (quantize_per_token's), then the fp8 products
-    x_scale, x_inverse = _row_scales(x_ptrs, m_mask, offs_k, K, BLOCK_M, BLOCK_K)
     if USE_DOT:
         w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -162,14 +191,24 @@ def _fp8_gemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
+    # The first weight tile is read before waiting for the previous kernel (PDL: it overlaps that kernel's tail and
+    # this one's reading of x for its scales); every split has at least one tile (split_layout).
+    w = _load_weight_tile(w_ptrs, offs_k, k_begin, K, USE_DOT)
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
+    # the rows' dynamic scales (quantize_per_token's), then the fp8 products
+    x_scale, x_inverse = _row_scales(x_rows, m_mask, K, BLOCK_M, AMAX_K)
+    acc = _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k_begin, K, USE_DOT, HW_CVT)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
-        k0 = k_begin
+        k0 = k_begin + BLOCK_K
         while k0 < k_end:
-            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT)
+            w = _load_weight_tile(w_ptrs, offs_k, k0, K, USE_DOT)
+            acc = _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT, HW_CVT)
             k0 += BLOCK_K
     else:
-        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            acc = _tile_dot(acc, x_ptrs, w_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT)
+        for k0 in tl.range(k_begin + BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            w = _load_weight_tile(w_ptrs, offs_k, k0, K, USE_DOT)
+            acc = _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT, HW_CVT)
     if not USE_DOT:
         acc = tl.trans(tl.sum(acc, axis=2))
     w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
@@ -178,19 +217,30 @@ def _fp8_gemm_kernel(
                HAS_BIAS, SPLIT)
 
 
+AMAX_ELEMENTS = 8192   # x elements a program reads in one load for its rows' scales (a decode row of up to 8192)
+
+
+def amax_block(block_m: int, block_k: int, K: int) -> int:
+    """Columns of x a load for the rows' scales: the whole row (up to AMAX_ELEMENTS over the rows), at least
+    BLOCK_K."""
+    return max(block_k, min(triton.next_power_of_2(K), AMAX_ELEMENTS // block_m))
+
+
 FMA_ROWS = 4   # up to here decode rows take the FMA path: a tensor-core tile pads them to 16 rows
 
 
 def _config(M: int, N: int, K: int, num_sms: int) -> Fp8Config:
     """Decode rows up to FMA_ROWS: FMA products (skinny_gemm's FMA path with one byte a weight), the configs that
     led most Llama-2-7B shapes in a sweep on one H100 (bench.quant_gemm_bench; ms of linear layers a step with
-    each shape's best, against bfloat16's skinny GEMM): 1 row [16 columns, 512] tiles, 3.52 ms (bf16 4.76); 2
-    rows [32, 512] with 8 warps, 4.16 (4.77); 3-4 rows [16, 256], 5.96 (4.85; 16-row tensor-core tiles took
-    7.47); K split only where the column blocks leave SMs idle. Up to 16 rows: 16-row tensor-core tiles of 128
-    columns, K split for about two programs an SM (the sweep's best at one row before the FMA path). More rows
-    (fp8_linear sends bfloat16 to cuBLASLt): 64-row tiles, 128 columns wide once they fill the SMs (untuned)."""
+    each shape's best, against bfloat16's skinny GEMM): 1 row [8 columns, 1024] tiles 4 stages deep, 2.52 ms
+    (bf16 4.77; the best on three shapes and within 1.3% on qkv; [16, 512] took 3.52 before PDL and the
+    one-load scales, 2.63 after); 2 rows [32, 512] with 8 warps, 4.16 (4.77); 3-4 rows [16, 256], 5.96 (4.85;
+    16-row tensor-core tiles took 7.47); K split only where the column blocks leave SMs idle. Up to 16 rows:
+    16-row tensor-core tiles of 128 columns, K split for about two programs an SM (the sweep's best at one row
+    before the FMA path). More rows (fp8_linear sends bfloat16 to cuBLASLt): 64-row tiles, 128 columns wide once
+    they fill the SMs (untuned)."""
     if M <= FMA_ROWS:
-        block_m, block_n, block_k, warps, stages = {1: (1, 16, 512, 4, 3), 2: (2, 32, 512, 8, 4)}.get(
+        block_m, block_n, block_k, warps, stages = {1: (1, 8, 1024, 4, 4), 2: (2, 32, 512, 8, 4)}.get(
             M, (4, 16, 256, 4, 3))
         return Fp8Config(block_m, block_n, block_k, warps, stages, default_split_k(N, K, block_n, block_k, num_sms))
     if M <= 16:
@@ -241,13 +291,15 @@ def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
     partial = split_k_partials(out, splits)
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
+    pdl = launch_options(x)
     _fp8_gemm_kernel[grid](
         x, weight.weight, weight.scale, bias_arg, partial, M, N, K, k_per_split,
         x.stride(0), weight.weight.stride(0), partial.stride(-2), partial.stride(0) if splits > 1 else 0,
         HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        USE_DOT=cfg.block_m >= DOT_ROWS, WHILE_LOOP=not x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    reduce_split_k(partial, bias, out)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, AMAX_K=amax_block(cfg.block_m, cfg.block_k, K),
+        NUM_STAGES=cfg.num_stages, USE_DOT=cfg.block_m >= DOT_ROWS, HW_CVT=x.is_cuda, WHILE_LOOP=not x.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+    reduce_split_k(partial, bias, out, pdl)
     return out
 
 

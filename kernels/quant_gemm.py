@@ -12,21 +12,26 @@ AWQ checkpoints are repacked to it at load, ``engine.models.quantized``):
 
 Program ``(m, n, s)`` owns rows ``[m * BLOCK_M, ...)`` of x, the ``BLOCK_N`` output columns from
 ``n * BLOCK_N`` and the ``s``-th of ``SPLIT_K`` chunks of K, walked in ``BLOCK_K``-row tiles: it reads
-each packed word once (``[BLOCK_K / 8, BLOCK_N]`` int32, coalesced along N) and takes its eight nibbles
-one at a time (nibble j of every word: weight rows ``8p + j``, against x's columns ``8p + j``; no reshape
-of the tile, which would move it through shared memory), each turned into float32 by a mantissa trick
-(``_nibbles``: a mask, an or and a subtraction; no int-to-float conversion):
+each packed word once (``[BLOCK_K / 8, BLOCK_N]`` int32, coalesced along N; the first tile before the PDL
+wait, see ``_pdl``) and takes its eight nibbles one at a time (nibble j of every word: weight rows
+``8p + j``, against x's columns ``8p + j``; no reshape of the tile, which would move it through shared
+memory):
 
 - decode, one row (``BLOCK_M = 1``): FMA products kept per word row in a ``[BLOCK_K / 8, BLOCK_N]``
-  accumulator and reduced over K once at the end; several rows: eight ``tl.dot`` a tile (x padded to 16
-  rows for small batches; prefill in 32- or 64-row tiles);
+  accumulator and reduced over K once at the end. Inside one group each nibble is masked in place and read
+  as a denormal float (``_nibble_denormal``) against x scaled by the power of two that makes up for its bit
+  position: a logic op and an FMA a nibble, exact (``_row_tile``). A bfloat16 x is read as int32 pairs
+  (``X_PAIRS``), which the compiler pipelines with the weights (two-byte loads it does not);
+- several rows: eight ``tl.dot`` a tile (x padded to 16 rows for small batches; prefill in 32- or 64-row
+  tiles), each nibble turned into float32 by a mantissa trick (``_nibbles``: a mask, an or and a
+  subtraction; no int-to-float conversion);
 - ``Int4Config.expand`` (several rows; not a default until a GPU sweep says so, ``bench.quant_gemm_bench``
   times it): one dot a tile instead of eight; each weight row reads its word (``k // 8``, eight rows to a
   word, the repeats from the cache) and shifts out its nibble, a [BLOCK_K, BLOCK_N] tile with no reshape;
 - a tile inside one group (``GROUP_PER_TILE``: no g_idx, BLOCK_K dividing the group) multiplies the raw
   values and applies the group's zero and scale to the product, ``(x @ q - sum(x) * z) * s``; other
   tiles gather each row's group and dequantize first;
-- decode splits K so that the SMs get about four programs each (the weight reads dominate).
+- decode splits K so that the SMs get about two programs each at one row, four at more (``_config``).
 
 Several splits store float32 partials that ``skinny_gemm``'s reduce kernel sums in split order (no
 atomics: bit-reproducible). ``int4_gemm_ref`` dequantizes to float32 and multiplies.
@@ -42,10 +47,12 @@ import triton.language as tl
 
 from ._checks import (check_bias, check_last_dim_contiguous, check_same_dtype, check_shape, check_tensor,
                       upcast_dots)
+from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 from .skinny_gemm import MAX_SPLIT_K, device_sms, reduce_split_k, split_k_partials, split_layout
 
 PACK = 8
+DENORMAL_SHIFT: tl.constexpr = tl.constexpr(64)   # S of _row_tile: x_j q_j 2^-S summed (|x| < 2^43 stays finite)
 
 
 @dataclass
@@ -76,23 +83,40 @@ class Int4Config(NamedTuple):
 @triton.jit
 def _nibbles(packed, J: tl.constexpr):
     """q[8p + J, n] (0..15) of packed words ``packed`` [BLOCK_K / 8, BLOCK_N] as float32, with no int-to-float
-    conversion: the nibble is masked into a float's mantissa whose exponent makes its last bit worth 1
-    (``2^(23 - 4J) + q``) and the leading power of two taken away, both exact. Nibbles 5-7 would reach the
-    exponent's bits, so they are shifted down first."""
-    if J < 5:
-        q = ((packed & (15 << (4 * J))) | ((150 - 4 * J) << 23)).to(tl.float32, bitcast=True) - (1 << (23 - 4 * J))
-    else:
-        q = (((packed >> (4 * J)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return q
+    conversion: nibble i of a 16-bit half (J = 4h + i) is masked into a float's mantissa whose exponent makes its
+    last bit worth 1 (``2^(23 - 4i) + q``) and the leading power of two taken away, both exact: one logic op and
+    one subtraction a nibble. The upper half is shifted down first, once a word (the compiler shares the shift
+    between its four nibbles); its sign bits are masked away."""
+    half = packed >> (16 * (J // 4))
+    i: tl.constexpr = J % 4
+    return ((half & (15 << (4 * i))) | ((150 - 4 * i) << 23)).to(tl.float32, bitcast=True) - (1 << (23 - 4 * i))
 
 
 @triton.jit
-def _x_columns(x_row, perm_ptr, k, K, HAS_PERM: tl.constexpr):
-    """One row of x at weight rows ``k`` [BLOCK_K / 8] as a float32 column [BLOCK_K / 8, 1]."""
-    mask = k < K
-    if HAS_PERM:
-        k = tl.load(perm_ptr + k, mask=mask, other=0)
-    return tl.load(x_row + k, mask=mask, other=0.0).to(tl.float32)[:, None]
+def _x_columns(x_row, perm_ptr, k0, words, j: tl.constexpr, K, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
+               X_PAIRS: tl.constexpr):
+    """One row of x at weight rows ``k0 + 8 * words + j`` as a float32 column [BLOCK_K / 8, 1]. EVEN_K (every
+    row < K) without perm: no masks, one pointer a word row and j an immediate offset; X_PAIRS (bfloat16 x,
+    EVEN_K, no perm): the int32 holding columns j and j + 1 (even j), read once for both, its half shifted or
+    masked into a float32 (bfloat16 is float32's upper half). Four-byte loads are pipelined with the weight
+    tiles, two-byte ones are not."""
+    k = k0 + words * 8 + j
+    if X_PAIRS:
+        pairs = x_row.to(tl.pointer_type(tl.int32), bitcast=True) + k0 // 2 + words.to(tl.int64) * 4
+        v = tl.load(pairs + j // 2)
+        x = (v << 16) if j % 2 == 0 else (v & -65536)
+        x = x.to(tl.float32, bitcast=True)
+    elif EVEN_K:
+        if HAS_PERM:
+            x = tl.load(x_row + tl.load(perm_ptr + k))
+        else:
+            x = tl.load(x_row + k0 + words.to(tl.int64) * 8 + j)
+    else:
+        mask = k < K
+        if HAS_PERM:
+            k = tl.load(perm_ptr + k, mask=mask, other=0)
+        x = tl.load(x_row + k, mask=mask, other=0.0)
+    return x.to(tl.float32)[:, None]
 
 
 @triton.jit
@@ -125,26 +149,53 @@ def _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, cols):
 
 
 @triton.jit
+def _power_of_two(e: tl.constexpr):
+    """2^e as a float32 scalar (a normal float: -126 <= e <= 127), built from its bits."""
+    return tl.full([], (127 + e) << 23, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibble_bit(J: tl.constexpr):
+    """The lowest bit of nibble J in the word ``_nibble_denormal`` masks: 4J; nibbles 5-7 (bits 20-31, which
+    would reach a float's exponent) from the word shifted down by 12 bits."""
+    return 4 * J if J < 5 else 4 * J - 12
+
+
+@triton.jit
+def _nibble_denormal(packed, J: tl.constexpr):
+    """Nibble J of the words ``packed`` in place, as float32 bits: ``q * 2^(b - 149)`` exactly, b its
+    ``_nibble_bit`` (a denormal, or 0): one logic op a nibble, and one shift a word for nibbles 5-7
+    (``_row_tile`` scales x to make up the power of two)."""
+    word = packed if J < 5 else packed >> 12
+    return (word & (15 << _nibble_bit(J))).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _row_tile(acc, x_row, perm_ptr, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
               HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
-              BLOCK_K: tl.constexpr):
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr):
     """One row of x (decode at batch 1): FMA products into ``acc`` [BLOCK_K / 8, BLOCK_N], reduced over K once
-    after the loop. Inside one group: ``acc += (sum_j x_j q_j - sum_j x_j * z) * s`` per word row."""
+    after the loop. Inside one group: ``acc += (sum_j x_j q_j - sum_j x_j * z) * s`` per word row, with each
+    nibble taken in place as a denormal (``_nibble_denormal``: q * 2^(b - 149)) against x_j * 2^(149 - b - S):
+    the products are x_j q_j 2^-S exactly, so the sum rounds as the sum of x_j q_j would (powers of two commute
+    with rounding while every value stays normal: |x| < 2^(S - 21), |x q| >= 2^(S - 126)), and the tile's sum
+    is scaled back by 2^S once. Two operations a nibble (a logic op and an FMA) instead of four. Other tiles
+    dequantize each nibble (``_nibbles``) with its own group."""
     words = tl.arange(0, BLOCK_K // 8)
     t = tl.zeros(acc.shape, dtype=tl.float32)
     x_sum = tl.zeros([BLOCK_K // 8, 1], dtype=tl.float32)
     for j in tl.static_range(8):
-        k = k0 + words * 8 + j
-        x = _x_columns(x_row, perm_ptr, k, K, HAS_PERM)
-        q = _nibbles(packed, j)
+        x = _x_columns(x_row, perm_ptr, k0, words, j, K, HAS_PERM, EVEN_K, X_PAIRS)
         if GROUP_PER_TILE:
             x_sum += x
+            t += (x * _power_of_two(149 - _nibble_bit(j) - DENORMAL_SHIFT)) * _nibble_denormal(packed, j)
         else:
-            q = _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, cols, HAS_G_IDX)
-        t += x * q
+            q = _dequantized(_nibbles(packed, j), scales_ptr, zeros_ptr, g_idx_ptr, k0 + words * 8 + j, K, N,
+                             group_size, cols, HAS_G_IDX)
+            t += x * q
     if GROUP_PER_TILE:
         z, s = _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, cols)
-        t = (t - x_sum * z) * s
+        t = (t * _power_of_two(DENORMAL_SHIFT) - x_sum * z) * s
     return acc + t
 
 
@@ -180,15 +231,13 @@ def _rows_tile(acc, x_rows, perm_ptr, m_mask, packed, scales_ptr, zeros_ptr, g_i
 
 
 @triton.jit
-def _expanded_tile(acc, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
+def _expanded_tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
                    cols, HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    """Several rows of x, one dot a tile: each weight row k reads its word ``k // 8`` (the 8 rows of a word hit the
-    same addresses: one load from memory, the rest from the cache) and shifts out its own nibble, so the tile is
-    [BLOCK_K, BLOCK_N] with no reshape; inside one group ``(x @ q - sum(x) * z) * s`` as above."""
+    """Several rows of x, one dot a tile: weight row k holds its word ``k // 8`` (``_load_packed`` with EXPAND)
+    and shifts out its own nibble, so the tile is [BLOCK_K, BLOCK_N] with no reshape; inside one group
+    ``(x @ q - sum(x) * z) * s`` as above."""
     k = k0 + tl.arange(0, BLOCK_K)
-    packed = tl.load(qw_ptr + (k // 8)[:, None].to(tl.int64) * N + cols[None, :], mask=(k < K)[:, None], other=0,
-                     eviction_policy="evict_first")
     q = (((packed >> ((k % 8) * 4)[:, None]) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     x = _x_rows(x_rows, perm_ptr, m_mask, k, K, HAS_PERM)
     if GROUP_PER_TILE:
@@ -202,35 +251,52 @@ def _expanded_tile(acc, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr,
 
 
 @triton.jit
-def _tile(acc, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
-          HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, EXPAND: tl.constexpr):
-    """The K tile from ``k0``: its packed words read once ([BLOCK_K / 8, BLOCK_N], rows past K: 0), then the
-    one-row or several-row product; or, with EXPAND, the one-dot tile of ``_expanded_tile``."""
-    if EXPAND:  # (one return after the branches: Triton compiles the code after a constexpr if's return)
-        acc = _expanded_tile(acc, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
-                             group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
+def _load_packed(qw_ptr, k0, N, K, cols, BLOCK_K: tl.constexpr, EXPAND: tl.constexpr, EVEN_K: tl.constexpr):
+    """The packed words of the K tile from ``k0`` (rows past K: 0): [BLOCK_K / 8, BLOCK_N], each word once; with
+    EXPAND [BLOCK_K, BLOCK_N], row k holding word ``k // 8`` (the 8 rows of a word: one load from memory, the rest
+    from the cache). Weights only (no kernel writes them), so the first tile may be read before the PDL wait."""
+    if EXPAND:
+        k = k0 + tl.arange(0, BLOCK_K)
+        packed = tl.load(qw_ptr + (k // 8)[:, None].to(tl.int64) * N + cols[None, :], mask=(k < K)[:, None],
+                         other=0, eviction_policy="evict_first")
+    elif EVEN_K:
+        words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + cols[None, :], eviction_policy="evict_first")
     else:
         words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + cols[None, :],
                          mask=(words < K // 8)[:, None], other=0, eviction_policy="evict_first")
-        if BLOCK_M == 1:
-            acc = _row_tile(acc, x_rows, perm_ptr, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
-                            cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_K)
-        else:
-            acc = _rows_tile(acc, x_rows, perm_ptr, m_mask, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
+    return packed
+
+
+@triton.jit
+def _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
+          HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, EXPAND: tl.constexpr,
+          EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr):
+    """``acc`` plus the product of the K tile from ``k0`` (its words ``packed``, from ``_load_packed``): the
+    one-row or several-row product, or with EXPAND the one-dot tile of ``_expanded_tile``."""
+    if EXPAND:  # (one return after the branches: Triton compiles the code after a constexpr if's return)
+        acc = _expanded_tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
                              group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
+    elif BLOCK_M == 1:
+        acc = _row_tile(acc, x_rows, perm_ptr, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
+                        cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_K, EVEN_K, X_PAIRS)
+    else:
+        acc = _rows_tile(acc, x_rows, perm_ptr, m_mask, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
+                         group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
     return acc
 
 
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemm_kernel(
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr, bias_ptr, out_ptr,
-    M, N, K, k_per_split, group_size, stride_xm, stride_om, stride_split,
+    M, N, K, k_per_split, stride_xm, stride_om, stride_split, group_size: tl.constexpr,
     HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    EXPAND: tl.constexpr, NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, EXPAND: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -245,16 +311,28 @@ def _int4_gemm_kernel(
     else:
         x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # The first tile's words are read before waiting for the previous kernel (weights are never written), so with
+    # PDL their load overlaps that kernel's tail; every split has at least one tile (split_layout).
+    packed = _load_packed(qw_ptr, k_begin, N, K, cols, BLOCK_K, EXPAND, EVEN_K)
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
+    acc = _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k_begin, N, K,
+                group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST, EXPAND, EVEN_K,
+                X_PAIRS)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
-        k0 = k_begin
+        k0 = k_begin + BLOCK_K
         while k0 < k_end:
-            acc = _tile(acc, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
-                        group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST, EXPAND)
+            packed = _load_packed(qw_ptr, k0, N, K, cols, BLOCK_K, EXPAND, EVEN_K)
+            acc = _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
+                        group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST, EXPAND, EVEN_K,
+                X_PAIRS)
             k0 += BLOCK_K
     else:           # pipelined weight loads on the GPU
-        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            acc = _tile(acc, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
-                        group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST, EXPAND)
+        for k0 in tl.range(k_begin + BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            packed = _load_packed(qw_ptr, k0, N, K, cols, BLOCK_K, EXPAND, EVEN_K)
+            acc = _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
+                        group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST, EXPAND, EVEN_K,
+                X_PAIRS)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=0)[None, :]
     store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split,
@@ -287,11 +365,13 @@ def fill_split_k(tiles: int, K: int, block_k: int, programs_per_sm: int, num_sms
 
 
 def _config(M: int, N: int, K: int, num_sms: int) -> Int4Config:
-    """Not tuned on a GPU yet (first guesses): one row: FMA on [128, 64] tiles (a group of 128 a tile); up to
-    16 rows: 16-row dots; both split K for about 4 programs an SM (the weight reads in flight). More rows:
-    32- or 64-row tiles of 128 columns, K in 128s, split while the tiles leave SMs idle."""
+    """One row: FMA on [128, 64] tiles (a group of 128 a tile), 4 warps, 3 stages, K split for about two programs
+    an SM: the best of a sweep on one H100 for every Llama-2-7B shape (bench.quant_gemm_bench: 2.02 ms of
+    linear layers a step; K tiles of 256 or 512 leave a group's fold and lose, as do 32 or 128 columns and 8
+    warps). Up to 16 rows (not tuned): 16-row dots, split for about 4 programs an SM. More rows: 32- or 64-row
+    tiles of 128 columns, K in 128s, split while the tiles leave SMs idle."""
     if M <= 16:
-        block_m, block_n, block_k, per_sm = (1 if M == 1 else 16), 64, 128, 4
+        block_m, block_n, block_k, per_sm = (1 if M == 1 else 16), 64, 128, (1.9 if M == 1 else 4)
     else:
         block_m, block_n, block_k, per_sm = (32 if M <= 64 else 64), 128, 128, 1
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
@@ -338,17 +418,20 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
     group_size = weight.group_size if weight.g_idx is None else K
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
+    pdl = launch_options(x)
     _int4_gemm_kernel[grid](
         x, weight.qweight, weight.scales, weight.zeros, _or(weight.g_idx, weight.qweight),
-        _or(weight.perm, weight.qweight), bias_arg, partial, M, N, K, k_per_split, group_size, x.stride(0),
-        partial.stride(-2), partial.stride(0) if splits > 1 else 0,
+        _or(weight.perm, weight.qweight), bias_arg, partial, M, N, K, k_per_split, x.stride(0),
+        partial.stride(-2), partial.stride(0) if splits > 1 else 0, group_size,
         HAS_G_IDX=weight.g_idx is not None, HAS_PERM=weight.perm is not None,
         GROUP_PER_TILE=weight.g_idx is None and (group_size % cfg.block_k == 0 or group_size >= K),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), EXPAND=cfg.expand, NUM_STAGES=cfg.num_stages,
+        BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), EVEN_K=K % cfg.block_k == 0,
+        X_PAIRS=x.dtype == torch.bfloat16 and K % cfg.block_k == 0 and weight.perm is None and x.stride(0) % 2 == 0,
+        EXPAND=cfg.expand, NUM_STAGES=cfg.num_stages,
         WHILE_LOOP=not x.is_cuda,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    reduce_split_k(partial, bias, out)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+    reduce_split_k(partial, bias, out, pdl)
     return out
 
 
@@ -359,8 +442,9 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
     """``F.linear`` on a 4-bit weight. Decode rows (up to FUSED_ROWS) and CPU runs take the fused GEMM, which
     reads the packed weight once; more rows on the GPU dequantize the weight to x's dtype ([K, N], one
     Triton pass) and multiply with cuBLAS. One H100, Llama-2-7B's linear layers a step (bench.quant_gemm_bench
-    --no-sweep): fused 3.06 / 5.08 / 7.59 / 24.2 / 151.9 ms at 1 / 4 / 16 / 64 / 512 rows, dequantized and
-    cuBLAS 11.2 ms up to 64 rows and 15.7 at 512; bfloat16 4.7-5.1 and 9.1."""
+    --no-sweep): fused 2.00 ms at 1 row (3.09 before the one-row path's PDL, denormal nibbles and paired x
+    loads), and before those changes 5.08 / 7.59 / 24.2 / 151.9 ms at 4 / 16 / 64 / 512 rows, dequantized
+    and cuBLAS 11.2 ms up to 64 rows and 15.7 at 512; bfloat16 4.7-5.1 and 9.1."""
     if x.shape[0] <= FUSED_ROWS or not x.is_cuda:
         return int4_gemm(x, weight, bias)
     return dequantized_linear(x, weight, bias)

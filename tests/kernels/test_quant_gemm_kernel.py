@@ -54,6 +54,24 @@ def test_int4_gemm_matches_reference(device, dtype, rows, group, act_order, has_
     torch.testing.assert_close(out, int4_gemm_ref(x, weight, bias), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 1e4])
+def test_one_row_tiles_inside_a_group_round_as_float32(device, dtype, magnitude):
+    """The decode path's fast tiles (one row, a group a tile, whole K tiles: nibbles read in place as denormals
+    against x scaled by powers of two; bfloat16 x read as int32 pairs) give the float32 product of the same
+    inputs up to the output's own rounding, for tiny and large activations and exact zeros alike."""
+    weight, _ = make_weight(128, 512, 128, dtype, device)
+    x = (torch.randn(1, 512, device=device) * magnitude).to(dtype)
+    x[0, ::7] = 0
+    out = int4_gemm(x, weight, config=Int4Config(1, 64, 128, 2, 4, 1))
+    w = int4_dequantize(Int4Weight(weight.qweight, weight.scales.float(), weight.zeros.float(), None,
+                                   weight.group_size))
+    exact = x.double() @ w.double().T
+    terms = x.double().abs() @ w.double().abs().T           # float32 sums in another order: eps a term at most
+    rounding = 2 ** -8 if dtype == torch.bfloat16 else 0     # the bfloat16 output's one rounding
+    assert ((out.double() - exact).abs() <= rounding * exact.abs() + 512 * 2 ** -24 * terms).all()
+
+
 def test_prefill_tiles_match_reference(device):
     weight, _ = make_weight(N, K, 32, torch.float32, device)
     x = torch.randn(37, K, device=device)      # more rows than one 16-row tile, ragged
@@ -74,7 +92,7 @@ def test_expanded_prefill_tiles_match_reference(device):
 def test_default_configs_split_decode_and_tile_prefill():
     one, few = _config(1, 4096, 4096, 132), _config(8, 4096, 4096, 132)
     mid, many = _config(128, 4096, 4096, 132), _config(512, 4096, 4096, 132)
-    assert one.block_m == 1 and one.split_k == 8      # 64 column blocks x 8 splits: about 4 programs an SM
+    assert one.block_m == 1 and one.split_k == 4      # 64 column blocks x 4 splits: about 2 programs an SM
     assert few.block_m == 16
     assert mid.block_m == 64 and mid.split_k == 4     # 2 x 32 tiles: split until the SMs are busy
     assert many.block_m == 64 and many.split_k == 1
