@@ -427,7 +427,7 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
         GROUP_PER_TILE=weight.g_idx is None and (group_size % cfg.block_k == 0 or group_size >= K),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), EVEN_K=K % cfg.block_k == 0,
-        X_PAIRS=x.dtype == torch.bfloat16 and K % cfg.block_k == 0 and weight.perm is None and x.stride(0) % 2 == 0,
+        X_PAIRS=_pairs_fit(x, K, cfg.block_k, weight),
         EXPAND=cfg.expand, NUM_STAGES=cfg.num_stages,
         WHILE_LOOP=not x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
@@ -488,6 +488,13 @@ def int4_dequantize_kn(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
         weight.qweight, weight.scales, weight.zeros, _or(weight.g_idx, weight.qweight), out, n, k, group_size,
         HAS_G_IDX=weight.g_idx is not None, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4)
     return out
+
+
+def _pairs_fit(x: torch.Tensor, K: int, block_k: int, weight: Int4Weight) -> bool:
+    """Whether the one-row path may read x as int32 pairs (``X_PAIRS``): bfloat16, whole K tiles, no act-order
+    perm, and every row's start 4-byte aligned (a view may start at an odd column)."""
+    return (x.dtype == torch.bfloat16 and K % block_k == 0 and weight.perm is None and x.stride(0) % 2 == 0
+            and x.data_ptr() % 4 == 0)
 
 
 def _or(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,17 @@ def test_one_row_tiles_inside_a_group_round_as_float32(device, dtype, magnitude)
     assert ((out.double() - exact).abs() <= rounding * exact.abs() + 512 * 2 ** -24 * terms).all()
 
 
+def test_one_row_of_a_view_that_starts_mid_pair(device):
+    """x whose row starts at an odd column (a view): not read as int32 pairs (a misaligned four-byte load on the
+    GPU), and the same product as a copy of it."""
+    weight, _ = make_weight(64, 256, 128, torch.bfloat16, device)
+    wide = torch.randn(1, 257, device=device).to(torch.bfloat16)
+    x = wide[:, 1:]
+    assert x.data_ptr() % 4 != 0
+    config = Int4Config(1, 64, 128, 1, 4, 1)
+    assert torch.equal(int4_gemm(x, weight, config=config), int4_gemm(x.contiguous(), weight, config=config))
+
+
 def test_prefill_tiles_match_reference(device):
     weight, _ = make_weight(N, K, 32, torch.float32, device)
     x = torch.randn(37, K, device=device)      # more rows than one 16-row tile, ragged
