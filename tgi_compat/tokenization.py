@@ -45,6 +45,11 @@ class Encoding:
             self._text, self._raw = "", None
         return self._offsets
 
+    def copy(self) -> "Encoding":
+        """The same encoding with lists of its own (requests that sent the same text each get one)."""
+        return Encoding(list(self.ids), None if self._offsets is None else list(self._offsets), text=self._text,
+                        raw=self._raw, first=self._first)
+
     def keep_last(self, count: int | None) -> "Encoding":
         """TGI's `truncate`: keep the last ``count`` tokens (their offsets stay uncomputed)."""
         if count is None or count >= len(self.ids):
@@ -175,16 +180,20 @@ class _BatchingEncoder:
         return [b for b in batch if b[2].set_running_or_notify_cancel()]      # drop cancelled requests
 
     def _encode(self, group: list[tuple[str, Future]], special: bool, offsets: bool) -> None:
-        """One batch call without the GIL (even for one text, unless it needs offsets); one by one
-        where the tokenizer cannot batch or the batch failed."""
-        if self._batchable and (len(group) > 1 or not offsets):
+        """One batch call without the GIL (even for one text, unless it needs offsets), each distinct
+        text encoded once (a chat stream's n choices send one prompt n times; a copy for each repeat);
+        one by one where the tokenizer cannot batch or the batch failed."""
+        texts = list(dict.fromkeys(text for text, _ in group))
+        if self._batchable and (len(texts) > 1 or not offsets):
             try:
-                encodings = self._encode_batch([text for text, _ in group], special, offsets)
+                encodings = dict(zip(texts, self._encode_batch(texts, special, offsets)))
             except Exception:  # noqa: BLE001  (one text's failure must not fail the others: one by one below)
                 log.debug("batch encoding failed; encoding one by one", exc_info=True)
             else:
-                for (text, future), encoding in zip(group, encodings):
-                    future.set_result(encoding)
+                delivered = set()
+                for text, future in group:
+                    future.set_result(encodings[text] if text not in delivered else encodings[text].copy())
+                    delivered.add(text)
                 return
         for text, future in group:
             try:

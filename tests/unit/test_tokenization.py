@@ -3,6 +3,7 @@ encode_batch_fast (ids only) on the worker threads and come back exactly as one 
 them (ids, and byte offsets computed when asked, also after truncation); a text that fails fails
 alone."""
 import asyncio
+from concurrent.futures import Future
 
 import pytest
 from transformers import AutoTokenizer
@@ -69,3 +70,26 @@ def test_a_text_that_cannot_be_encoded_fails_alone(adapter):
     fine, failed, also = asyncio.run(mixed())
     assert isinstance(failed, Exception)
     assert fine.ids == adapter.encode_sync("fine").ids and also.ids == adapter.encode_sync("also fine").ids
+
+
+@pytest.mark.parametrize("offsets", [False, True])
+def test_a_text_sent_several_times_in_one_batch_is_encoded_once(adapter, offsets, monkeypatch):
+    """A chat stream's n choices send one prompt n times at once: the batch encodes each distinct text once and
+    every request gets its own copy of the encoding (its own ids list), equal to one encode."""
+    batched = []
+    backend = adapter._backend
+    for name in ("encode_batch", "encode_batch_fast"):
+        real = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda texts, *a, real=real, **k: batched.append(list(texts))
+                            or real(texts, *a, **k), raising=False)
+    group = [(TEXTS[1], Future()), ("other", Future()), (TEXTS[1], Future()), (TEXTS[1], Future())]
+    adapter._encoder._encode(group, True, offsets)
+    assert batched == [[TEXTS[1], "other"]]
+    got = [future.result() for _, future in group]
+    expected = adapter.encode_sync(TEXTS[1])
+    for encoding in (got[0], got[2], got[3]):
+        assert encoding.ids == expected.ids
+        if offsets:
+            assert encoding.offsets == expected.offsets
+    assert got[1].ids == adapter.encode_sync("other").ids
+    assert len({id(got[0].ids), id(got[2].ids), id(got[3].ids)}) == 3
