@@ -291,19 +291,26 @@ for stage in $stages; do
       # Quantized checkpoints (issue 19), speed: random Llama-2-7B GPTQ (4-bit, groups of 128), AWQ and FP8
       # checkpoints written on the GPU, then beside the bf16 one batch-1 decode over HTTP (bench.serving_bench,
       # 128-token prompt, 256 new tokens) for each; targets GPTQ/AWQ >= 450 tok/s, FP8 >= 330 (bf16: 196).
-      # About 4 minutes (estimated); WQUANT_WORKLOADS=batch1,batch adds the 512-request load (longer);
-      # WQUANT_FORMATS picks formats (default "gptq awq fp8").
-      ensure_7b; rc=0
-      for fmt in ${WQUANT_FORMATS:-gptq awq fp8}; do
+      # About 4 minutes a tree (call 6 of stop 34: a checkpoint written in ~25 s, a batch-1 run in ~35 s);
+      # WQUANT_WORKLOADS=batch1,batch adds the 512-request load (longer); WQUANT_FORMATS picks the checkpoints
+      # (default "bf16 gptq awq fp8"); WQUANT_TREES serves each from each tree in turn (default ".": e.g.
+      # ".baseline ." for before and after in one run).
+      rc=0; formats=${WQUANT_FORMATS:-bf16 gptq awq fp8}
+      [[ " $formats " == *" bf16 "* ]] && ensure_7b
+      models=()
+      for fmt in $formats; do
+        if [ "$fmt" = bf16 ]; then models+=("$MODEL_7B"); continue; fi
         [ -f "$MODEL_7B-$fmt/config.json" ] || timeout 300 python3 -m weights.random_checkpoint --config llama-2-7b \
           --out "$MODEL_7B-$fmt" --dtype bfloat16 --device cuda --quantize $fmt 2>&1 | tail -1
+        models+=("$MODEL_7B-$fmt")
       done
-      for model in "$MODEL_7B" $(for fmt in ${WQUANT_FORMATS:-gptq awq fp8}; do echo "$MODEL_7B-$fmt"; done); do
-        tag=$(basename "$model")
-        timeout 600 python3 -m bench.serving_bench --model-dir "$model" --workloads "${WQUANT_WORKLOADS:-batch1}" \
-          --num-requests 512 --no-peer --json "$OUT/wquant_$tag.json" 2>&1 | tee -a "$OUT/wquant.log" \
-          | grep -E "tok/s|tokens/s" | sed "s|^|$tag: |"
-        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      for model in "${models[@]}"; do
+        for tree in ${WQUANT_TREES:-.}; do
+          tag="$(basename "$model")_$(basename "$(realpath "$tree")")"
+          (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 600 python3 -m bench.serving_bench --model-dir "$model" \
+            --workloads "${WQUANT_WORKLOADS:-batch1}" --num-requests 512 --no-peer --json "$OUT/wquant_$tag.json" 2>&1 \
+            | tee -a "$OUT/wquant.log" | grep -E "tok/s|tokens/s" | sed "s|^|$tag: |"; exit "${PIPESTATUS[0]}") || rc=1
+        done
       done ;;
     spec)
       # speculative decoding (tests/gpu/test_speculation.py): the demo model's batch-1 decode tokens/s with
