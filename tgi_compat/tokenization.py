@@ -184,7 +184,7 @@ class _BatchingEncoder:
         text encoded once (a chat stream's n choices send one prompt n times; a copy for each repeat);
         one by one where the tokenizer cannot batch or the batch failed."""
         texts = list(dict.fromkeys(text for text, _ in group))
-        if self._batchable and (len(texts) > 1 or not offsets):
+        if self._batchable and (len(group) > 1 or not offsets):
             try:
                 encodings = dict(zip(texts, self._encode_batch(texts, special, offsets)))
             except Exception:  # noqa: BLE001  (one text's failure must not fail the others: one by one below)

@@ -72,16 +72,22 @@ def test_a_text_that_cannot_be_encoded_fails_alone(adapter):
     assert fine.ids == adapter.encode_sync("fine").ids and also.ids == adapter.encode_sync("also fine").ids
 
 
-@pytest.mark.parametrize("offsets", [False, True])
-def test_a_text_sent_several_times_in_one_batch_is_encoded_once(adapter, offsets, monkeypatch):
-    """A chat stream's n choices send one prompt n times at once: the batch encodes each distinct text once and
-    every request gets its own copy of the encoding (its own ids list), equal to one encode."""
+def spy_on_batches(adapter, monkeypatch) -> list[list[str]]:
+    """The texts of every batch call the backend gets from now on."""
     batched = []
     backend = adapter._backend
     for name in ("encode_batch", "encode_batch_fast"):
         real = getattr(backend, name)
         monkeypatch.setattr(backend, name, lambda texts, *a, real=real, **k: batched.append(list(texts))
                             or real(texts, *a, **k), raising=False)
+    return batched
+
+
+@pytest.mark.parametrize("offsets", [False, True])
+def test_a_text_sent_several_times_in_one_batch_is_encoded_once(adapter, offsets, monkeypatch):
+    """A chat stream's n choices send one prompt n times at once: the batch encodes each distinct text once and
+    every request gets its own copy of the encoding (its own ids list), equal to one encode."""
+    batched = spy_on_batches(adapter, monkeypatch)
     group = [(TEXTS[1], Future()), ("other", Future()), (TEXTS[1], Future()), (TEXTS[1], Future())]
     adapter._encoder._encode(group, True, offsets)
     assert batched == [[TEXTS[1], "other"]]
@@ -93,3 +99,14 @@ def test_a_text_sent_several_times_in_one_batch_is_encoded_once(adapter, offsets
             assert encoding.offsets == expected.offsets
     assert got[1].ids == adapter.encode_sync("other").ids
     assert len({id(got[0].ids), id(got[2].ids), id(got[3].ids)}) == 3
+
+
+def test_one_text_sent_several_times_with_offsets_is_one_batch_call(adapter, monkeypatch):
+    """Only a text alone in its batch goes to the tokenizer's single encode for its offsets; the same text sent
+    three times (one distinct text) is still one batch call, not three encodes."""
+    batched = spy_on_batches(adapter, monkeypatch)
+    group = [(TEXTS[1], Future()) for _ in range(3)]
+    adapter._encoder._encode(group, True, True)
+    assert batched == [[TEXTS[1]]]
+    expected = adapter.encode_sync(TEXTS[1])
+    assert all(f.result().offsets == expected.offsets for _, f in group)
