@@ -66,6 +66,8 @@ class EngineConfig:
     speculate: int = 0                    # draft tokens per verify row (engine.router.scheduler); 0: off
     draft_heads: str | None = None        # a directory of Medusa heads for model_dir (engine.models.medusa): they
                                           # draft instead of n-gram lookup; speculate picks the first heads
+    arrival_window_s: float = 0.0         # requests came this recently: a prompt step in flight is collected before
+                                          # the next is planned (engine.router.router); 0: always pipelined
 
 
 @dataclass(frozen=True)
@@ -205,4 +207,5 @@ def start_local_shard(plan: EnginePlan):
 def build_router(plan: EnginePlan, shards, capacity: int) -> Router:
     """The router over ``shards`` with ``capacity`` KV slots (the minimum over the shards)."""
     allocator = SlotAllocator(capacity, plan.max_requests)
-    return Router(Scheduler(allocator, plan.scheduler), shards, plan.eos_token_ids)
+    return Router(Scheduler(allocator, plan.scheduler), shards, plan.eos_token_ids,
+                  arrival_window_s=plan.config.arrival_window_s)

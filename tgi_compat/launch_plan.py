@@ -16,7 +16,7 @@ from engine.assembly import EngineConfig, EnginePlan, plan_engine
 from engine.processes import LogSetup, process_context, spawn_router, spawn_shards, start_process
 
 from .frontend_process import FrontendSpec, frontend_main
-from .launch_config import STALL_FREE_TOKENS, LaunchConfig, Limits, resolve_limits, resolve_num_shard
+from .launch_config import ARRIVAL_WINDOW_S, STALL_FREE_TOKENS, LaunchConfig, Limits, resolve_limits, resolve_num_shard
 
 log = logging.getLogger("launcher")
 
@@ -115,7 +115,7 @@ def engine_config(config: LaunchConfig, limits: Limits, model_dir: str, heads_di
         num_shards=resolve_num_shard(config, _visible_gpus()), master_addr=config.master_addr,
         master_port=config.master_port, rope_scaling=config.rope, step_timeout_s=config.step_timeout,
         kv_cache_dtype=config.kv_cache_dtype, quantize=config.quantize,
-        speculate=speculate_drafts(config, heads_dir), draft_heads=heads_dir,
+        speculate=speculate_drafts(config, heads_dir), draft_heads=heads_dir, arrival_window_s=ARRIVAL_WINDOW_S,
         **{k: v for k, v in watermark.items() if v is not None})
 
 

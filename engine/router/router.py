@@ -3,6 +3,11 @@
 Steps are pipelined one deep: ``step()`` submits step N+1 before it collects step N, so
 the device starts N+1 as soon as N ends while the router turns N's tokens into events
 (decode rows of N+1 feed tokens the worker sampled in N; see ``engine.router.scheduler``).
+Except while requests are arriving (one came within ``arrival_window_s``: the server's
+``tgi_compat.launch_config.ARRIVAL_WINDOW_S``; 0, the in-process engine's default, keeps it off) and the step in flight
+carries prompt chunks: then ``step()`` collects it before planning the next, so what arrives
+during a long prompt step joins the very next one instead of the one after it (a burst's TTFT
+loses a whole step less; the device waits only for the router's planning).
 
 The same ``Router`` serves the in-process ``Engine`` (shards = a local worker) and the
 router process of the server (shards = worker processes behind pipes).
@@ -71,12 +76,15 @@ class _Flight:
 
 
 class Router:
-    def __init__(self, scheduler: Scheduler, shards: Shards, eos_token_ids: tuple[int, ...]):
+    def __init__(self, scheduler: Scheduler, shards: Shards, eos_token_ids: tuple[int, ...],
+                 arrival_window_s: float = 0.0):
         self.scheduler = scheduler
+        self.arrival_window_s = arrival_window_s      # 0: always pipelined
         self.shards = shards
         self.eos_token_ids = frozenset(eos_token_ids)
         self._in_flight: deque[_Flight] = deque()
         self._last_result = 0.0                 # when the previous step's result came back
+        self._last_arrival = float("-inf")      # when the latest request was queued
         self._stats: list[StepStats] = []
 
     def submit(self, request: GenerationRequest) -> None:
@@ -88,6 +96,7 @@ class Router:
             request_id=request.request_id, prompt_ids=list(request.prompt_ids),
             max_new_tokens=request.max_new_tokens, params=params, seed=seed, stop_token_ids=stops,
         ))
+        self._last_arrival = time.perf_counter()
         log.debug("request %s queued: %d prompt tokens", request.request_id, len(request.prompt_ids))
 
     def abort(self, request_id: int) -> bool:
@@ -102,7 +111,10 @@ class Router:
         When nothing could be planned beside the step in flight (every running request waits for its
         result: a verify row decides its next position), the next step is submitted right after that
         result is processed, before the caller turns to its events: the device idles only for the
-        router's own work."""
+        router's own work. While requests arrive, a prompt step in flight is collected first (module
+        docstring)."""
+        if self._arrivals_wait_for_the_step_in_flight():
+            return self.collect(timeout)
         submitted = self._submit_next()
         if not self._in_flight or (submitted and len(self._in_flight) < 2):
             return []
@@ -110,6 +122,12 @@ class Router:
         if not submitted and not self._in_flight and self.scheduler.has_work():
             self._submit_next()
         return events
+
+    def _arrivals_wait_for_the_step_in_flight(self) -> bool:
+        """One step in flight carrying prompt chunks while requests are arriving: plan the next once it is
+        done, with what arrived meanwhile."""
+        return (len(self._in_flight) == 1 and self._in_flight[0].method == "prefill"
+                and time.perf_counter() - self._last_arrival < self.arrival_window_s)
 
     def _submit_next(self) -> bool:
         """Plan the next step and hand it to the shards; False when it had nothing to carry."""

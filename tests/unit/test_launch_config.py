@@ -151,6 +151,20 @@ def test_speculate_reaches_the_scheduler():
         parse_args(["--speculate", "-1"], {})
 
 
+def test_the_servers_router_waits_for_prompt_steps_while_requests_arrive():
+    """The launcher's engine gets the arrival window (engine.router.router); the in-process engine keeps 0."""
+    from engine.assembly import EngineConfig, build_router, plan_engine
+    from tgi_compat.launch_config import ARRIVAL_WINDOW_S
+    from tgi_compat.launch_plan import engine_config
+
+    demo = str(Path(__file__).resolve().parents[2] / "weights" / "demo")
+    config = parse_args([], {})
+    plan = plan_engine(engine_config(config, resolve_limits(config, 2048), demo))
+    assert plan.config.arrival_window_s == ARRIVAL_WINDOW_S > 0
+    assert build_router(plan, shards=None, capacity=64).arrival_window_s == ARRIVAL_WINDOW_S
+    assert EngineConfig(model_dir=demo).arrival_window_s == 0
+
+
 def test_speculate_past_its_bound_is_refused_with_the_bound(capsys):
     """A huge --speculate would size the warm-up (and the KV cache) for max_requests x (1 + N) positions."""
     from tgi_compat.launch_config import MAX_SPECULATE

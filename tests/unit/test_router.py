@@ -74,3 +74,42 @@ def test_steps_in_flight_when_the_shards_fail_are_reported_failed():
     router.fail_all("the shard died")
     (failed,) = router.take_stats()
     assert not failed.ok and failed.method == "prefill" and failed.size == 1
+
+
+class ArrivalDuringStep(FixedTokenShards):
+    """Records each submitted step's request ids; while collecting step ``during`` (the device busy with it), a
+    request arrives at the router."""
+
+    def __init__(self, during: int, arrival: GenerationRequest):
+        super().__init__()
+        self.submitted: list[set[int]] = []
+        self.during, self.arrival, self.router = during, arrival, None
+
+    def submit(self, step) -> None:
+        self.submitted.append({row.request_id for row in step.rows})
+        super().submit(step)
+
+    def collect(self, timeout=None) -> StepResult:
+        collected = len(self.submitted) - len(self.pending)
+        if collected == self.during:
+            self.router.submit(self.arrival)
+        return super().collect(timeout)
+
+
+def first_step_with_the_arrival(arrival_window_s: float) -> int:
+    allocator = SlotAllocator(num_slots=256, max_requests=8)
+    scheduler = Scheduler(allocator, SchedulerConfig(max_prefill_tokens=8, max_seq_len=256, prefix_caching=False))
+    shards = ArrivalDuringStep(during=1, arrival=request(2, prompt=3, new=2))
+    router = Router(scheduler, shards, eos_token_ids=(0,), arrival_window_s=arrival_window_s)
+    shards.router = router
+    router.submit(request(1, prompt=40, new=2))     # five prompt steps of 8 tokens
+    run(router)
+    return next(i for i, ids in enumerate(shards.submitted) if 2 in ids)
+
+
+def test_a_request_arriving_during_a_prompt_step_joins_the_very_next_step():
+    """While requests arrive, a prompt step in flight is collected before the next is planned: a request that
+    arrives while the device runs step 1 is in step 2. Always pipelined, step 2 was planned before it came:
+    it waits for a later one (here behind the long prompt, whose aged chunks then fill the budget)."""
+    assert first_step_with_the_arrival(arrival_window_s=3600.0) == 2
+    assert first_step_with_the_arrival(arrival_window_s=0.0) > 2
