@@ -335,7 +335,8 @@ STEP_TOKENS = 4096        # the default step budget (chunked prefill: prompts of
 ARRIVAL_WINDOW_S = 0.1    # a request came this recently: the router plans after a prompt step in flight, not beside
 #                           it (engine.router.router), so arrivals during that step join the next one: a burst's
 #                           first tokens come a step sooner (one H100: the prompt steps of a 256-request
-#                           shared-prefix burst took 31-154 ms each)
+#                           shared-prefix burst took 31-154 ms each). Not with --speculate: its verify rows keep
+#                           the step order they were tested with (stop 35's note)
 STALL_FREE_TOKENS = 384   # with the default budget: a decoding step's prompt chunk cost (engine.router.scheduler):
 #                           about 9 ms of matmuls on one H100, beside a batch-1 decode step of 5.6 ms
 

@@ -104,6 +104,7 @@ def speculate_drafts(config: LaunchConfig, heads_dir: str | None) -> int:
 def engine_config(config: LaunchConfig, limits: Limits, model_dir: str, heads_dir: str | None = None) -> EngineConfig:
     """TGI's flags as the engine's settings (what the engine derives itself stays unset)."""
     watermark = {"watermark_gamma": config.watermark_gamma, "watermark_delta": config.watermark_delta}
+    speculate = speculate_drafts(config, heads_dir)
     return EngineConfig(
         model_dir=model_dir, dtype=config.dtype, kernel_backend="torch" if config.disable_custom_kernels else None,
         max_requests=config.max_batch_size or min(config.max_concurrent_requests * config.max_best_of, 1024),
@@ -115,7 +116,7 @@ def engine_config(config: LaunchConfig, limits: Limits, model_dir: str, heads_di
         num_shards=resolve_num_shard(config, _visible_gpus()), master_addr=config.master_addr,
         master_port=config.master_port, rope_scaling=config.rope, step_timeout_s=config.step_timeout,
         kv_cache_dtype=config.kv_cache_dtype, quantize=config.quantize,
-        speculate=speculate_drafts(config, heads_dir), draft_heads=heads_dir, arrival_window_s=ARRIVAL_WINDOW_S,
+        speculate=speculate, draft_heads=heads_dir, arrival_window_s=0.0 if speculate else ARRIVAL_WINDOW_S,
         **{k: v for k, v in watermark.items() if v is not None})
 
 

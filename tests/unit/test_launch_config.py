@@ -152,7 +152,8 @@ def test_speculate_reaches_the_scheduler():
 
 
 def test_the_servers_router_waits_for_prompt_steps_while_requests_arrive():
-    """The launcher's engine gets the arrival window (engine.router.router); the in-process engine keeps 0."""
+    """The launcher's engine gets the arrival window (engine.router.router), but not with --speculate; the
+    in-process engine keeps 0."""
     from engine.assembly import EngineConfig, build_router, plan_engine
     from tgi_compat.launch_config import ARRIVAL_WINDOW_S
     from tgi_compat.launch_plan import engine_config
@@ -163,6 +164,8 @@ def test_the_servers_router_waits_for_prompt_steps_while_requests_arrive():
     assert plan.config.arrival_window_s == ARRIVAL_WINDOW_S > 0
     assert build_router(plan, shards=None, capacity=64).arrival_window_s == ARRIVAL_WINDOW_S
     assert EngineConfig(model_dir=demo).arrival_window_s == 0
+    speculating = parse_args(["--speculate", "2"], {})
+    assert engine_config(speculating, resolve_limits(speculating, 2048), demo).arrival_window_s == 0
 
 
 def test_speculate_past_its_bound_is_refused_with_the_bound(capsys):
