@@ -7,8 +7,6 @@ same ``Step`` bytes; rank 0 -> router the ``StepResult``.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 
 from engine.processes import child_setup
@@ -104,50 +102,12 @@ def router_main(plan, frontend_conn, shard_conns, log_level="INFO") -> None:
         shards.shutdown()
 
 
-class Inbox:
-    """The front end's messages, read off the pipe by a thread of their own as they come (decoded), so that
-    the router finds all that arrived during a step at the step's end. Read only between steps, the pipe's
-    buffer held a few long prompts' messages (12 KB for 3,000 tokens): the front end's writer waited, and a
-    burst trickled in a few requests a step. ``None`` in the queue: the front end is gone."""
-
-    def __init__(self, conn):
-        self._conn = conn
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._read_loop, name="router-inbox", daemon=True)
-        self._thread.start()
-
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                message = decode(self._conn.recv_bytes())
-            except (EOFError, OSError):
-                self._queue.put(None)
-                return
-            self._queue.put(message)
-
-    def take(self, timeout: float) -> list | None:
-        """Every message waiting, after waiting up to ``timeout`` seconds for the first; None when the front
-        end is gone (after the messages before that)."""
-        messages = []
-        try:
-            messages.append(self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait())
-            while True:
-                messages.append(self._queue.get_nowait())
-        except queue.Empty:
-            pass
-        if None in messages:
-            self._queue.put(None)          # every later take reports it too
-            return None if messages[0] is None else messages[: messages.index(None)]
-        return messages
-
-
 class RouterLoop:
     def __init__(self, router, conn, step_timeout_s: float | None = None):
         self.router = router
         self.shards = router.shards
         self.allocator = router.scheduler.allocator
         self.conn = conn
-        self.inbox = Inbox(conn)
         self.step_timeout_s = step_timeout_s     # the watchdog: no step result for this long -> stalled
         self.stalled = False
         self.healthy = True
@@ -175,10 +135,14 @@ class RouterLoop:
 
     def _read_inbox(self, timeout: float) -> bool:
         """Handle every waiting message; False when the front end is gone."""
-        messages = self.inbox.take(timeout)
-        for message in messages or ():
-            self._handle(message)
-        return messages is not None
+        try:
+            ready = self.conn.poll(timeout)
+            while ready:
+                self._handle(decode(self.conn.recv_bytes()))
+                ready = self.conn.poll(0)
+        except (EOFError, OSError):
+            return False
+        return True
 
     def _handle(self, message) -> None:
         if isinstance(message, Abort):
