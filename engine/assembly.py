@@ -97,6 +97,9 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
     backend = config.kernel_backend or default_backend(device)
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if not config.arrival_window_s >= 0:
+        raise ValueError(f"arrival_window_s must be >= 0 seconds (0: steps always pipelined), got "
+                         f"{config.arrival_window_s!r}")
     max_seq_len = config.max_seq_len or model_config.max_context
     worker = WorkerConfig(
         model_dir=config.model_dir, dtype=resolve_dtype(config.dtype, model_config, device), device=device,

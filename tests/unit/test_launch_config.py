@@ -166,6 +166,9 @@ def test_the_servers_router_waits_for_prompt_steps_while_requests_arrive():
     assert EngineConfig(model_dir=demo).arrival_window_s == 0
     speculating = parse_args(["--speculate", "2"], {})
     assert engine_config(speculating, resolve_limits(speculating, 2048), demo).arrival_window_s == 0
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ValueError, match="arrival_window_s must be >= 0 seconds"):
+            plan_engine(EngineConfig(model_dir=demo, arrival_window_s=bad))
 
 
 def test_speculate_past_its_bound_is_refused_with_the_bound(capsys):

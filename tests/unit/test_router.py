@@ -104,6 +104,8 @@ def first_step_with_the_arrival(arrival_window_s: float) -> int:
     shards.router = router
     router.submit(request(1, prompt=40, new=2))     # five prompt steps of 8 tokens
     run(router)
+    scheduler.check_integrity()
+    assert allocator.used_slots == 0 and allocator.free_rows == 8       # both requests gave everything back
     return next(i for i, ids in enumerate(shards.submitted) if 2 in ids)
 
 
