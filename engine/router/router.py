@@ -63,6 +63,7 @@ class _Flight:
     step: Step
     started: float            # scheduling began
     submitted: float          # handed to the shards
+    number: int = 0           # steps submitted before it, plus one
 
     @property
     def method(self) -> str:
@@ -86,6 +87,7 @@ class Router:
         self._last_result = 0.0                 # when the previous step's result came back
         self._last_arrival = float("-inf")      # when the latest request was queued
         self._stats: list[StepStats] = []
+        self._steps = 0                         # steps submitted (numbers the debug log's step lines)
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request; ValueError if it can never fit (too long for the limits)."""
@@ -135,9 +137,21 @@ class Router:
         step = self.scheduler.schedule()
         if not (step.rows or step.released):
             return False
+        planned = time.perf_counter()
         self.shards.submit(step)
-        self._in_flight.append(_Flight(step, started, time.perf_counter()))
+        self._steps += 1
+        self._in_flight.append(_Flight(step, started, time.perf_counter(), self._steps))
+        if log.isEnabledFor(logging.DEBUG):
+            self._log_submitted(self._in_flight[-1], planned)
         return True
+
+    def _log_submitted(self, flight: _Flight, planned: float) -> None:
+        prompt = [row for row in flight.step.rows if row.input_ids[0] != FED_BACK]
+        log.debug("step %d: %d rows (%d prompt tokens in %d prompt rows, %d new requests), %d waiting; "
+                  "planned in %.1f ms, handed to the shards in %.1f ms", flight.number, len(flight.step.rows),
+                  sum(len(row.input_ids) for row in prompt), len(prompt),
+                  sum(row.params is not None for row in flight.step.rows), len(self.scheduler.waiting),
+                  1000 * (planned - flight.started), 1000 * (flight.submitted - planned))
 
     def collect(self, timeout: float | None = None) -> list[TokenEvent]:
         """The token events of the oldest step in flight. With ``timeout``, the shards may raise
@@ -149,6 +163,8 @@ class Router:
         events = [self._event(request, res, reason) for request, res, reason in processed]
         if done.step.rows:
             self._record(done, arrived)
+        log.debug("step %d collected %.1f ms after it was handed over; %d events in %.1f ms", done.number,
+                  1000 * (arrived - done.submitted), len(events), 1000 * (time.perf_counter() - arrived))
         self._last_result = arrived
         return events
 

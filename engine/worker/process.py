@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 from engine.processes import child_setup
@@ -70,10 +71,15 @@ def serve_steps(worker, conn, reply: bool) -> None:
             _reply(conn, launched, reply)
             launched = None
             continue
-        message = decode(conn.recv_bytes())
+        data = conn.recv_bytes()
+        received = time.perf_counter()
+        message = decode(data)
         if isinstance(message, Shutdown):
             return
+        decoded = time.perf_counter()
         newer = worker.launch(message)
+        log.debug("shard step of %d rows (%d bytes): decoded in %.1f ms, launched in %.1f ms", len(message.rows),
+                  len(data), 1000 * (decoded - received), 1000 * (time.perf_counter() - decoded))
         if launched is not None:
             _reply(conn, launched, reply)
         launched = newer
@@ -92,9 +98,12 @@ def _next_step_first(conn, launched) -> bool:
 
 
 def _reply(conn, launched, reply: bool) -> None:
+    waited = time.perf_counter()
     result = launched.result()
     if reply:
         conn.send_bytes(encode(result))
+    log.debug("shard step result of %d rows: ready and sent after %.1f ms", len(result.rows),
+              1000 * (time.perf_counter() - waited))
 
 
 def _join_group(spec: ShardSpec):
