@@ -51,6 +51,7 @@ class SamplingParams:
 
 
 FED_BACK = -1    # a decode row's input id: "the token the worker sampled last for this row"
+NO_PREFIX = -1   # a row's ``prefix`` when it maps no cached prefix
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class StepRow:
     seed: int = 0
     logprob_targets: list[int] | None = None  # next prompt token of each position (prompt logprobs)
     # The request's first row when its prompt starts with a cached prefix (start_pos tokens):
-    prefix_slots: list[int] | None = None  # their slots: req_to_token[row, 0:start_pos] (prefix cache)
+    prefix: int = NO_PREFIX                # its slots: req_to_token[row, 0:start_pos] = the first start_pos of
+                                           # Step.prefixes[prefix] (with its base's)
     prefix_ids: list[int] | None = None    # their token ids, sent only with penalties (they count as prompt)
     # A row (prompt chunk or decode) of the step's shared-prefix group: positions 0..shared_prefix_len-1
     # hold the same slots in every member's req_to_token row (engine.router.shared_prefix, cascade attention)
@@ -104,9 +106,39 @@ class StepRow:
 
 
 @dataclass
+class PrefixSlots:
+    """One cached prefix's KV slots in a step: ``Step.prefixes[base][:base_len]`` (base -1: nothing), then ``slots``."""
+    slots: list[int]
+    base: int = NO_PREFIX          # an earlier entry of the same step
+    base_len: int = 0
+
+
+@dataclass
 class Step:
     rows: list[StepRow]
     released: list[int] = field(default_factory=list)   # requests whose worker state can go
+    # The cached prefixes that rows map (``StepRow.prefix``), each slot list once: a burst behind one
+    # 3,000-token system prompt sends its slots once, not once a row (1.3 MB a step for 100 rows), and
+    # prefixes that extend it (conversations behind it) send only their own slots after it
+    prefixes: list[PrefixSlots] = field(default_factory=list)
+
+    def prefix_segments(self, index: int, length: int) -> list[tuple[int, int, int]]:
+        """Where the first ``length`` slots of prefix ``index`` come from: (entry, start, end), in order, for
+        positions start..end-1 = ``prefixes[entry].slots[: end - start]``."""
+        segments = []
+        while index != NO_PREFIX and length > 0:
+            entry = self.prefixes[index]
+            if length > entry.base_len:
+                segments.append((index, entry.base_len, min(length, entry.base_len + len(entry.slots))))
+            index, length = entry.base, min(length, entry.base_len)
+        return segments[::-1]
+
+    def prefix_slots(self, index: int, length: int) -> list[int]:
+        """The first ``length`` slots of prefix ``index`` as one list."""
+        slots = []
+        for entry, start, end in self.prefix_segments(index, length):
+            slots.extend(self.prefixes[entry].slots[: end - start])
+        return slots
 
 
 

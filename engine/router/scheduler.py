@@ -93,7 +93,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, StepResult, StepRow
+from engine.protocol.messages import (FED_BACK, NO_PREFIX, PrefixSlots, RowResult, SamplingParams, Step, StepResult,
+                                      StepRow)
 from engine.router.allocator import SlotAllocator
 from engine.router.drafter import HeadDrafter, NgramDrafter
 from engine.router.prefix_cache import Match, PrefixCache, TreeNode, common_prefix_length
@@ -298,10 +299,10 @@ class Scheduler:
         need = len(decoding) + sum(chunks.values()) + len(chaining)
         self._make_room(need)
         spare = DraftRoom(min(draft_room, self.allocator.free_slots - need))
-        rows = []
+        rows, prefixes = [], PrefixTable()
         for request in self.running:
             if request.request_id in chunks:
-                rows.append(self._prefill_row(request, chunks[request.request_id]))
+                rows.append(self._prefill_row(request, chunks[request.request_id], prefixes))
             elif request.can_decode:
                 rows.append(self._decode_row(request, spare, request.request_id in drafters))
             elif request.request_id in chaining:
@@ -309,7 +310,7 @@ class Scheduler:
         if self.shared is not None and rows:
             self.shared.mark(rows)
         released, self._released = self._released, []
-        return Step(rows=rows, released=released)
+        return Step(rows=rows, released=released, prefixes=prefixes.lists)
 
     def _plan_chunks(self, decoding: list[Request], draft_room: int = 0) -> dict[int, int]:
         """{request id: prompt tokens this step} (module docstring: the step budget); ``draft_room``:
@@ -417,7 +418,7 @@ class Scheduler:
                  len(request.prompt_ids), match.length)
         return request.lock_node
 
-    def _prefill_row(self, request: Request, tokens: int) -> StepRow:
+    def _prefill_row(self, request: Request, tokens: int, prefixes: "PrefixTable") -> StepRow:
         start = request.prefilled
         end = min(len(request.prompt_ids), start + tokens)
         chunk = request.prompt_ids[start:end]
@@ -426,15 +427,15 @@ class Scheduler:
         targets = None
         if request.params.prompt_logprobs:
             targets = request.prompt_ids[start + 1 : end + (0 if last_chunk else 1)]
-        prefix_slots = prefix_ids = None
+        prefix, prefix_ids = NO_PREFIX, None
         if first and start > 0:
-            prefix_slots = self.allocator.slots(request.request_id)[:start]
+            prefix = prefixes.index(self.allocator.slots(request.request_id), start)
             prefix_ids = request.prompt_ids[:start] if request.params.has_penalties else None
         row = StepRow(
             request_id=request.request_id, row=self.allocator.row(request.request_id), start_pos=start,
             input_ids=chunk, slots=self.allocator.allocate(request.request_id, len(chunk)), sample=last_chunk,
             params=request.params if first else None, seed=request.seed, logprob_targets=targets,
-            prefix_slots=prefix_slots, prefix_ids=prefix_ids,
+            prefix=prefix, prefix_ids=prefix_ids,
         )
         request.prefilled = end
         request.pending += last_chunk
@@ -630,6 +631,30 @@ class Scheduler:
             if node.lock_count != expected.get(id(node), 0):
                 raise AssertionError(f"a node is locked {node.lock_count} times by {expected.get(id(node), 0)} "
                                      f"running requests")
+
+
+class PrefixTable:
+    """One step's cached prefixes (``Step.prefixes``). The first prefix that starts at a slot is sent whole;
+    a row whose prefix is a prefix of it reads it, one that extends it or parts from it sends only its own
+    slots past the common part (a burst of conversations behind one system prompt sends that prompt's
+    slots once)."""
+
+    def __init__(self):
+        self.lists: list[PrefixSlots] = []
+        self._whole: dict[int, int] = {}      # slot of position 0 -> the entry sent whole that starts there
+
+    def index(self, slots: list[int], length: int) -> int:
+        """The entry whose first ``length`` slots are ``slots[:length]`` (added if none)."""
+        first = self._whole.get(slots[0])
+        if first is None:
+            self._whole[slots[0]] = len(self.lists)
+            self.lists.append(PrefixSlots(slots[:length]))
+            return len(self.lists) - 1
+        common = common_prefix_length(self.lists[first].slots, slots[:length])
+        if common == length:
+            return first
+        self.lists.append(PrefixSlots(slots[common:length], base=first, base_len=common))
+        return len(self.lists) - 1
 
 
 class DraftRoom:

@@ -39,7 +39,8 @@ from engine.models.config import ModelConfig
 from engine.models.medusa import DraftHeads, read_medusa_config
 from engine.models.parallel import TensorParallel
 from engine.ops import KernelOps, default_backend
-from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, Step, StepResult, StepRow
+from engine.protocol.messages import (FED_BACK, NO_PREFIX, PrefixSlots, RowResult, SamplingParams, Step, StepResult,
+                                      StepRow)
 from engine.sampling.grammar import GrammarCompiler, GrammarMatcher
 from engine.sampling.sampler import RowSampling, Sampler
 from engine.sampling.watermark import WatermarkConfig
@@ -272,8 +273,8 @@ class ModelWorker:
         shared = prefix_len if members >= SHARED_PREFIX_MIN_ROWS else 0
         rows = [StepRow(request_id=-2 - i, row=1 + i, start_pos=prefix_len, input_ids=[1] * 4,
                         slots=list(range(prefix_len + 4 * i, prefix_len + 4 * i + 4)), sample=True, params=params,
-                        prefix_slots=list(range(prefix_len)), shared_prefix_len=shared) for i in range(members)]
-        self.execute(Step(rows=rows))
+                        prefix=0, shared_prefix_len=shared) for i in range(members)]
+        self.execute(Step(rows=rows, prefixes=[PrefixSlots(list(range(prefix_len)))]))
         self.execute(Step(rows=[], released=[r.request_id for r in [owner, *rows]]))
 
     # ---- one step ------------------------------------------------------------------
@@ -325,7 +326,7 @@ class ModelWorker:
             if r.input_ids[0] == FED_BACK:
                 continue
             state.prev_token = r.input_ids[-1]
-            state.num_tokens += len(r.input_ids) + len(r.prefix_slots or ())
+            state.num_tokens += len(r.input_ids) + (r.start_pos if r.prefix != NO_PREFIX else 0)
             if state.penalty_row >= 0:                               # a cached prefix counts as prefilled
                 self.sampler.penalties.add(state.penalty_row, (r.prefix_ids or []) + r.input_ids)
 
@@ -412,27 +413,29 @@ class ModelWorker:
     def _map_cached_prefixes(self, step: Step) -> None:
         """req_to_token[row, 0:k] = the cached prefix slots a request's first row brings (prefix cache).
 
-        Rows that bring the same slots (a burst behind one long system prompt) are written by one
-        broadcast copy of those slots: one host list of k slots instead of rows x k (a step of 106
-        requests behind a 3,000-token prefix built three 318k-element lists). The others go in one
-        flat write."""
-        groups: dict[tuple[int, ...], list[int]] = {}
+        A piece of ``Step.prefixes`` that several rows map (a burst behind one long system prompt) is
+        written by one broadcast copy of its slots: one host list of k slots instead of rows x k (a step
+        of 106 requests behind a 3,000-token prefix built three 318k-element lists). The pieces of one
+        row each go in one flat write."""
+        pieces: dict[tuple[int, int, int], list[int]] = {}
         for r in step.rows:
-            if r.prefix_slots:
-                groups.setdefault(tuple(r.prefix_slots), []).append(r.row)
-        if not groups:
+            if r.prefix != NO_PREFIX:
+                for piece in step.prefix_segments(r.prefix, r.start_pos):
+                    pieces.setdefault(piece, []).append(r.row)
+        if not pieces:
             return
         dev = self.device
         table_rows, positions, slots = [], [], []
-        for prefix, rows in groups.items():
+        for (entry, start, end), rows in pieces.items():
+            piece = step.prefixes[entry].slots[: end - start]
             if len(rows) == 1:
-                table_rows.extend(rows * len(prefix))
-                positions.extend(range(len(prefix)))
-                slots.extend(prefix)
+                table_rows.extend(rows * len(piece))
+                positions.extend(range(start, end))
+                slots.extend(piece)
                 continue
             self.kv_cache.write_table(to_device(rows, torch.int64, dev)[:, None],
-                                      torch.arange(len(prefix), device=dev)[None, :],
-                                      to_device(prefix, torch.int64, dev)[None, :])
+                                      torch.arange(start, end, device=dev)[None, :],
+                                      to_device(piece, torch.int64, dev)[None, :])
         if table_rows:
             self.kv_cache.write_table(to_device(table_rows, torch.int64, dev), to_device(positions, torch.int64, dev),
                                       to_device(slots, torch.int64, dev))

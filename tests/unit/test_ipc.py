@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 from engine.protocol.codec import decode, encode
-from engine.protocol.messages import (Abort, Events, GenerationRequest, Ready, RouterStatus, RowResult, SamplingParams,
-                                      Step, StepResult, StepRow, TokenEvent)
+from engine.protocol.messages import (Abort, Events, GenerationRequest, PrefixSlots, Ready, RouterStatus, RowResult,
+                                      SamplingParams, Step, StepResult, StepRow, TokenEvent)
 
 
 def test_every_message_round_trips():
@@ -16,7 +16,8 @@ def test_every_message_round_trips():
         GenerationRequest(7, [1, 2, 3], 16, SamplingParams(do_sample=True, top_p=0.5, seed=2**64 - 1), [2]),
         Abort(7),
         Step(rows=[StepRow(1, 0, 0, [5, 6], [10, 11], True, SamplingParams(), 99, [6]),
-                   StepRow(2, 1, 4, [9], [12], True)], released=[3, 4]),
+                   StepRow(2, 1, 4, [9], [12], True, prefix=1)], released=[3, 4],
+             prefixes=[PrefixSlots([40, 41, 42]), PrefixSlots([43], base=0, base_len=3)]),
         StepResult([RowResult(1, 5, -0.5, [5, 6], [-0.5, -1.0], [-2.0]), RowResult(2)]),
         Events([TokenEvent(1, 5, -0.25, finish_reason="length", seed=3, prompt_logprobs=[None, -1.5]),
                 TokenEvent(2, logprob=-1.0, error="boom")]),
@@ -60,3 +61,82 @@ def test_the_messages_the_router_and_the_client_need_load_without_torch():
     code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_the_router_queues_requests_while_it_waits_for_a_steps_result():
+    """``PipeShards.collect`` serves the front end's pipe while the step runs (a burst's requests are queued
+    during a long prompt step, not after it); the result is still returned, and the watchdog still fires."""
+    import multiprocessing
+    import threading
+    import time
+
+    from engine.router.process import PipeShards, ShardStalled
+
+    shard_end, router_shard_end = multiprocessing.Pipe()
+    front_end, router_front_end = multiprocessing.Pipe()
+    shards = PipeShards([router_shard_end])
+    seen = []
+
+    def read_inbox(result_ready) -> bool:
+        while router_front_end.poll(0) and not result_ready():
+            seen.append((decode(router_front_end.recv_bytes()).request_id, router_shard_end.poll(0)))
+        return True
+
+    shards.also_read(router_front_end, read_inbox)
+
+    def device():
+        for rid in (1, 2, 3):
+            front_end.send_bytes(encode(Abort(rid)))
+            time.sleep(0.05)
+        shard_end.send_bytes(encode(StepResult([RowResult(7, 5)])))
+
+    threading.Thread(target=device).start()
+    assert shards.collect(timeout=10) == StepResult([RowResult(7, 5)])
+    assert seen == [(1, False), (2, False), (3, False)]           # each handled while no result had come
+    start = time.monotonic()
+    threading.Timer(0.05, lambda: front_end.send_bytes(encode(Abort(4)))).start()
+    with pytest.raises(ShardStalled):
+        shards.collect(timeout=0.3)
+    assert 0.29 < time.monotonic() - start < 2 and seen[-1] == (4, False)
+
+
+def test_a_front_end_that_is_gone_is_not_read_again_while_a_result_is_awaited():
+    import multiprocessing
+    import threading
+
+    from engine.router.process import PipeShards
+
+    shard_end, router_shard_end = multiprocessing.Pipe()
+    front_end, router_front_end = multiprocessing.Pipe()
+    shards = PipeShards([router_shard_end])
+    calls = []
+
+    def read_inbox(result_ready) -> bool:
+        calls.append(1)
+        return False           # as RouterLoop.read_inbox answers at EOF
+
+    shards.also_read(router_front_end, read_inbox)
+    front_end.close()
+    threading.Timer(0.1, lambda: shard_end.send_bytes(encode(StepResult([])))).start()
+    assert shards.collect(timeout=5) == StepResult([]) and calls == [1]
+
+
+def test_the_routers_inbox_reading_stops_when_a_steps_result_is_there():
+    """``RouterLoop.read_inbox(stop=...)``: while a step's result waits, the rest of a burst is read later."""
+    import multiprocessing
+
+    from engine.router.allocator import SlotAllocator
+    from engine.router.process import RouterLoop
+    from engine.router.router import Router
+    from engine.router.scheduler import Scheduler, SchedulerConfig
+
+    scheduler = Scheduler(SlotAllocator(64, 4), SchedulerConfig(max_prefill_tokens=8, max_seq_len=32))
+    front_end, router_front_end = multiprocessing.Pipe()
+    loop = RouterLoop(Router(scheduler, shards=None, eos_token_ids=(0,)), router_front_end)
+    for rid in (1, 2, 3):
+        front_end.send_bytes(encode(GenerationRequest(rid, [5, 6, 7], 2)))
+    assert loop.read_inbox(0, stop=lambda: len(scheduler.waiting) >= 1)
+    assert [r.request_id for r in scheduler.waiting] == [1]
+    assert loop.read_inbox(0) and [r.request_id for r in scheduler.waiting] == [1, 2, 3]
+    front_end.close()
+    assert not loop.read_inbox(0)                      # the front end is gone

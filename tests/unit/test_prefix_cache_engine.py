@@ -102,18 +102,22 @@ def test_a_repeated_prompt_prefills_only_its_last_token(tiny_llama):
 
 
 def test_cached_prefixes_map_into_the_table_once_per_distinct_prefix(tiny_llama):
-    """Rows that bring the same cached slots are written by one broadcast copy, the others one by one: every
-    row's first positions hold its own prefix slots, nothing past them is touched."""
-    from engine.protocol.messages import Step, StepRow
+    """A piece of ``Step.prefixes`` that several rows map is written by one broadcast copy, the others one by
+    one: every row's first positions hold its own prefix slots (a shorter part of an entry, or an entry's
+    base then its own slots), nothing past them is touched."""
+    from engine.protocol.messages import NO_PREFIX, PrefixSlots, Step, StepRow
 
     worker = make_engine(tiny_llama, caching=True).worker
     table = worker.kv_cache.req_to_token
-    table[:5].fill_(-1)
-    shared, other = [40, 41, 42, 7, 9], [3, 4, 5]
-    prefixes = {0: shared, 1: other, 2: shared, 3: None, 4: list(shared)}
-    rows = [StepRow(request_id=row, row=row, start_pos=len(p or []), input_ids=[1], slots=[100 + row], sample=False,
-                    prefix_slots=p) for row, p in prefixes.items()]
-    worker._map_cached_prefixes(Step(rows=rows))
-    for row, prefix in prefixes.items():
-        k = len(prefix or [])
-        assert table[row, :k].tolist() == (prefix or []) and (table[row, k:] == -1).all(), row
+    table[:7].fill_(-1)
+    prefixes = [PrefixSlots([40, 41, 42, 7, 9]), PrefixSlots([3, 4, 5]), PrefixSlots([60, 61], base=0, base_len=3)]
+    step = Step(rows=[], prefixes=prefixes)
+    uses = {0: (0, 5), 1: (1, 3), 2: (0, 5), 3: (NO_PREFIX, 0), 4: (2, 5), 5: (0, 2), 6: (2, 4)}  # row: (entry, length)
+    step.rows = [StepRow(request_id=row, row=row, start_pos=length, input_ids=[1], slots=[100 + row], sample=False,
+                         prefix=index) for row, (index, length) in uses.items()]
+    worker._map_cached_prefixes(step)
+    expected = {0: [40, 41, 42, 7, 9], 1: [3, 4, 5], 2: [40, 41, 42, 7, 9], 3: [], 4: [40, 41, 42, 60, 61],
+                5: [40, 41], 6: [40, 41, 42, 60]}
+    for row, slots in expected.items():
+        k = len(slots)
+        assert table[row, :k].tolist() == slots and (table[row, k:] == -1).all(), row

@@ -7,7 +7,7 @@ from collections import deque
 
 import pytest
 
-from engine.protocol.messages import FED_BACK, GenerationRequest, RowResult, SamplingParams, StepResult
+from engine.protocol.messages import FED_BACK, NO_PREFIX, GenerationRequest, RowResult, SamplingParams, StepResult
 from engine.router.allocator import AllocatorError, SlotAllocator
 from engine.router.drafter import NgramDrafter, propose_ngram
 from engine.router.router import Router
@@ -154,12 +154,12 @@ class SlotReadingShards:
         return (a * 5 + b * 3 + c) % self.vocab + 1
 
     def submit(self, step) -> None:
-        self.results.append(StepResult([self._run(r) for r in step.rows]))
+        self.results.append(StepResult([self._run(r, step) for r in step.rows]))
 
-    def _run(self, r) -> RowResult:
+    def _run(self, r, step) -> RowResult:
         table = self.table.setdefault(r.row, {})
-        if r.prefix_slots:
-            table.update(enumerate(r.prefix_slots))
+        if r.prefix != NO_PREFIX:
+            table.update(enumerate(step.prefix_slots(r.prefix, r.start_pos)))
         ids = [self.last[r.row] if t == FED_BACK else t for t in r.input_ids]
         for i, (token, slot) in enumerate(zip(ids, r.slots)):
             self.kv[slot], table[r.start_pos + i] = token, slot
