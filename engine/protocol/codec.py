@@ -8,6 +8,7 @@ bytes (msgpack ext type 1), never as msgpack lists. msgpack walks the rest in C:
 from __future__ import annotations
 
 import functools
+import struct
 import sys
 from array import array
 from dataclasses import fields, is_dataclass
@@ -55,21 +56,21 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 def _pack_sequence(value):
     items = list(value)
-    packed = _int32_array(items)
-    return items if packed is None else msgpack.ExtType(_INT32_LIST, packed.tobytes())
+    packed = _int32_bytes(items)
+    return items if packed is None else msgpack.ExtType(_INT32_LIST, packed)
 
 
-def _int32_array(items: list) -> array | None:
-    """``items`` as little-endian int32 when every one is an int (bools are not) in range, else None."""
-    if not items or set(map(type, items)) != {int}:
+def _int32_bytes(items: list) -> bytes | None:
+    """``items`` as little-endian int32 bytes when they are ints in range, else None. The first item's type
+    decides between ints and bools (a list of bools stays one); ``struct`` refuses any other item (a
+    float, None, a number out of range). One C call: a 3,000-token prompt in about a third of the time
+    that a type check of every item and an ``array`` took, on the event loop's thread for every request."""
+    if not items or type(items[0]) is not int:
         return None
     try:
-        packed = array("i", items)
-    except OverflowError:
+        return struct.pack(f"<{len(items)}i", *items)
+    except struct.error:
         return None
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed
 
 
 def _ext_hook(code: int, data: bytes):

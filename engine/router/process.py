@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
+from multiprocess.connection import wait
+
 from engine.processes import child_setup
 from engine.protocol.codec import decode, encode
 from engine.protocol.messages import (Abort, Events, GenerationRequest, Ready, RouterStatus, ShardError, Shutdown, Step,
@@ -29,10 +31,22 @@ class ShardStalled(RuntimeError):
 
 
 class PipeShards:
-    """The router's view of the shards: the same Step bytes to all, the result from rank 0."""
+    """The router's view of the shards: the same Step bytes to all, the result from rank 0.
+
+    While it waits for a step's result it also serves ``also_read`` (the front end's pipe): requests
+    that arrive during a step are queued by its end, not left in the pipe until the step is done (a
+    burst behind a 3,000-token prompt waited the whole prompt step, then for the reading).
+    """
 
     def __init__(self, conns):
         self.conns = conns
+        self._also: tuple | None = None       # (connection, handler) served while a result is awaited
+
+    def also_read(self, conn, handler) -> None:
+        """While ``collect`` waits, call ``handler(result_ready)`` whenever ``conn`` is readable; the handler
+        stops reading once ``result_ready()`` (the step's result goes first); one that returns False is not
+        called again."""
+        self._also = (conn, handler)
 
     def wait_ready(self) -> int:
         """The KV capacity every shard can hold (the minimum over ranks)."""
@@ -49,9 +63,24 @@ class PipeShards:
 
     def collect(self, timeout: float | None = None) -> StepResult:
         """Rank 0's result of the oldest step in flight; ShardStalled if none came within ``timeout``."""
-        if timeout is not None and not self.conns[0].poll(timeout):
+        if not self._wait_for_result(timeout):
             raise ShardStalled(f"no step result from the shards for {timeout:g} s")
         return self._receive(0, StepResult)
+
+    def _wait_for_result(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        result = self.conns[0]
+        while self._also is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([result, self._also[0]], left)
+            if result in ready:
+                return True
+            if not ready:
+                return False
+            if not self._also[1](lambda: result.poll(0)):
+                self._also = None
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return result.poll(left)
 
     def check_idle(self) -> None:
         """While no step is in flight a shard says nothing: anything readable is a death or an error."""
@@ -95,6 +124,7 @@ def router_main(plan, frontend_conn, shard_conns, log_level="INFO") -> None:
         frontend_conn.send_bytes(encode(RouterStatus(healthy=False, error=str(e))))
         return
     loop = RouterLoop(build_router(plan, shards, capacity), frontend_conn, plan.config.step_timeout_s)
+    shards.also_read(frontend_conn, lambda result_ready: loop.read_inbox(timeout=0, stop=result_ready))
     log.info("router ready: %d KV slots, %d request rows", capacity, plan.max_requests)
     try:
         loop.run()
@@ -119,7 +149,7 @@ class RouterLoop:
         self._send_status(force=True)
         checked = True                  # the slots were checked since the last step
         while True:
-            if not self._read_inbox(timeout=0 if self.router.has_work() else STATUS_INTERVAL_S):
+            if not self.read_inbox(timeout=0 if self.router.has_work() else STATUS_INTERVAL_S):
                 return
             if self.stalled:
                 self._wait_for_stalled_step()
@@ -133,13 +163,13 @@ class RouterLoop:
                     checked = True
             self._send_status()
 
-    def _read_inbox(self, timeout: float) -> bool:
-        """Handle every waiting message; False when the front end is gone."""
+    def read_inbox(self, timeout: float, stop=None) -> bool:
+        """Handle every waiting message (or until ``stop()``); False when the front end is gone."""
         try:
             ready = self.conn.poll(timeout)
             while ready:
                 self._handle(decode(self.conn.recv_bytes()))
-                ready = self.conn.poll(0)
+                ready = not (stop is not None and stop()) and self.conn.poll(0)
         except (EOFError, OSError):
             return False
         return True
