@@ -127,9 +127,12 @@ class Router:
 
     def _arrivals_wait_for_the_step_in_flight(self) -> bool:
         """One step in flight carrying prompt chunks while requests are arriving: plan the next once it is
-        done, with what arrived meanwhile."""
+        done, with what arrived meanwhile. Unless the waiting requests fill the next step already: then a
+        newcomer could not join it, and planning it while the device runs hides the planning (about 0.5 ms
+        a new request behind a 3,000-token cached prefix on an H100 host: 54-75 ms a step of 100)."""
         return (len(self._in_flight) == 1 and self._in_flight[0].method == "prefill"
-                and time.perf_counter() - self._last_arrival < self.arrival_window_s)
+                and time.perf_counter() - self._last_arrival < self.arrival_window_s
+                and not self.scheduler.waiting_fills_a_step())
 
     def _submit_next(self) -> bool:
         """Plan the next step and hand it to the shards; False when it had nothing to carry."""

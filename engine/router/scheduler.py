@@ -379,6 +379,15 @@ class Scheduler:
         for request in self.waiting:
             request.waited_steps += 1
 
+    def waiting_fills_a_step(self) -> bool:
+        """Whether the waiting requests' prompt tokens past their cached prefixes fill a step's budget."""
+        left = self.config.max_prefill_tokens
+        for request in self.waiting:
+            left -= len(request.prompt_ids) - self._match(request).length
+            if left <= 0:
+                return True
+        return False
+
     def _match(self, request: Request) -> Match:
         """The cached prefix a request would take: never its last prompt token, nothing when it
         asks for prompt logprobs (they need every prompt token's logits)."""

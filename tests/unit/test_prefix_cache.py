@@ -337,6 +337,21 @@ def test_a_steps_prefix_table_sends_each_slot_once_and_resolves_every_prefix():
     assert step.prefix_segments(index["c"], 2) == [(0, 0, 2)]
 
 
+def test_waiting_prompts_fill_a_step_only_with_the_tokens_their_cached_prefixes_lack():
+    alloc = SlotAllocator(2000, 8)
+    scheduler = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=8, max_seq_len=2000))
+    router = Router(scheduler, LocalShards(FakeWorker(2000, 8)), eos_token_ids=())
+    shared = list(range(1, 301))
+    router.submit(GenerationRequest(0, shared + [7], 1, stop_token_ids=[]))
+    while router.has_work():
+        router.step()
+    for rid in (1, 2, 3):              # 300 cached tokens each, 1 to prefill
+        scheduler.add(Request(request_id=rid, prompt_ids=shared + [rid], max_new_tokens=1, params=SamplingParams(), seed=0))
+    assert not scheduler.waiting_fills_a_step()
+    scheduler.add(Request(request_id=4, prompt_ids=list(range(500, 506)), max_new_tokens=1, params=SamplingParams(), seed=0))
+    assert scheduler.waiting_fills_a_step()          # 3 + 6 >= 8
+
+
 def test_admission_counts_a_shared_prefix_once():
     alloc = SlotAllocator(1000, 16)
     scheduler = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=4096, max_seq_len=1000))

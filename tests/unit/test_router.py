@@ -115,3 +115,36 @@ def test_a_request_arriving_during_a_prompt_step_joins_the_very_next_step():
     it waits for a later one (here behind the long prompt, whose aged chunks then fill the budget)."""
     assert first_step_with_the_arrival(arrival_window_s=3600.0) == 2
     assert first_step_with_the_arrival(arrival_window_s=0.0) > 2
+
+
+class InFlightAtSubmit(FixedTokenShards):
+    """Records how many steps were in flight (submitted, not collected) when each step was submitted."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_flight: list[int] = []
+
+    def submit(self, step) -> None:
+        self.in_flight.append(len(self.pending))
+        super().submit(step)
+
+
+def steps_in_flight_at_submit(second_prompt: int) -> list[int]:
+    allocator = SlotAllocator(num_slots=256, max_requests=8)
+    scheduler = Scheduler(allocator, SchedulerConfig(max_prefill_tokens=8, max_seq_len=256, prefix_caching=False))
+    shards = InFlightAtSubmit()
+    router = Router(scheduler, shards, eos_token_ids=(0,), arrival_window_s=3600.0)    # requests keep "arriving"
+    router.submit(request(1, prompt=8, new=1))
+    router.submit(request(2, prompt=second_prompt, new=1))
+    run(router)
+    scheduler.check_integrity()
+    assert allocator.used_slots == 0 and allocator.free_rows == 8
+    return shards.in_flight
+
+
+def test_while_requests_arrive_the_next_step_is_planned_early_when_the_waiting_fill_it():
+    """Step 1 takes request 1's 8 prompt tokens (the budget). Request 2's 8 tokens fill step 2 alone: nothing
+    arriving could join it, so it is planned while step 1 runs. With 3 tokens waiting, step 1 is collected
+    first (an arrival could still join step 2)."""
+    assert steps_in_flight_at_submit(second_prompt=8)[:2] == [0, 1]
+    assert steps_in_flight_at_submit(second_prompt=3)[:2] == [0, 0]
