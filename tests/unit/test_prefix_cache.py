@@ -36,6 +36,13 @@ def test_common_prefix_length():
     assert common_prefix_length([1, 2, 3], [1, 2, 3, 4]) == 3
     assert common_prefix_length([], [1]) == 0
     assert common_prefix_length([5] * 100 + [1], [5] * 100 + [2]) == 100
+    rng = random.Random(0)                # lists that part anywhere: in, at and past the compare chunks' ends
+    for n in (255, 256, 257, 3042):
+        for cut in (0, 1, 255, 256, 257, n - 1):
+            if cut < n:
+                a = [rng.randrange(9) for _ in range(n)]
+                b = a[:cut] + [a[cut] + 1] + a[cut + 1 :] + [4]
+                assert common_prefix_length(a, b) == cut and common_prefix_length(b, a) == cut
 
 
 def test_match_splits_where_a_prefix_ends_inside_a_node_and_keeps_the_slots():
