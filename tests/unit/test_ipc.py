@@ -140,3 +140,40 @@ def test_the_routers_inbox_reading_stops_when_a_steps_result_is_there():
     assert loop.read_inbox(0) and [r.request_id for r in scheduler.waiting] == [1, 2, 3]
     front_end.close()
     assert not loop.read_inbox(0)                      # the front end is gone
+
+
+def test_a_shard_answers_each_step_and_logs_its_decode_launch_and_result_times(caplog):
+    import logging
+    import multiprocessing
+    import threading
+
+    from engine.protocol.messages import Shutdown
+    from engine.worker.process import serve_steps
+
+    class Done:
+        def __init__(self, result):
+            self._result = result
+
+        def ready(self):
+            return True
+
+        def result(self):
+            return self._result
+
+    class EchoWorker:
+        def launch(self, step):
+            return Done(StepResult([RowResult(r.request_id, 5) for r in step.rows]))
+
+    router_end, shard_end = multiprocessing.Pipe()
+    with caplog.at_level(logging.DEBUG, logger="engine.worker"):
+        shard = threading.Thread(target=serve_steps, args=(EchoWorker(), shard_end, True))
+        shard.start()
+        router_end.send_bytes(encode(Step(rows=[StepRow(1, 0, 0, [5, 6], [10, 11], True)])))
+        assert decode(router_end.recv_bytes()) == StepResult([RowResult(1, 5)])
+        router_end.send_bytes(encode(Shutdown()))
+        shard.join(5)
+    assert not shard.is_alive()
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.worker"]
+    assert any(line.startswith("shard step of 1 rows (") and "decoded in" in line and "launched in" in line
+               for line in lines)
+    assert any(line.startswith("shard step result of 1 rows: ready and sent after") for line in lines)

@@ -148,3 +148,19 @@ def test_while_requests_arrive_the_next_step_is_planned_early_when_the_waiting_f
     first (an arrival could still join step 2)."""
     assert steps_in_flight_at_submit(second_prompt=8)[:2] == [0, 1]
     assert steps_in_flight_at_submit(second_prompt=3)[:2] == [0, 0]
+
+
+def test_the_debug_log_has_a_line_for_each_step_planned_and_collected(caplog):
+    """``--log-level debug``: what each step carried and how long its planning, hand-over and device took."""
+    import logging
+
+    router = make_router()
+    router.submit(request(1, prompt=12, new=2))
+    with caplog.at_level(logging.DEBUG, logger="engine.router.router"):
+        run(router)
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.router.router"]
+    assert lines[0].startswith("step 1: 1 rows (8 prompt tokens in 1 prompt rows, 1 new requests), 0 waiting; "
+                               "planned in ")
+    assert any(line.startswith("step 2: 1 rows (4 prompt tokens in 1 prompt rows, 0 new requests)") for line in lines)
+    collected = [line for line in lines if " collected " in line]
+    assert [line.split()[1] for line in collected] == [str(i) for i in range(1, len(collected) + 1)]

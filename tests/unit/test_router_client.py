@@ -118,3 +118,16 @@ def test_a_request_is_in_the_pipe_when_its_stream_has_started():
 
     in_pipe, event = asyncio.run(run())
     assert in_pipe and event.token_id == 5
+
+
+def test_a_pipe_that_fails_is_logged_with_its_cause_and_fails_the_requests(caplog):
+    """Not EOF (the router exited) but an error reading the pipe: an ERROR line says why every request fails
+    (a descriptor made non-blocking under the reader once did this in silence)."""
+    import logging
+
+    router_end, frontend_end = multiprocessing.Pipe()
+    os.set_blocking(frontend_end.fileno(), False)          # the reader's first read fails: nothing to read yet
+    with caplog.at_level(logging.ERROR, logger="engine.client"):
+        client = RouterClient(frontend_end)
+        assert client.wait_ready(5).error == "the router process is gone"
+    assert any("reading the router's pipe failed (BlockingIOError" in r.getMessage() for r in caplog.records)
