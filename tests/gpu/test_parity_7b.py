@@ -7,8 +7,8 @@ criterion; CUDA-graph decoding gives exactly the eager tokens.
 import pytest
 import torch
 
-from tests.gpu.greedy import (describe, engine_greedy, max_logprob_gap, near_tie_problem, prompts,
-                              transformers_greedy)
+from tests.gpu.greedy import (describe, engine_greedy, engine_greedy_batch_and_alone, max_logprob_gap, near_tie_problem,
+                              prompts, transformers_greedy)
 
 FP32_LOGPROB_TOL = 2e-3
 BF16_LOGPROB_TOL = 0.35      # bf16 rounding in another order; a wrong rope or attention costs whole nats
@@ -36,3 +36,18 @@ def test_bfloat16_is_close_to_transformers_and_graphs_equal_eager(llama2_7b_dir,
     problems = [near_tie_problem(a, b, "ours", "transformers") for a, b in zip(graphs, ref)]
     assert not any(problems), problems
     assert max(max_logprob_gap(a, b) for a, b in zip(graphs, ref)) < BF16_LOGPROB_TOL
+
+
+def test_float32_greedy_tokens_behind_cached_prefixes_equal_transformers(llama2_7b_dir):
+    """Six prompts behind one 300-token prefix in one batch (five map the first one's cached prefix in one
+    step: one broadcast piece of ``Step.prefixes``, a shared-prefix group), then each alone (its whole prompt
+    but the last token cached): every run gives transformers' greedy tokens."""
+    base = prompts()
+    tails = [base[0], base[1][:20], base[2][:33], base[0][:3], base[1], base[2][:9]]
+    all_prompts = [base[3] + tail for tail in tails]
+    ref = transformers_greedy(llama2_7b_dir, torch.float32, all_prompts, new_tokens=16)
+    batch, alone = engine_greedy_batch_and_alone(all_prompts, 16, model_dir=llama2_7b_dir, dtype="float32")
+    print("\n" + describe(batch, ref, "ours fp32 batch", "transformers fp32"))
+    assert [g.tokens for g in batch] == [g.tokens for g in ref]
+    assert [g.tokens for g in alone] == [g.tokens for g in ref]
+    assert max(max_logprob_gap(a, b) for a, b in zip(batch + alone, ref + ref)) < FP32_LOGPROB_TOL
