@@ -65,7 +65,7 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     token by token within it. A bisection copied the long prefix at every halving: 240 µs for two
     3,000-token prompts that part at the end of a shared system prompt (on the development machine)."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    if (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n]):       # no copy of a list that fits
         return n
     start = 0
     while a[start : start + COMPARE_CHUNK] == b[start : start + COMPARE_CHUNK]:
@@ -162,8 +162,26 @@ class PrefixCache:
                 node = self._split(node, used)
         if match.length == len(tokens):
             return node
-        leaf = TreeNode(node, tokens[match.length :], slots[match.length :], next(self._clock))
-        node.children[leaf.key[0]] = leaf
+        return self._add_leaf(node, tokens[match.length :], slots[match.length :])
+
+    def extend(self, node: TreeNode, depth: int, tokens: list[int], slots: list[int]) -> TreeNode | None:
+        """``insert`` for a caller that knows where ``tokens`` lead: ``node`` ends their first ``depth``
+        tokens (a request's lock node, which stays in the tree and keeps its end). When no child of
+        ``node`` goes on with ``tokens[depth]`` the tree holds exactly those ``depth`` tokens of them, so
+        the rest becomes a leaf below ``node`` without comparing the ``depth`` tokens again (a 3,000-token
+        prompt: the match was most of a new request's planning). Returns that leaf (``node`` when
+        nothing is left), or None when a child goes on: the tree may know more, the caller decides."""
+        if len(tokens) != len(slots):
+            raise ValueError(f"{len(tokens)} tokens but {len(slots)} slots")
+        if depth == len(tokens):
+            return node
+        if tokens[depth] in node.children:
+            return None
+        return self._add_leaf(node, tokens[depth:], slots[depth:])
+
+    def _add_leaf(self, parent: TreeNode, tokens: list[int], slots: list[int]) -> TreeNode:
+        leaf = TreeNode(parent, tokens, slots, next(self._clock))
+        parent.children[leaf.key[0]] = leaf
         self.allocator.cache_slots(leaf.slots)
         self.evictable_slots += len(leaf.slots)
         self.cached_slots += len(leaf.slots)

@@ -171,6 +171,7 @@ class Request:
     chained: StepRow | None = None     # the row planned behind that verify row (module docstring)
     void_row: StepRow | None = None    # a chained row in flight that its verify row voided: its result is ignored
     kept_all: int = 0                  # verify rows in a row, up to its newest result, that kept every draft
+    uncached_hint: int | None = None   # prompt tokens past its cached prefix when first asked (waiting_fills_a_step)
 
     @property
     def remaining(self) -> int:
@@ -380,10 +381,15 @@ class Scheduler:
             request.waited_steps += 1
 
     def waiting_fills_a_step(self) -> bool:
-        """Whether the waiting requests' prompt tokens past their cached prefixes fill a step's budget."""
+        """Whether the waiting requests' prompt tokens past their cached prefixes fill a step's budget.
+        Each request's count is matched once, when first asked (a hint for the router's choice: the tree
+        may have grown since, and ``_admit`` matches again; matching every waiting request at every
+        step while a burst arrives cost as much as planning it)."""
         left = self.config.max_prefill_tokens
         for request in self.waiting:
-            left -= len(request.prompt_ids) - self._match(request).length
+            if request.uncached_hint is None:
+                request.uncached_hint = len(request.prompt_ids) - self._match(request).length
+            left -= request.uncached_hint
             if left <= 0:
                 return True
         return False
@@ -459,9 +465,12 @@ class Scheduler:
         prefilled it too): this request's copy then stays its own.
         """
         prompt = request.prompt_ids
-        if self.cache.match(prompt).length != request.cached_len:
-            return
-        node = self.cache.insert(prompt, self.allocator.slots(request.request_id)[: len(prompt)])
+        slots = self.allocator.slots(request.request_id)[: len(prompt)]
+        node = self.cache.extend(request.lock_node, request.cached_len, prompt, slots)
+        if node is None:        # the tree goes on past the lock node along this prompt: maybe further
+            if self.cache.match(prompt).length != request.cached_len:
+                return
+            node = self.cache.insert(prompt, slots)
         self.cache.lock_node(node)
         self.cache.unlock_node(request.lock_node)
         request.lock_node, request.cached_len = node, len(prompt)
@@ -616,8 +625,9 @@ class Scheduler:
         """
         slots = self.allocator.slots(request.request_id)
         tokens = (request.prompt_ids + request.generated)[: len(slots)]
-        if tokens:
-            self.cache.insert(tokens, slots[: len(tokens)])
+        slots = slots[: len(tokens)]
+        if self.cache.extend(request.lock_node, request.cached_len, tokens, slots) is None:
+            self.cache.insert(tokens, slots)
         self.cache.unlock_node(request.lock_node)
         request.lock_node = None
 

@@ -356,7 +356,36 @@ def test_waiting_prompts_fill_a_step_only_with_the_tokens_their_cached_prefixes_
         scheduler.add(Request(request_id=rid, prompt_ids=shared + [rid], max_new_tokens=1, params=SamplingParams(), seed=0))
     assert not scheduler.waiting_fills_a_step()
     scheduler.add(Request(request_id=4, prompt_ids=list(range(500, 506)), max_new_tokens=1, params=SamplingParams(), seed=0))
+    matched = []
+    scheduler.cache.match = lambda tokens, match=scheduler.cache.match: matched.append(len(tokens)) or match(tokens)
     assert scheduler.waiting_fills_a_step()          # 3 + 6 >= 8
+    assert scheduler.waiting_fills_a_step()
+    assert matched == [5]       # only the newcomer was matched, once: the others' counts were kept
+
+
+def test_extend_adds_below_a_known_node_without_comparing_its_tokens_again(monkeypatch):
+    """A request's prompt (and later its answer) goes in below its lock node, which ends the tokens the
+    tree already holds: no compare of those (3,000 of them behind a system prompt) when no child goes on
+    with the next token; None (the caller inserts from the root) when one does."""
+    alloc, cache = make_cache()
+    shared, _ = cache_tokens(alloc, cache, "a", [1, 2, 3, 4])
+    alloc.open_request("b")
+    alloc.share("b", list(shared.slots))
+    cache.lock_node(shared)
+    slots = alloc.slots("b")[:4] + alloc.allocate("b", 3)
+    import engine.router.prefix_cache as prefix_cache
+    monkeypatch.setattr(prefix_cache, "common_prefix_length", lambda a, b: pytest.fail("compared again"))
+    leaf = cache.extend(shared, 4, [1, 2, 3, 4, 7, 8, 9], slots)
+    assert leaf.parent is shared and leaf.key == [7, 8, 9] and leaf.slots == slots[4:]
+    assert cache.extend(shared, 4, [1, 2, 3, 4, 7, 5], slots[:6]) is None      # a child goes on with 7
+    assert cache.extend(leaf, 7, [1, 2, 3, 4, 7, 8, 9], slots) is leaf          # nothing left to add
+    monkeypatch.undo()
+    cache.unlock_node(shared)
+    alloc.release("b")
+    assert cache.match([1, 2, 3, 4, 7, 8, 9]).length == 7 and alloc.cached_slots == 7
+    alloc.check_integrity()
+    with pytest.raises(ValueError):
+        cache.extend(shared, 4, [1, 2, 3, 4, 5], slots)
 
 
 def test_admission_counts_a_shared_prefix_once():
