@@ -11,6 +11,7 @@ torch and transformers once: ``process_context``, ``start_process``). Every pipe
 from __future__ import annotations
 
 import ctypes
+import gc
 import io
 import json
 import logging
@@ -19,6 +20,28 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
+
+
+# Container allocations between two young collections while serving (Python's default: 700).
+SERVING_GC_THRESHOLDS = (20_000, 10, 10)
+
+
+def tune_collector_for_serving() -> None:
+    """Keep the cyclic garbage collector off the critical path of a burst (it holds the GIL), in every
+    process that serves requests: the front end, the router and the shards.
+
+    The objects alive when serving starts (torch, transformers, the tokenizer: about 300,000)
+    are frozen: a full collection walked them all (about 0.1 s) in the middle of a burst. Young
+    collections are rarer: at 700 allocations a burst of 256 long prompts ran ~120 of them in the front
+    end, each walking the young 3,000-id prompt lists again (~70 ms in all; ~30 ms at 20,000). The
+    router's planning of that burst took 58 ms with Python's defaults and 46 ms with these (development
+    machine, ``Scheduler.schedule`` of its four prompt steps)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*SERVING_GC_THRESHOLDS)
+    logging.getLogger(__name__).info("%s: garbage collector set for serving (%d objects frozen, young collections "
+                                     "every %d allocations)", _process_name(), gc.get_freeze_count(),
+                                     SERVING_GC_THRESHOLDS[0])
 
 
 def child_setup(log: "LogSetup | str") -> None:

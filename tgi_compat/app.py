@@ -14,6 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from engine.client import Backend
+from engine.processes import tune_collector_for_serving
 
 from .api_docs import ApiDocs
 from .chat import ChatRoutes
@@ -54,22 +55,6 @@ def _routes(h: Handlers) -> list[Route]:
 EXPOSED_HEADERS = ["x-compute-type", "x-compute-time", "x-compute-characters", "x-total-time",
                    "x-validation-time", "x-queue-time", "x-inference-time", "x-time-per-token",
                    "x-prompt-tokens", "x-generated-tokens"]
-
-
-# Container allocations between two young collections while serving (Python's default: 700).
-SERVING_GC_THRESHOLDS = (20_000, 10, 10)
-
-
-def tune_collector_for_serving() -> None:
-    """Keep the cyclic garbage collector off the burst's critical path (it holds the GIL).
-
-    The objects alive when serving starts (torch, transformers, the tokenizer: about 300,000)
-    are frozen: a full collection walked them all (about 0.1 s) in the middle of a burst. Young
-    collections are rarer: at 700 allocations a burst of 256 long prompts ran ~120 of them, each
-    walking the young 3,000-id prompt lists again (~70 ms in all; ~30 ms at 20,000)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*SERVING_GC_THRESHOLDS)
 
 
 def cors_middleware(settings: ServerSettings) -> Middleware:

@@ -11,7 +11,7 @@ import time
 
 from multiprocess.connection import wait
 
-from engine.processes import child_setup
+from engine.processes import child_setup, tune_collector_for_serving
 from engine.protocol.codec import decode, encode
 from engine.protocol.messages import (Abort, Events, GenerationRequest, Ready, RouterStatus, ShardError, Shutdown, Step,
                                       StepResult, TokenEvent)
@@ -126,6 +126,7 @@ def router_main(plan, frontend_conn, shard_conns, log_level="INFO") -> None:
     loop = RouterLoop(build_router(plan, shards, capacity), frontend_conn, plan.config.step_timeout_s)
     shards.also_read(frontend_conn, lambda result_ready: loop.read_inbox(timeout=0, stop=result_ready))
     log.info("router ready: %d KV slots, %d request rows", capacity, plan.max_requests)
+    tune_collector_for_serving()
     try:
         loop.run()
     finally:

@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from engine.processes import child_setup
+from engine.processes import child_setup, tune_collector_for_serving
 from engine.protocol.codec import decode, encode
 from engine.protocol.messages import Ready, ShardError, Shutdown
 
@@ -47,6 +47,7 @@ def shard_main(spec: ShardSpec, conn, log_level="INFO") -> None:
         conn.send_bytes(encode(Ready(spec.rank, worker.num_slots)))
         log.info("shard %d ready: %d KV slots (KV cache dtype %s)", spec.rank, worker.num_slots,
                  str(worker.kv_dtype).removeprefix("torch."))
+        tune_collector_for_serving()
         serve_steps(worker, conn, reply=spec.rank == 0)
     except (EOFError, KeyboardInterrupt):
         return

@@ -9,7 +9,7 @@ import time
 import requests
 
 from tgi_compat import create_app
-from tgi_compat.app import SERVING_GC_THRESHOLDS
+from engine.processes import SERVING_GC_THRESHOLDS
 
 from .conftest import make_settings, serve
 

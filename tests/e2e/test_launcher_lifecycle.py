@@ -30,6 +30,15 @@ def small_server(launcher_model_dir):
         yield srv
 
 
+def test_every_serving_process_sets_the_garbage_collector_for_serving(small_server):
+    """The front end, the router and the shard each freeze what start-up left alive and collect young
+    objects rarely: a full collection in the router's planning of a burst, or in a shard's launch,
+    holds the step up (``engine.processes.tune_collector_for_serving``)."""
+    tuned = re.findall(r"(\S+): garbage collector set for serving \((\d+) objects frozen", small_server.output())
+    assert sorted(name for name, _ in tuned) == ["frontend", "router", "shard-0"]
+    assert all(int(frozen) > 10_000 for _, frozen in tuned)
+
+
 def test_api_key_and_overload(small_server):
     url = small_server.url
     assert requests.post(url + "/generate", json={"inputs": "hi"}).status_code == 401
