@@ -6,7 +6,8 @@
 
   shared     --shared-requests requests sent at once, each a --prefix-len-token prefix (the
              same for all) plus 16-64 unique words, --new-tokens new tokens each
-             -> TTFT p50/p99, output tokens/s
+             -> TTFT p50/p99, output tokens/s; --more-bursts K: K more such bursts on the same
+             (warm) server, each behind a prefix of its own -> the spread of their TTFT p50
   multiturn  --conversations chats of --turns turns each, all chats at once, each chat's
              turns one after the other: a turn's prompt is the previous prompt, its answer
              and --turn-words new words -> TTFT p50/p99 of each turn
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import time
 
 import aiohttp
@@ -88,10 +90,12 @@ def run_on_server(args, caching: bool) -> dict:
         tokenizer = load.ServerTokenizer(server.url)
         shared = load.summarize_run(asyncio.run(load.run_load(server.url, shared_prefix_requests(tokenizer, args))))
         shared["server"] = server_step_numbers(server.url)
+        more = [load.summarize_run(asyncio.run(load.run_load(server.url, shared_prefix_requests(
+            tokenizer, argparse.Namespace(**{**vars(args), "seed": args.seed + 1 + i}))))) for i in range(args.more_bursts)]
         turns = asyncio.run(multiturn(server.url, load.single_token_words(tokenizer.tokens), args))
     finally:
         stop_server(server, args)
-    return {"shared": shared, "multiturn_ttft_s": [load.describe(turn) for turn in turns]}
+    return {"shared": shared, "more_shared": more, "multiturn_ttft_s": [load.describe(turn) for turn in turns]}
 
 
 def server_step_numbers(url: str) -> dict:
@@ -131,12 +135,21 @@ def format_table(columns: dict[str, dict]) -> str:
             ("shared prefix: server mean validation / queue ms", *(
                 f"{r['shared']['server'].get('validation_ms', 0):.0f} / {r['shared']['server'].get('queue_ms', 0):.0f}"
                 for r in runs))]
+    if any(r.get("more_shared") for r in runs):
+        rows.append((f"{len(runs[0]['more_shared'])} more bursts, new prefixes: TTFT p50 ms, median (min-max)",
+                     *(_spread([b["ttft_s"]["p50"] * 1000 for b in r["more_shared"]]) for r in runs)))
     for t, turn in enumerate(zip(*(r["multiturn_ttft_s"] for r in runs)), start=1):
         rows.append((f"multi-turn, turn {t}: TTFT p50 / p99 (ms)", *(f"{ms(a['p50'])} / {ms(a['p99'])}" for a in turn)))
     width = max(len(r[0]) for r in rows)
     lines = [f"{'':<{width}}" + "".join(f"  {name:>18}" for name in columns)]
     lines += [f"{row[0]:<{width}}" + "".join(f"  {cell:>18}" for cell in row[1:]) for row in rows]
     return "\n".join(lines)
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.1f} ({min(values):.0f}-{max(values):.0f})"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -150,6 +163,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-words", type=int, default=200, help="new words (about tokens) per turn")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--more-bursts", type=int, default=0,
+                        help="after the first shared-prefix burst, this many more on the same server, each behind a "
+                             "prefix of its own (seed + 1, + 2, ...): samples of the load on a warm server")
     parser.add_argument("--max-concurrent-requests", type=int, default=1024, help="the launcher's flag")
     parser.add_argument("--server-timeout", type=float, default=1200.0)
     parser.add_argument("--server-log-dir")
