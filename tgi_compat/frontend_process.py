@@ -32,6 +32,7 @@ def frontend_main(spec: FrontendSpec, conn, log_level="INFO") -> None:
 
     child_setup(log_level)           # dies with the supervisor, which stops it with SIGTERM
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    log.info("a waiting thread may take the GIL after %.1f ms (sys.setswitchinterval)", 1000 * sys.getswitchinterval())
     import uvicorn
 
     from engine.client import RouterClient

@@ -39,6 +39,12 @@ def test_every_serving_process_sets_the_garbage_collector_for_serving(small_serv
     assert all(int(frozen) > 10_000 for _, frozen in tuned)
 
 
+def test_the_front_end_lets_its_helper_threads_take_the_gil_sooner(small_server):
+    """Tokenizer, pipe reader and writer threads wait at most 0.5 ms for a busy event loop's GIL, not 5 ms
+    (``tgi_compat.frontend_process.GIL_SWITCH_INTERVAL_S``)."""
+    assert "a waiting thread may take the GIL after 0.5 ms" in small_server.output()
+
+
 def test_api_key_and_overload(small_server):
     url = small_server.url
     assert requests.post(url + "/generate", json={"inputs": "hi"}).status_code == 401
