@@ -47,7 +47,7 @@ for stage in $stages; do
       # compile in parallel: 753 tests in 285 s on an H200
       parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
       python3 -m pytest -q -p no:cacheprovider $parallel -o faulthandler_timeout=120 --durations=15 tests/kernels \
-        tests/unit/test_parity.py 2>&1 | tee "$OUT/tests.log" | tail -45
+        tests/unit/test_parity.py tests/gpu/test_greedy_picks.py 2>&1 | tee "$OUT/tests.log" | tail -45
       rc=${PIPESTATUS[0]} ;;
     kernels)
       python3 -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_attention_kernel.py \

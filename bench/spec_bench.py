@@ -375,7 +375,7 @@ def host(args) -> dict:
 
     from bench.profile_step import DecodeFixture
     from engine.models import load_model_config
-    from engine.worker.cuda_graphs import PaddedDecoder, PaddedVerifier
+    from engine.worker.cuda_graphs import GraphOutputs, PaddedDecoder, PaddedVerifier
     from engine.worker.model_worker import ModelWorker, WorkerConfig, resolve_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -388,13 +388,16 @@ def host(args) -> dict:
         max_seq_len=args.context + steps + 64, num_slots=max(sizes) * (args.context + steps + DRAFTS),
         speculate=DRAFTS, cuda_graphs=()))
     if device.type == "cpu":
-        worker.decoder = PaddedDecoder(worker.model, worker.kv_cache, worker.last_tokens, max(sizes), None, False)
-        worker.verifier = PaddedVerifier(worker.model, worker.kv_cache, worker.last_tokens, max(sizes), DRAFTS, False)
+        worker.decoder = PaddedDecoder(worker.model, worker.ops, worker.kv_cache, worker.last_tokens, max(sizes), None,
+                                       False)
+        worker.verifier = PaddedVerifier(worker.model, worker.ops, worker.kv_cache, worker.last_tokens, max(sizes),
+                                         DRAFTS, False)
     ready = torch.randn(max(sizes) * (1 + DRAFTS), config.vocab_size, device=device)
     hidden = torch.randn(ready.shape[0], config.hidden_size, device=device)
-    worker.decoder._forward = lambda size: (ready[:size], hidden[:size])
+    picks = worker.ops.greedy_pick(ready)
+    worker.decoder._forward = lambda size: GraphOutputs(ready, hidden, picks).rows(slice(0, size), True)
     width = worker.verifier.width
-    worker.verifier._forward = lambda rows: (ready[: rows * width], hidden[: rows * width])
+    worker.verifier._forward = lambda rows: GraphOutputs(ready, hidden, picks).rows(slice(0, rows * width), True)
     results = []
     for batch_size in sizes:
         fixture = DecodeFixture(worker, batch_size, args.context, first_id=batch_size * 100_000)

@@ -15,8 +15,8 @@ import os
 import torch
 
 from engine.worker.kv_cache import KVLayer
-from kernels import (decode_attention, fp8_gemm, fused_moe, gelu, layernorm, moe_route, penalties, prefill_attention,
-                     quant_gemm, rmsnorm, rotary, silu_and_mul, skinny_gemm)
+from kernels import (decode_attention, fp8_gemm, fused_moe, gelu, greedy, layernorm, moe_route, penalties,
+                     prefill_attention, quant_gemm, rmsnorm, rotary, silu_and_mul, skinny_gemm)
 
 BACKENDS = ("triton", "torch")
 
@@ -84,6 +84,10 @@ class TritonOps(KernelOps):
         """In place on float32 logits; ``counts`` rows of ``pool_rows`` (< 0: no penalties)."""
         penalties.apply_penalties(logits, counts, pool_rows, repetition, frequency, presence)
 
+    def greedy_pick(self, logits):
+        """(first argmax [N] int64, its log_softmax [N] float32) of float32 logits [N, V], each row read once."""
+        return greedy.greedy_pick(logits)
+
     def linear(self, x, weight, bias=None):
         """F.linear semantics on the weight's format: 4-bit (GPTQ / AWQ) and FP8 through their GEMMs for decode
         rows, dequantized / cuBLASLt for more; dense: small decode batches take the skinny GEMM."""
@@ -141,6 +145,9 @@ class TorchOps(KernelOps):
 
     def apply_penalties(self, logits, counts, pool_rows, repetition, frequency, presence) -> None:
         penalties.apply_penalties_ref(logits, counts, pool_rows, repetition, frequency, presence)
+
+    def greedy_pick(self, logits):
+        return greedy.greedy_pick_ref(logits)
 
     def linear(self, x, weight, bias=None):
         if isinstance(weight, quant_gemm.Int4Weight):

@@ -131,8 +131,13 @@ class Sampler:
         return self.launch(logits, rows).output()
 
     @torch.inference_mode()
-    def launch(self, logits: torch.Tensor, rows: list[RowSampling]) -> DeviceSample:
-        """Queue the sampling of one token per row; nothing here waits for the device."""
+    def launch(self, logits: torch.Tensor, rows: list[RowSampling],
+               greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> DeviceSample:
+        """Queue the sampling of one token per row; nothing here waits for the device. ``greedy``: each row's
+        ``ops.greedy_pick`` of these logits, already computed (inside a decode graph): when every row is plain
+        greedy (no processor touches its scores, no top-n) it is the sample, and nothing more is launched."""
+        if greedy is not None and all(_plain_greedy(r) for r in rows):
+            return DeviceSample(greedy[0], greedy[1], None, None, [0] * len(rows))
         scores = self._constrain(logits, rows)
         if any(r.penalty_row >= 0 for r in rows):
             self._apply_penalties(scores, rows)
@@ -219,6 +224,13 @@ class Sampler:
         if max(top_n):
             values, indices = logprobs.topk(min(max(top_n), logprobs.shape[1]), dim=-1)
         return DeviceSample(chosen, chosen_logprobs, indices, values, top_n)
+
+
+def _plain_greedy(row: RowSampling) -> bool:
+    """A row whose token is its logits' argmax and whose only output is that token's logprob."""
+    params = row.params
+    return (not params.do_sample and row.penalty_row < 0 and row.grammar is None and not params.watermark
+            and params.top_n_tokens == 0)
 
 
 def _top_p(scores: torch.Tensor, masses: torch.Tensor, fill: float) -> torch.Tensor:

@@ -24,13 +24,14 @@ Medusa draft heads run from graphs of their own (``HeadGraphs``), over the hidde
 row's last kept token was chosen.
 
 Padding rows read and write only the dummy slot, so they never touch a request's KV.
-Each bucket's forward, logits and final hidden states (draft heads read them) are captured
-once; ``run`` copies the inputs, writes the new table entries and replays. With graphs off the
+Each bucket's forward, logits, final hidden states (draft heads read them) and greedy picks
+(``GraphOutputs``) are captured once; ``run`` copies the inputs, writes the new table entries and replays. With graphs off the
 same padded forward runs eagerly, so eager and graph decoding compute exactly the same numbers.
 """
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -50,9 +51,9 @@ HEAD_GRAPH_ROWS = 64
 
 
 class PaddedDecoder:
-    def __init__(self, model, kv_cache, last_tokens: torch.Tensor, max_requests: int,
+    def __init__(self, model, ops, kv_cache, last_tokens: torch.Tensor, max_requests: int,
                  buckets: tuple[int, ...] | None, use_graphs: bool):
-        self.model = model
+        self.model, self.ops = model, ops
         self.kv_cache = kv_cache
         self.last_tokens = last_tokens
         chosen = sorted({b for b in (buckets or DEFAULT_BUCKETS) if b <= max_requests} | {max_requests})
@@ -74,9 +75,9 @@ class PaddedDecoder:
         return len(step.rows) <= self.buckets[-1] and all(
             len(r.input_ids) == 1 and r.logprob_targets is None for r in step.rows)
 
-    def run(self, step: Step, hidden_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """float32 logits [len(step.rows), vocab] of a decode step, and with ``hidden_states`` the final
-        hidden states (else None)."""
+    def run(self, step: Step, hidden_states: bool = False) -> GraphOutputs:
+        """A decode step's float32 logits [len(step.rows), vocab], with ``hidden_states`` the final hidden states
+        (else None), and the rows' greedy picks."""
         count = len(step.rows)
         size = next(b for b in self.buckets if b >= count)
         self.turn ^= 1
@@ -88,11 +89,11 @@ class PaddedDecoder:
             self.copied[self.turn].record()
         self.kv_cache.write_table(self.inputs[3, :count], self.inputs[1, :count], self.inputs[2, :count])
         if size in self.graphs:
-            graph, (logits, hidden) = self.graphs[size]
+            graph, outputs = self.graphs[size]
             graph.replay()
         else:
-            logits, hidden = self._forward(size)
-        return logits[:count], hidden[:count] if hidden_states else None
+            outputs = self._forward(size)
+        return outputs.rows(slice(0, count), hidden_states)
 
     @property
     def host(self) -> torch.Tensor:
@@ -129,8 +130,7 @@ class PaddedDecoder:
             shared_prefix=(x[5, :size].to(torch.int32), x[6, :2].to(torch.int32))
             if size >= SHARED_PREFIX_MIN_ROWS else None,
         )
-        hidden = self.model.forward(batch, self.kv_cache)
-        return self.model.compute_logits(hidden), hidden
+        return forward_outputs(self.model, self.ops, batch, self.kv_cache)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -147,9 +147,9 @@ class PaddedVerifier:
     graphs captured per row bucket. Inputs travel as one pinned host buffer [5, tokens] (ids,
     positions, slots, token rows; row 4 holds the rows' request rows then their sequence lengths)."""
 
-    def __init__(self, model, kv_cache, last_tokens: torch.Tensor, max_requests: int, drafts: int,
+    def __init__(self, model, ops, kv_cache, last_tokens: torch.Tensor, max_requests: int, drafts: int,
                  use_graphs: bool):
-        self.model, self.kv_cache, self.last_tokens = model, kv_cache, last_tokens
+        self.model, self.ops, self.kv_cache, self.last_tokens = model, ops, kv_cache, last_tokens
         self.width = 1 + drafts
         self.buckets = sorted({b for b in VERIFY_BUCKETS if b <= max_requests} | {min(max_requests, 64)})
         size = self.buckets[-1] * self.width
@@ -169,9 +169,9 @@ class PaddedVerifier:
             (len(r.input_ids) == 1 or r.input_ids[0] == FED_BACK) and len(r.input_ids) <= self.width
             and r.logprob_targets is None and r.start_pos + self.width <= limit for r in step.rows)
 
-    def run(self, step: Step, hidden_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """float32 logits [the step's tokens, vocab], row after row, and with ``hidden_states`` the final
-        hidden states there (None without: their gather past the padding costs a copy)."""
+    def run(self, step: Step, hidden_states: bool = False) -> GraphOutputs:
+        """float32 logits [the step's tokens, vocab], row after row, with ``hidden_states`` the final hidden
+        states there (None without: their gather past the padding costs a copy), and the greedy picks."""
         rows = next(b for b in self.buckets if b >= len(step.rows))
         layout = verify_layout(step.rows, rows, self.width, self.kv_cache.max_requests, self.kv_cache.num_slots)
         tokens = rows * self.width
@@ -185,23 +185,21 @@ class PaddedVerifier:
             self.copied.record()
         self.kv_cache.write_table(self.inputs[3, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens])
         if rows in self.graphs:
-            graph, (logits, hidden) = self.graphs[rows]
+            graph, outputs = self.graphs[rows]
             graph.replay()
         else:
-            logits, hidden = self._forward(rows)
+            outputs = self._forward(rows)
         real = layout.real
         if real[-1] == len(real) - 1:     # no padding before the last real token: a view, no index copy
-            return logits[: len(real)], hidden[: len(real)] if hidden_states else None
-        index = to_device(real, torch.int64, logits.device)
-        return logits[index], hidden[index] if hidden_states else None
+            return outputs.rows(slice(0, len(real)), hidden_states)
+        return outputs.rows(to_device(real, torch.int64, outputs.logits.device), hidden_states)
 
     def _forward(self, rows: int) -> torch.Tensor:
         x, tokens = self.inputs, rows * self.width
         token_rows = x[3, :tokens]
         input_ids = torch.where(x[0, :tokens] == FED_BACK, self.last_tokens[token_rows], x[0, :tokens])
         batch = verify_batch(input_ids, x[1, :tokens], x[2, :tokens], x[4, :rows], x[4, rows : 2 * rows], self.width)
-        hidden = self.model.forward(batch, self.kv_cache)
-        return self.model.compute_logits(hidden), hidden
+        return forward_outputs(self.model, self.ops, batch, self.kv_cache)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -217,8 +215,29 @@ class PaddedVerifier:
                                                                   torch.tensor(layout.seq_len))
 
 
+class GraphOutputs(NamedTuple):
+    """A padded forward's outputs: float32 logits [tokens, vocab], the final hidden states [tokens, hidden]
+    (``None`` once selected without them), and ``picks``: each token's greedy choice as
+    ``(token ids [tokens] int64, logprobs [tokens] float32)`` (``ops.greedy_pick``), computed inside the graph
+    so that a step of plain greedy rows needs no sampling launch after it (the sampler's ``greedy``)."""
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    picks: tuple[torch.Tensor, torch.Tensor]
+
+    def rows(self, index, hidden_states: bool) -> "GraphOutputs":
+        """The outputs at ``index`` (a slice: views; a tensor: copies), hidden states only if asked for."""
+        return GraphOutputs(self.logits[index], self.hidden[index] if hidden_states else None,
+                            (self.picks[0][index], self.picks[1][index]))
+
+
+def forward_outputs(model, ops, batch: ForwardBatch, kv_cache) -> GraphOutputs:
+    hidden = model.forward(batch, kv_cache)
+    logits = model.compute_logits(hidden)
+    return GraphOutputs(logits, hidden, ops.greedy_pick(logits))
+
+
 def capture_graphs(buckets: list[int], dummy_inputs, forward) -> dict[int, tuple[torch.cuda.CUDAGraph, tuple]]:
-    """One CUDA graph of ``forward(size)`` per bucket, with its outputs (logits, hidden states): the largest
+    """One CUDA graph of ``forward(size)`` per bucket, with its outputs (e.g. ``GraphOutputs``): the largest
     first (the smaller graphs reuse its memory pool), each run once outside the capture on
     ``dummy_inputs(size)`` (compile, warm up)."""
     graphs, pool = {}, None

@@ -153,10 +153,11 @@ class ModelWorker:
             graphs = config.cuda_graphs
             # The torch references index with host integers, which a graph capture cannot hold.
             capture = (graphs is None or len(graphs) > 0) and self.ops.backend == "triton"
-            self.decoder = PaddedDecoder(self.model, self.kv_cache, self.last_tokens, config.max_requests,
+            self.decoder = PaddedDecoder(self.model, self.ops, self.kv_cache, self.last_tokens, config.max_requests,
                                          graphs or None, use_graphs=capture)
             if config.speculate:
-                self.verifier = PaddedVerifier(self.model, self.kv_cache, self.last_tokens, config.max_requests,
+                self.verifier = PaddedVerifier(self.model, self.ops, self.kv_cache, self.last_tokens,
+                                               config.max_requests,
                                                config.speculate, use_graphs=capture)
             if self.draft_heads is not None:
                 self.head_graphs = HeadGraphs(self.draft_heads, self.ops, self.model_config.hidden_size,
@@ -300,17 +301,18 @@ class ModelWorker:
             return LaunchedStep.done(StepResult([]))
         results = [RowResult(r.request_id) for r in step.rows]
         self._map_cached_prefixes(step)            # before either path's forward reads the table
+        picks = None
         if self.decoder is not None and self.decoder.accepts(step):
-            sampled, logits, hidden = self._decode_with_graphs(step, self.decoder)
+            sampled, logits, hidden, picks = self._decode_with_graphs(step, self.decoder)
         elif self.verifier is not None and self.verifier.accepts(step):
-            sampled, logits, hidden = self._decode_with_graphs(step, self.verifier)
+            sampled, logits, hidden, picks = self._decode_with_graphs(step, self.verifier)
         else:
             sampled, logits, hidden = self._forward(step, results)
         self._finish_previous()
         self._track_rows(step)
         if not sampled:
             return LaunchedStep.done(StepResult(results))
-        return self._launch_sampling(step, sampled, logits, hidden, results)
+        return self._launch_sampling(step, sampled, logits, hidden, results, picks)
 
     def _finish_previous(self) -> None:
         if self._unfinished is not None:
@@ -395,10 +397,10 @@ class ModelWorker:
     def _decode_with_graphs(self, step: Step, graphs):
         """Decode rows through the CUDA graphs (``graphs``: the decoder, or the verifier when rows
         carry drafts): (the rows that sample, their logits: every token's of a verify row, the hidden
-        states there when draft heads read them, else None). A row may be a one-token prompt chunk (a
-        prompt the prefix cache held but for its last token)."""
+        states there when draft heads read them, else None, and the greedy picks there). A row may be a
+        one-token prompt chunk (a prompt the prefix cache held but for its last token)."""
         heads = self.draft_heads is not None
-        logits, hidden = graphs.run(step, hidden_states=heads)
+        outputs = graphs.run(step, hidden_states=heads)
         sampled = [i for i, r in enumerate(step.rows) if r.sample]
         if len(sampled) < len(step.rows):
             offsets, positions = [0], []
@@ -406,9 +408,8 @@ class ModelWorker:
                 offsets.append(offsets[-1] + len(r.input_ids))
             for i in sampled:
                 positions.extend(range(offsets[i], offsets[i + 1]))
-            index = to_device(positions, torch.int64, self.device)
-            logits, hidden = logits[index], hidden[index] if heads else None
-        return sampled, logits, hidden
+            outputs = outputs.rows(to_device(positions, torch.int64, self.device), heads)
+        return sampled, outputs.logits, outputs.hidden, outputs.picks
 
     def _map_cached_prefixes(self, step: Step) -> None:
         """req_to_token[row, 0:k] = the cached prefix slots a request's first row brings (prefix cache).
@@ -441,8 +442,9 @@ class ModelWorker:
                                       to_device(slots, torch.int64, dev))
 
     def _launch_sampling(self, step: Step, sampled: list[int], logits, hidden,
-                         results: list[RowResult]) -> "LaunchedStep":
+                         results: list[RowResult], picks=None) -> "LaunchedStep":
         """Rank 0 samples and broadcasts the tokens; every rank feeds them back into ``last_tokens``.
+        ``picks``: the graphs' greedy choice at every logit position (the sampler takes it for plain greedy rows).
         Void chained rows (module docstring) are left out of rank 0's sampling: their broadcast tokens
         are ``VOID`` and leave ``last_tokens`` as it was. With draft heads, every rank runs them on the
         hidden state where each row's last kept token was chosen (``draft_heads``)."""
@@ -451,7 +453,7 @@ class ModelWorker:
         live = self._live_rows(rows) if chained and self.tp.rank == 0 else list(range(len(rows)))
         live_sampled, live_rows = [sampled[j] for j in live], [rows[j] for j in live]
         states = [self._sampling[r.request_id] for r in live_rows] if self.tp.rank == 0 else []
-        sample, tokens = self._sample_tokens(logits, rows, live, states)
+        sample, tokens = self._sample_tokens(logits, rows, live, states, picks)
         if self.tp.world_size > 1:
             torch.distributed.broadcast(tokens, src=0)
         kept_at = None if logits.shape[0] == len(rows) else self._last_kept(rows, tokens)
@@ -484,14 +486,15 @@ class ModelWorker:
         self._unfinished = LaunchedStep(finish, event)
         return self._unfinished
 
-    def _sample_tokens(self, logits: torch.Tensor, rows: list[StepRow], live: list[int], states: list[RowSampling]):
+    def _sample_tokens(self, logits: torch.Tensor, rows: list[StepRow], live: list[int], states: list[RowSampling],
+                       picks=None):
         """(the sample, the token at every logit position of ``rows``) on rank 0, sampling the ``live`` rows
         only (``VOID`` at the others' positions); (None, a buffer for the broadcast) on the other ranks."""
         size, dev = logits.shape[0], self.device
         if self.tp.rank != 0:
             return None, torch.empty(size, dtype=torch.int64, device=dev)
         if len(live) == len(rows):
-            sample = self._sample_positions(logits, rows, states)
+            sample = self._sample_positions(logits, rows, states, picks)
             return sample, sample.token_ids
         tokens = torch.full((size,), VOID, dtype=torch.int64, device=dev)
         if not live:
@@ -529,7 +532,7 @@ class ModelWorker:
         first = torch.full((len(rows),), tokens.shape[0], dtype=torch.int64, device=dev)
         return first.scatter_reduce_(0, to_device(segments, torch.int64, dev), differs, "amin")
 
-    def _sample_positions(self, logits: torch.Tensor, rows: list[StepRow], states: list[RowSampling]):
+    def _sample_positions(self, logits: torch.Tensor, rows: list[StepRow], states: list[RowSampling], picks=None):
         """The sampler over every logit position (``verify_states``). A verify row's penalised
         positions count the drafts before them in scratch rows of the penalty counts, freed here
         (the stream runs their reads before any later reuse); its constrained positions take copies
@@ -551,7 +554,7 @@ class ModelWorker:
                     for j, matcher in enumerate(draft_matchers(state.grammar, row.input_ids[1:]), start=1):
                         expanded[position + j].grammar = matcher
                 position += width
-        sample = self.sampler.launch(logits, expanded)
+        sample = self.sampler.launch(logits, expanded, greedy=picks)
         for scratch_row in scratch:
             self.sampler.penalties.release(scratch_row)
         return sample

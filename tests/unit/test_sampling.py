@@ -44,6 +44,23 @@ def test_greedy_picks_argmax_and_reports_its_logprob(sampler):
     assert torch.allclose(torch.tensor(out.top_logprobs[2]), top.values, atol=1e-5)
 
 
+def test_plain_greedy_rows_take_the_given_picks_and_the_rest_take_the_processors(sampler):
+    """``greedy`` (a decode graph's ``ops.greedy_pick``) is the sample when every row is plain greedy, with nothing
+    launched after it; a batch with a row that asks for anything else (top-n, penalties, sampling, the watermark)
+    goes through the processors, and its greedy rows get the same tokens and logprobs as the picks."""
+    logits = torch.randn(3, VOCAB)
+    picks = sampler.ops.greedy_pick(logits)
+    assert torch.equal(picks[0], logits.argmax(-1))
+    plain = sampler.launch(logits.clone(), [row(), row(temperature=0.5), row()], greedy=picks)
+    assert plain.token_ids is picks[0] and plain.logprobs is picks[1] and plain.top_ids is None
+    for other in (row(top_n_tokens=2), row(history=[1], counts_in=sampler.penalties, presence_penalty=0.5),
+                  row(do_sample=True, seed=3), row(watermark=True)):
+        mixed = sampler.launch(logits.clone(), [row(), row(temperature=0.5), other], greedy=picks)
+        assert mixed.token_ids is not picks[0]
+        assert torch.equal(mixed.token_ids[:2], picks[0][:2])
+        torch.testing.assert_close(mixed.logprobs[:2], picks[1][:2], atol=1e-6, rtol=1e-6)
+
+
 def test_repetition_penalty_matches_transformers(sampler):
     logits = torch.randn(1, VOCAB)
     history = [3, 5, 5, 9, 30]

@@ -349,12 +349,15 @@ def test_the_verify_graphs_padded_layout_gives_the_eager_logits(tiny_models, bac
     padded = worker.model.compute_logits(worker.model.forward(batch, cache))[torch.tensor(layout.real)]
     assert eager.shape == padded.shape == (8, eager.shape[1])
     torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
-    verifier = PaddedVerifier(worker.model, cache, worker.last_tokens, max_requests=6, drafts=3, use_graphs=False)
+    verifier = PaddedVerifier(worker.model, worker.ops, cache, worker.last_tokens, max_requests=6, drafts=3,
+                              use_graphs=False)
     assert verifier.buckets == [1, 2, 4, 6] and verifier.accepts(Step(rows=verify))
-    logits, hidden = verifier.run(Step(rows=verify), hidden_states=True)            # eager on a CPU
+    logits, hidden, (tokens, logprobs) = verifier.run(Step(rows=verify), hidden_states=True)    # eager on a CPU
     torch.testing.assert_close(logits, eager, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(hidden, eager_hidden, atol=1e-4, rtol=1e-4)
-    assert verifier.run(Step(rows=verify))[1] is None            # no draft heads: no gather of hidden states
+    assert torch.equal(tokens, logits.argmax(-1))                # the greedy picks of the real positions
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).max(-1).values, atol=1e-5, rtol=1e-5)
+    assert verifier.run(Step(rows=verify)).hidden is None        # no draft heads: no gather of hidden states
     too_many = replace(verify[0], input_ids=[FED_BACK] + [1] * 4, slots=list(range(5)))
     assert not verifier.accepts(Step(rows=[too_many]))
 
