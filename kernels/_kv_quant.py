@@ -10,8 +10,10 @@
 | float8 e4m3fn / e5m2  | [2] float32 (K's, V's)    | clamp(x / s, format's range), rounded to nearest even |
 
 Dequantized: ``stored * s``. The rotary/store kernel quantizes as it writes (``quantize``);
-the attention kernels dequantize each gathered block in registers (``load_kv``), so no
-dequantized copy of the cache ever exists. The ``*_ref`` functions are the torch references.
+the attention kernels read each gathered block in registers (``load_kv``), so no dequantized
+copy of the cache ever exists: fp8 blocks are dequantized there, int8 blocks become float16
+integers whose per-token scales multiply the scores (K) and the probabilities (V) instead.
+The ``*_ref`` functions are the torch references.
 
 fp8 values are rounded on the fp8 grid in float32 first (``_rounding.fp8_grid``), which gives the same
 bits on the GPU and in the Triton CPU interpreter.
@@ -97,21 +99,49 @@ def row_scales(a, b):
 
 
 @triton.jit
+def int8_as_float16(x):
+    """int8 values as float16, exactly, with integer ops: the byte biased by 128 (its sign bit flipped) under
+    float16's exponent of 1024 is ``1152 + x``, then 1152 is subtracted. On an H100 that is a LOP3, a PRMT and
+    half an HADD2 a value, where ``x.to(float32)`` and a narrowing take two quarter-rate conversions (the int8
+    cache's attention was bound by them)."""
+    bits = x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
+    return bits.to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
+def dot_query(q, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr):
+    """q as the attention's dots take it: float32 (UPCAST); float16 beside an int8 cache, whose values ``load_kv``
+    gives as float16's exact integers (q's bfloat16 values fit float16's range in practice, and gain mantissa);
+    else as loaded."""
+    if UPCAST:
+        q = q.to(tl.float32)
+    elif KV_SCALES == 1:
+        q = q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def load_kv(base, slots, stride_kv_slot, mask, scale_base, stride_scale_slot, n_mask, dtype: tl.constexpr,
             KV_SCALES: tl.constexpr, BOUNDED: tl.constexpr):
-    """One gathered K or V block [N, D] at ``slots``, dequantized in registers to ``dtype`` (as stored,
-    without scales). ``scale_base``: this kv head's scales (per slot, or the one per-tensor value);
+    """One gathered K or V block [N, D] at ``slots`` in ``dtype``, and its per-slot scales [N] float32 for an
+    int8 cache, whose values come back unscaled (exact integers; the caller scales the scores for K and the
+    probabilities for V, [N] products instead of [N, D]); fp8 comes back dequantized (its one scale applied),
+    with a scale of 1. ``scale_base``: this kv head's scales (per slot, or the one per-tensor value);
     ``n_mask``: the block's positions to read (when BOUNDED)."""
     x = tl.load(base + slots[:, None] * stride_kv_slot, mask=mask, other=0.0)
+    scale = 1.0
     if KV_SCALES == 1:
         if BOUNDED:
             scale = tl.load(scale_base + slots * stride_scale_slot, mask=n_mask, other=0.0)
         else:
             scale = tl.load(scale_base + slots * stride_scale_slot)
-        x = (x.to(tl.float32) * scale[:, None]).to(dtype)
+        if dtype == tl.float16:
+            x = int8_as_float16(x)
+        else:
+            x = x.to(dtype)
     elif KV_SCALES == 2:
         x = (x.to(tl.float32) * tl.load(scale_base)).to(dtype)
-    return x
+    return x, scale
 
 
 # ---- torch references -----------------------------------------------------------------------

@@ -6,9 +6,11 @@ the running sum of ``exp2(score - m_i)``, ``acc`` the running ``sum p * v``. Key
 are read through the request's ``req_to_token`` row (``table_row``): position -> slot ->
 ``k_base`` / ``v_base + slot * stride_kv_slot``.
 
-A quantized cache (``kernels._kv_quant``, ``KV_SCALES`` > 0) is dequantized as each block is
-gathered (``load_kv``): ``k_scale_base`` / ``v_scale_base`` point at this kv head's K / V scales,
-one per slot (``stride_scale_slot`` apart) or one for the tensor.
+A quantized cache (``kernels._kv_quant``, ``KV_SCALES`` > 0) is read as each block is gathered
+(``load_kv``): ``k_scale_base`` / ``v_scale_base`` point at this kv head's K / V scales, one per
+slot (``stride_scale_slot`` apart) or one for the tensor. fp8 blocks come dequantized; int8 blocks
+come as float16 integers (the dots then take q in float16: ``dot_query``), and their per-slot
+scales multiply the block's column of scores (K) and of probabilities (V).
 
 Two masks, each compiled in only where needed:
 - ``BOUNDED``: the block may reach past ``key_end``; positions from there on are not read.
@@ -54,12 +56,14 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
         n_mask = start_n      # unread
         slots = tl.load(table_row + pos).to(tl.int64)
         kv_mask = d_mask[None, :]
-    k = load_kv(k_base, slots, stride_kv_slot, kv_mask, k_scale_base, stride_scale_slot, n_mask, q.dtype, KV_SCALES,
-                BOUNDED)
+    k, k_scale = load_kv(k_base, slots, stride_kv_slot, kv_mask, k_scale_base, stride_scale_slot, n_mask, q.dtype,
+                         KV_SCALES, BOUNDED)
     if UPCAST:  # IEEE fp32 dots, not TF32
         qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
+    if KV_SCALES == 1:      # int8: each key's scale on its column of scores
+        qk = qk * k_scale[None, :]
     if SOFTCAP:
         qk = softcap_log2 * tanh(qk * (scale_log2 / softcap_log2))
     else:
@@ -82,12 +86,15 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
     p = tl.exp2(qk - m_sub[:, None])
     alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_kv(v_base, slots, stride_kv_slot, kv_mask, v_scale_base, stride_scale_slot, n_mask, q.dtype, KV_SCALES,
-                BOUNDED)
+    v, v_scale = load_kv(v_base, slots, stride_kv_slot, kv_mask, v_scale_base, stride_scale_slot, n_mask, q.dtype,
+                         KV_SCALES, BOUNDED)
+    p_v = p
+    if KV_SCALES == 1:      # int8: each value row's scale on its column of probabilities (l_i sums p unscaled)
+        p_v = p * v_scale[None, :]
     if UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p_v, v.to(tl.float32), input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v)
     return m_new, l_i, acc
 
 

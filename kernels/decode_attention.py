@@ -38,7 +38,7 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
-from ._kv_quant import KV_DTYPES, check_kv, gather_kv_ref, scale_args
+from ._kv_quant import KV_DTYPES, check_kv, dot_query, gather_kv_ref, scale_args
 from ._online_softmax import attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
@@ -50,6 +50,10 @@ CPU_SPLITS = 1     # under the interpreter a program costs the same whatever it 
 # (BLOCK_N, num_warps, num_stages) on CUDA: BLOCK_N 32 with 2 warps is 0.5-1.4 us a layer faster than
 # 64 with 4 at batch 1 (bench.attention_bench, one H100)
 CUDA_LAUNCH = (32, 2, 2)
+# an int8 cache moves half the bytes a block, so longer blocks keep as many in flight: on one H100 with Llama-2-7B
+# heads, 547 us a layer at batch 256 x 512 keys against 704 with bf16's launch (a bf16 cache: 735), and 19.2
+# against 21.5 us at batch 1 x 4096 keys (bf16 cache: 26.8); the best of 8 launches at both shapes
+CUDA_LAUNCH_INT8 = (64, 2, 2)
 
 
 @triton.jit
@@ -86,8 +90,7 @@ def _decode_split_kernel(
     d_mask = offs_d < head_dim
     q_offs = b.to(tl.int64) * stride_q_batch + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = dot_query(q, UPCAST, KV_SCALES)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -159,6 +162,11 @@ def default_num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, max(1, batch * kv_heads)))))
 
 
+def cuda_launch(kv_layer: torch.Tensor) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel on CUDA for this cache's dtype."""
+    return CUDA_LAUNCH_INT8 if kv_layer.dtype == torch.int8 else CUDA_LAUNCH
+
+
 def _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits, kv_scales) -> None:
     check_tensor("q", q, 3)
     device = q.device
@@ -201,7 +209,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torc
         return out
     kv_heads = kv_layer.shape[1] // 2
     splits = num_splits or default_num_splits(q.shape[0], kv_heads, q.device)
-    block_n, num_warps, num_stages = CUDA_LAUNCH if q.is_cuda else (32, 4, 1)
+    block_n, num_warps, num_stages = cuda_launch(kv_layer) if q.is_cuda else (32, 4, 1)
     launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits, block_n, num_warps, num_stages,
            shared=shared, mods=mods, kv_scales=kv_scales)
     return out

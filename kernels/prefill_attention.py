@@ -58,7 +58,7 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
-from ._kv_quant import KV_DTYPES, check_kv, gather_kv_ref, scale_args
+from ._kv_quant import KV_DTYPES, check_kv, dot_query, gather_kv_ref, scale_args
 from ._online_softmax import attend_block, attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
@@ -107,8 +107,7 @@ def _prefill_attention_kernel(
     tokens = q_start + offs_m
     q_rows = tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head
     q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = dot_query(q, UPCAST, KV_SCALES)
 
     m_i = tl.full([TOKENS * HEADS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([TOKENS * HEADS], dtype=tl.float32)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_shape, check_tensor, upcast_dots
-from ._kv_quant import scale_args
+from ._kv_quant import dot_query, scale_args
 from ._online_softmax import attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from .score_mods import LOG2E, ScoreMods
@@ -96,8 +96,7 @@ def _shared_prefix_kernel(
     d_mask = offs_d < head_dim
     q_offs = b.to(tl.int64)[:, None] * stride_q_batch + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=r_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = dot_query(q, UPCAST, KV_SCALES)
 
     m_i = tl.full([BLOCK_B * BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_B * BLOCK_G], dtype=tl.float32)

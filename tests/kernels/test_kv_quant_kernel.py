@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kernel_inputs import ON_GPU, build_kv_cache
 from test_rotary_kernel import make_case, split_qkv
 
-from kernels._kv_quant import FP8_FORMATS, gather_kv_ref, quantize_ref
+from kernels._kv_quant import FP8_FORMATS, gather_kv_ref, int8_as_float16, quantize_ref
 from kernels.decode_attention import decode_attention, decode_attention_ref
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from kernels.rotary import rotary_store_kv, rotary_store_kv_ref
@@ -229,3 +231,18 @@ def test_prefill_with_a_shared_prefix_and_split_keys_dequantizes_both(device, kv
     out = launch(*args, params=prefill_launch(32, q.device, q.dtype), splits=2, shared=shared, kv_scales=scales)
     assert out.isfinite().all()
     torch.testing.assert_close(out, prefill_attention_ref(*args, kv_scales=scales), atol=TOL[0], rtol=TOL[1])
+
+
+
+@triton.jit
+def _int8_to_float16_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, int8_as_float16(tl.load(x_ptr + offs)))
+
+
+def test_int8_values_become_float16_integers_exactly(device):
+    """``int8_as_float16`` (the int8 cache's conversion on the attention's fast path) on all 256 values."""
+    x = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).to(device)
+    y = torch.empty(256, dtype=torch.float16, device=device)
+    _int8_to_float16_kernel[(1,)](x, y, BLOCK=256)
+    assert torch.equal(y, x.to(torch.float16))
