@@ -27,9 +27,11 @@ import math
 from pathlib import Path
 
 import torch
+import triton
 
 from kernels.decode_attention import (
     CUDA_LAUNCH,
+    cuda_launch,
     decode_attention,
     default_num_splits,
     launch,
@@ -37,6 +39,7 @@ from kernels.decode_attention import (
 from kernels.prefill_attention import PrefillLaunch, prefill_attention, prefill_launch
 from kernels.prefill_attention import default_splits as default_prefill_splits
 from kernels.prefill_attention import launch as prefill_launch_kernels
+from kernels._kv_quant import quantize_ref
 from kernels.shared_prefix import SHARED_LAUNCH
 
 LAYERS = 32
@@ -76,17 +79,35 @@ def time_us(fn, replays: int = 20, calls: int | None = None) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
+def quantize_cache(kv_layer: torch.Tensor, kv_dtype: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``kv_layer`` as the cache stores it with ``--kv-cache-dtype`` (None: unchanged): (data, kv_scales)."""
+    if kv_dtype is None:
+        return kv_layer, None
+    dtype = getattr(torch, kv_dtype.replace("fp8", "float8"))
+    if dtype == torch.int8:
+        return quantize_ref(kv_layer, dtype)
+    scale = torch.ones((), dtype=torch.float32, device=kv_layer.device)
+    return quantize_ref(kv_layer, dtype, scale)[0], torch.ones(2, dtype=torch.float32, device=kv_layer.device)
+
+
 def sweep(batch: int, seq_len: int, args) -> dict:
-    inputs = make_inputs(batch, seq_len, args.q_heads, args.kv_heads, args.head_dim, torch.bfloat16, "cuda")
-    out = torch.empty_like(inputs[0])
+    q, kv_layer, *rest = make_inputs(batch, seq_len, args.q_heads, args.kv_heads, args.head_dim, torch.bfloat16,
+                                     "cuda")
+    kv_layer, kv_scales = quantize_cache(kv_layer, args.kv_cache_dtype)
+    inputs = (q, kv_layer, *rest)
+    out = torch.empty_like(q)
     default_splits = default_num_splits(batch, args.kv_heads, out.device)
-    reference = decode_attention(*inputs)
+    reference = decode_attention(*inputs, kv_scales=kv_scales)
     results = {}                                  # (splits, block_n, warps, stages) -> us
-    for params in itertools.product(sorted({1, 2, 4, 8, 16, 32, default_splits}), (16, 32, 64), (1, 2, 4), (1, 2)):
-        results[params] = time_us(lambda: launch(*inputs, out, *params))
-    default = (default_splits, *CUDA_LAUNCH)      # decode_attention's launch on CUDA
+    for params in itertools.product(sorted({1, 2, 4, 8, 16, 32, default_splits}), (16, 32, 64, 128), (1, 2, 4),
+                                    (1, 2)):
+        try:
+            results[params] = time_us(lambda: launch(*inputs, out, *params, kv_scales=kv_scales))
+        except triton.runtime.errors.OutOfResources as e:      # e.g. too much shared memory for this tile
+            print(f"  skipped {params}: {e}", flush=True)
+    default = (default_splits, *cuda_launch(kv_layer))      # decode_attention's launch on CUDA
     best = min(results, key=results.get)
-    launch(*inputs, out, *best)
+    launch(*inputs, out, *best, kv_scales=kv_scales)
     name = "s{} n{} w{} st{}".format
     return {"batch": batch, "seq_len": seq_len, "default": name(*default), "default_us": round(results[default], 2),
             "best": name(*best), "best_us": round(results[best], 2),
@@ -182,6 +203,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--verify-drafts", type=int, default=0,
                         help="times the prefill attention of verify rows with this many drafts instead (--seq-lens: "
                              "the context before them), each launch and split count beside a decode step's attention")
+    parser.add_argument("--kv-cache-dtype", choices=["int8", "fp8_e4m3fn", "fp8_e5m2"],
+                        help="the plain sweep over a quantized cache (the launcher's flag; default: bfloat16)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.set_defaults(device="cuda")      # the sweeps' tensors (a CPU smoke of their code sets "cpu")
     args = parser.parse_args(argv)

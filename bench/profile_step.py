@@ -164,6 +164,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=30, help="timed repetitions per measurement")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default="on", help="decode CUDA graphs")
     parser.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default: the device's)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3fn", "fp8_e5m2"],
+                        help="a quantized KV cache (the launcher's flag; default: the model's dtype)")
     parser.add_argument("--table-dir", help="write torch.profiler kernel tables here")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
@@ -173,7 +175,8 @@ def main(argv=None) -> list[dict]:
     worker = ModelWorker(WorkerConfig(
         model_dir=args.model_dir, dtype=resolve_dtype(args.dtype, config, device), device=device,
         kernel_backend="triton" if device.type == "cuda" else "torch", max_requests=max(sizes),
-        max_seq_len=args.context + 4 * args.repeats + 64, cuda_graphs=None if args.cuda_graphs == "on" else ()))
+        max_seq_len=args.context + 4 * args.repeats + 64, cuda_graphs=None if args.cuda_graphs == "on" else (),
+        kv_cache_dtype=args.kv_cache_dtype))
     table_dir = Path(args.table_dir) if args.table_dir else None
     if table_dir:
         table_dir.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from bench import profile_step
 
@@ -16,3 +17,13 @@ def test_profile_step_reports_every_batch_size(tmp_path):
         assert r["gpu_ms"] > 0 and r["step_ms"] > 0 and r["piped_ms"] > 0
         assert r["host_ms"] == pytest.approx(r["step_ms"] - r["gpu_ms"], abs=0.002)
         assert (tmp_path / f"kernels_b{r['batch_size']}.txt").read_text().count("aten::") > 0
+
+
+def test_profile_step_serves_the_kv_cache_dtype_it_is_given(monkeypatch):
+    built = []
+    real = profile_step.ModelWorker
+    monkeypatch.setattr(profile_step, "ModelWorker", lambda config: built.append(real(config)) or built[-1])
+    results = profile_step.main(["--model-dir", "weights/demo", "--batch-sizes", "2", "--context", "8",
+                                 "--repeats", "1", "--kv-cache-dtype", "int8"])
+    assert [r["batch_size"] for r in results] == [2]
+    assert built[0].kv_dtype == torch.int8 and built[0].kv_cache.kv_buffer.dtype == torch.int8
