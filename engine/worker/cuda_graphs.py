@@ -25,8 +25,9 @@ row's last kept token was chosen.
 
 Padding rows read and write only the dummy slot, so they never touch a request's KV.
 Each bucket's forward, logits, final hidden states (draft heads read them) and greedy picks
-(``GraphOutputs``) are captured once; ``run`` copies the inputs, writes the new table entries and replays. With graphs off the
-same padded forward runs eagerly, so eager and graph decoding compute exactly the same numbers.
+(``GraphOutputs``) are captured once; ``run`` copies the inputs, writes the new table entries and
+replays. With graphs off the same padded forward runs eagerly, so eager and graph decoding compute
+exactly the same numbers.
 """
 from __future__ import annotations
 
