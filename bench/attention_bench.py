@@ -39,6 +39,7 @@ from kernels.decode_attention import (
 from kernels.prefill_attention import PrefillLaunch, prefill_attention, prefill_launch
 from kernels.prefill_attention import default_splits as default_prefill_splits
 from kernels.prefill_attention import launch as prefill_launch_kernels
+from engine.worker.kv_cache import KV_CACHE_DTYPES
 from kernels._kv_quant import quantize_ref
 from kernels.shared_prefix import SHARED_LAUNCH
 
@@ -83,7 +84,7 @@ def quantize_cache(kv_layer: torch.Tensor, kv_dtype: str | None) -> tuple[torch.
     """``kv_layer`` as the cache stores it with ``--kv-cache-dtype`` (None: unchanged): (data, kv_scales)."""
     if kv_dtype is None:
         return kv_layer, None
-    dtype = getattr(torch, kv_dtype.replace("fp8", "float8"))
+    dtype = KV_CACHE_DTYPES[kv_dtype]
     if dtype == torch.int8:
         return quantize_ref(kv_layer, dtype)
     scale = torch.ones((), dtype=torch.float32, device=kv_layer.device)
@@ -203,11 +204,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--verify-drafts", type=int, default=0,
                         help="times the prefill attention of verify rows with this many drafts instead (--seq-lens: "
                              "the context before them), each launch and split count beside a decode step's attention")
-    parser.add_argument("--kv-cache-dtype", choices=["int8", "fp8_e4m3fn", "fp8_e5m2"],
-                        help="the plain sweep over a quantized cache (the launcher's flag; default: bfloat16)")
+    parser.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES),
+                        help="the plain sweep over a quantized cache (the launcher's flag; default: bfloat16); "
+                             "not with --shared-prefix or --verify-drafts")
     parser.add_argument("--json", help="also write the results to this file")
     parser.set_defaults(device="cuda")      # the sweeps' tensors (a CPU smoke of their code sets "cpu")
     args = parser.parse_args(argv)
+    if args.kv_cache_dtype and (args.shared_prefix or args.verify_drafts):
+        parser.error("--kv-cache-dtype applies to the plain decode sweep only; drop it or drop "
+                     "--shared-prefix / --verify-drafts")
     if not torch.cuda.is_available():
         raise SystemExit("attention_bench needs a CUDA GPU")
     results = []

@@ -29,6 +29,7 @@ from engine.router.allocator import SlotAllocator
 from engine.models import load_model_config
 from engine.protocol.messages import SamplingParams
 from engine.protocol.messages import FED_BACK, Step, StepRow
+from engine.worker.kv_cache import KV_CACHE_DTYPES
 from engine.worker.model_worker import ModelWorker, WorkerConfig, resolve_dtype
 
 PREFILL_CHUNK_TOKENS = 8192
@@ -164,7 +165,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=30, help="timed repetitions per measurement")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default="on", help="decode CUDA graphs")
     parser.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default: the device's)")
-    parser.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3fn", "fp8_e5m2"],
+    parser.add_argument("--kv-cache-dtype", default=None, choices=sorted(KV_CACHE_DTYPES),
                         help="a quantized KV cache (the launcher's flag; default: the model's dtype)")
     parser.add_argument("--table-dir", help="write torch.profiler kernel tables here")
     parser.add_argument("--json", help="also write the numbers to this file")

@@ -246,3 +246,12 @@ def test_int8_values_become_float16_integers_exactly(device):
     y = torch.empty(256, dtype=torch.float16, device=device)
     _int8_to_float16_kernel[(1,)](x, y, BLOCK=256)
     assert torch.equal(y, x.to(torch.float16))
+
+
+def test_decode_launch_follows_the_cache_dtype():
+    """int8 caches take their own decode launch on CUDA (longer key blocks: half the bytes a key); others bf16's."""
+    from kernels.decode_attention import CUDA_LAUNCH, CUDA_LAUNCH_INT8, cuda_launch
+
+    assert cuda_launch(torch.zeros(1, 2, 8, dtype=torch.int8)) == CUDA_LAUNCH_INT8 != CUDA_LAUNCH
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
+        assert cuda_launch(torch.zeros(1, 2, 8, dtype=dtype)) == CUDA_LAUNCH
