@@ -22,7 +22,6 @@ import triton
 
 from bench.gemm_bench import LAYER_SHAPES, LLAMA2_7B, NUM_LAYERS, time_per_launch
 from kernels.fp8_gemm import FP8, Fp8Config, Fp8Weight, fp8_gemm, fp8_linear
-from kernels.fp8_gemm import FMA_ROWS as FP8_FMA_ROWS
 from kernels.fp8_gemm import _config as fp8_default
 from kernels.quant_gemm import Int4Config, Int4Weight, fill_split_k, int4_gemm, int4_linear
 from kernels.quant_gemm import _config as int4_default
@@ -91,9 +90,12 @@ def int4_candidates(M: int, N: int, K: int, sms: int) -> list[Int4Config]:
     return list(dict.fromkeys(out))
 
 
+FP8_FMA_SWEEP_ROWS = 4   # the FMA path's configs are swept up to here (the default takes it up to 2 rows)
+
+
 def fp8_candidates(M: int, N: int, K: int, sms: int) -> list[Fp8Config]:
     out = []
-    if M <= FP8_FMA_ROWS:
+    if M <= FP8_FMA_SWEEP_ROWS:
         block_m = triton.next_power_of_2(M)
         for block_n in (8, 16, 32, 64):
             for block_k in (256, 512, 1024):
@@ -103,12 +105,17 @@ def fp8_candidates(M: int, N: int, K: int, sms: int) -> list[Fp8Config]:
                     for stages in (3, 4):
                         split = default_split_k(N, K, block_n, block_k, sms)
                         out.append(Fp8Config(block_m, block_n, block_k, warps, stages, split))
-    elif M <= 16:
+    if M <= 16:
         for block_n in (32, 64, 128):
             for block_k in (128, 256):
                 for per_sm in (1, 2, 4, 8):
                     split = fill_split_k(triton.cdiv(N, block_n), K, block_k, per_sm, sms)
-                    out.append(Fp8Config(16, block_n, block_k, 4, 4, split))
+                    if M > FP8_FMA_SWEEP_ROWS:
+                        out.append(Fp8Config(16, block_n, block_k, 4, 4, split))
+                    if block_n >= 64:   # the swapped dot: weight rows on wgmma's 64-row side
+                        for stages in (3, 4, 6):
+                            if block_n * block_k * stages <= 128 * 1024:   # shared memory
+                                out.append(Fp8Config(16, block_n, block_k, 4, stages, split, True))
     else:
         for block_m in (64, 128):
             for block_n in (128, 256):

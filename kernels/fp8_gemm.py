@@ -2,22 +2,27 @@
 
 The weight is an ``Fp8Weight``: float8_e4m3fn ``weight`` [N, K] and float32 ``scale`` [N] (per output
 channel; a per-tensor checkpoint scale is repeated per channel at load), ``w[n, k] = weight[n, k] *
-scale[n]``. Activations are quantized per token, dynamically, inside the kernel: ``x_scale[m] =
+scale[n]``. Activations are quantized per token, dynamically: ``x_scale[m] =
 max_k |x[m, k]| / 448``, ``x_fp8 = round_fp8(x * (1 / x_scale))`` (round to nearest even: the GPU's
 saturating conversion, or on the interpreter the fp8 grid in float32, ``_rounding.fp8_grid``)
 (``quantize_per_token`` is the same in torch).
-Program ``(m, n)`` reads its first weight tile (before the PDL wait, ``_pdl``), then its rows of x for
-their scales (a decode row in one or two loads), then multiplies its ``[BLOCK_M, BLOCK_K]`` x tiles,
-quantized on the fly (split-K programs each read whole rows for the scales and multiply their chunk of K),
-and ``[BLOCK_N, BLOCK_K]`` weight tiles with float32 accumulation (products of two fp8 values are exact in
-float32), then applies ``x_scale[m] * scale[n]`` and the bias once. Two inner products:
+Program ``(m, n)`` reads its first weight tile (before the PDL wait, ``_pdl``), then its rows' scales: on the
+FMA path from its rows of x (a decode row in one or two loads; split-K programs each read whole rows for the
+scales and multiply their chunk of K), on the tensor-core paths from ``quantize_rows``, launched first (a
+16-row program would read 16 whole rows). Then it multiplies its ``[BLOCK_M, BLOCK_K]`` x tiles (quantized on
+the fly, or read as fp8) and ``[BLOCK_N, BLOCK_K]`` weight tiles with float32 accumulation (products of two fp8
+values are exact in float32), then applies ``x_scale[m] * scale[n]`` and the bias once. Three inner products:
 
-- 16 rows and more (``BLOCK_M >= 16``): fp8 tensor-core dots. Hopper's add a tile's products with fewer
-  bits, so each tile's dot starts from zero and is added to the float32 accumulator (a promotion every
-  BLOCK_K);
-- decode rows (``BLOCK_M < 16``): elementwise float32 products of the fp8 values into a
-  ``[BLOCK_N, BLOCK_M, BLOCK_K]`` accumulator, reduced over K after the loop (``skinny_gemm``'s FMA path):
-  a tensor-core tile would pad one row to 16 and read the weights at half the bandwidth.
+- decode rows from FMA_ROWS + 1 up to ``SWAP_ROWS`` (the default): the tensor-core dot swapped,
+  ``out.T = w @ x.T`` into a ``[BLOCK_N, 16]`` accumulator, x padded to 16 rows. Hopper's fp8 wgmma is 64 rows
+  tall; here the weight rows fill those 64 and the few rows of x take its narrow side (16), where the unswapped
+  dot would pad x to 64 rows. The weight tiles stream through shared memory (cp.async, ``num_stages`` deep)
+  with no conversion instructions;
+- 16 rows and more (``BLOCK_M >= 16``): fp8 tensor-core dots ``x @ w.T``. Hopper's (either way round) add a
+  tile's products with fewer bits, so each tile's dot starts from zero and is added to the float32 accumulator
+  (a promotion every BLOCK_K);
+- FMA (``BLOCK_M < 16``; the default up to FMA_ROWS): elementwise float32 products of the fp8 values into a
+  ``[BLOCK_N, BLOCK_M, BLOCK_K]`` accumulator, reduced over K after the loop (``skinny_gemm``'s FMA path).
 
 ``fp8_gemm_ref`` is the same maths in float32 torch.
 """
@@ -58,6 +63,7 @@ class Fp8Config(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1   # K chunks summed by skinny_gemm's reduce kernel (decode: more programs reading weights)
+    swap_ab: bool = False  # the dot as ``out.T = w @ x.T``: weight rows fill the tensor core's 64-row side
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,14 +159,21 @@ def _load_weight_tile(w_ptrs, offs_k, k0, K, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT: tl.constexpr, HW_CVT: tl.constexpr):
+def _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
+              X_FP8: tl.constexpr, HW_CVT: tl.constexpr):
     """acc += fp8(x tile * (1 / x_scale)) @ w.T, the weight tile ``w`` at K offset ``k0``: one tensor-core dot into
-    [BLOCK_M, BLOCK_N] (USE_DOT), or elementwise float32 products into [BLOCK_N, BLOCK_M, BLOCK_K] (decode rows;
-    each product of two fp8 values exact in float32)."""
+    [BLOCK_M, BLOCK_N] (USE_DOT), or its transpose ``w @ x.T`` into [BLOCK_N, BLOCK_M] (SWAP_AB), or elementwise
+    float32 products into [BLOCK_N, BLOCK_M, BLOCK_K] (decode rows; each product of two fp8 values exact in
+    float32). X_FP8: x is already quantized (``quantize_rows``), its tile is read as it is."""
     k_ok = (k0 + offs_k) < K
-    x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    x = _fp8_values(x * x_inverse[:, None], HW_CVT)
-    if USE_DOT:
+    x_mask = m_mask[:, None] & k_ok[None, :]
+    if X_FP8:
+        x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+    else:
+        x = _fp8_values(tl.load(x_ptrs + k0, mask=x_mask, other=0.0).to(tl.float32) * x_inverse[:, None], HW_CVT)
+    if SWAP_AB:
+        acc = acc + tl.dot(w, tl.trans(x))
+    elif USE_DOT:
         acc = acc + tl.dot(x, tl.trans(w))
     else:
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :, :]
@@ -169,11 +182,11 @@ def _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT: tl.cons
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
-    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
-    stride_split, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+    stride_om, stride_split, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
-    USE_DOT: tl.constexpr, HW_CVT: tl.constexpr, NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
-    PDL: tl.constexpr,
+    USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, X_FP8: tl.constexpr, HW_CVT: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -185,7 +198,10 @@ def _fp8_gemm_kernel(
     rows = (offs_n % N).to(tl.int64)  # past-the-end columns re-read valid rows (no N mask on the weight loads)
     if USE_DOT:
         w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SWAP_AB:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:  # the weight tile 3-D like the accumulator, as in skinny_gemm's FMA path
         w_ptrs = w_ptr + rows[:, None, None] * stride_wn + offs_k[None, None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -196,20 +212,26 @@ def _fp8_gemm_kernel(
     w = _load_weight_tile(w_ptrs, offs_k, k_begin, K, USE_DOT)
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
-    # the rows' dynamic scales (quantize_per_token's), then the fp8 products
-    x_scale, x_inverse = _row_scales(x_rows, m_mask, K, BLOCK_M, AMAX_K)
-    acc = _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k_begin, K, USE_DOT, HW_CVT)
+    # the rows' dynamic scales (quantize_per_token's: quantize_rows' or the program's own), then the fp8 products
+    if X_FP8:
+        x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=1.0)
+        x_inverse = x_scale   # not read: the tiles are fp8 already
+    else:
+        x_scale, x_inverse = _row_scales(x_rows, m_mask, K, BLOCK_M, AMAX_K)
+    acc = _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k_begin, K, USE_DOT, SWAP_AB, X_FP8, HW_CVT)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
         k0 = k_begin + BLOCK_K
         while k0 < k_end:
             w = _load_weight_tile(w_ptrs, offs_k, k0, K, USE_DOT)
-            acc = _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT, HW_CVT)
+            acc = _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT, SWAP_AB, X_FP8, HW_CVT)
             k0 += BLOCK_K
     else:
         for k0 in tl.range(k_begin + BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
             w = _load_weight_tile(w_ptrs, offs_k, k0, K, USE_DOT)
-            acc = _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT, HW_CVT)
-    if not USE_DOT:
+            acc = _tile_dot(acc, w, x_ptrs, x_inverse, m_mask, offs_k, k0, K, USE_DOT, SWAP_AB, X_FP8, HW_CVT)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    elif not USE_DOT:
         acc = tl.trans(tl.sum(acc, axis=2))
     w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * x_scale[:, None] * w_scale[None, :]
@@ -226,25 +248,29 @@ def amax_block(block_m: int, block_k: int, K: int) -> int:
     return max(block_k, min(triton.next_power_of_2(K), AMAX_ELEMENTS // block_m))
 
 
-FMA_ROWS = 4   # up to here decode rows take the FMA path: a tensor-core tile pads them to 16 rows
+FMA_ROWS = 2   # up to here decode rows take the FMA path; then, up to SWAP_ROWS, the swapped dot
+SWAP_ROWS = 16
 
 
 def _config(M: int, N: int, K: int, num_sms: int) -> Fp8Config:
     """Decode rows up to FMA_ROWS: FMA products (skinny_gemm's FMA path with one byte a weight), the configs that
-    led most Llama-2-7B shapes in a sweep on one H100 (bench.quant_gemm_bench; ms of linear layers a step with
-    each shape's best, against bfloat16's skinny GEMM): 1 row [8 columns, 1024] tiles 4 stages deep, 2.52 ms
-    (bf16 4.77; the best on three shapes and within 1.3% on qkv; [16, 512] took 3.52 before PDL and the
-    one-load scales, 2.63 after); 2 rows [32, 512] with 8 warps, 4.16 (4.77); 3-4 rows [16, 256], 5.96 (4.85;
-    16-row tensor-core tiles took 7.47); K split only where the column blocks leave SMs idle. Up to 16 rows:
-    16-row tensor-core tiles of 128 columns, K split for about two programs an SM (the sweep's best at one row
-    before the FMA path). More rows (fp8_linear sends bfloat16 to cuBLASLt): 64-row tiles, 128 columns wide once
-    they fill the SMs (untuned)."""
+    led most Llama-2-7B shapes in sweeps on one H100 (bench.quant_gemm_bench; ms of linear layers a step, against
+    bfloat16's skinny GEMM): 1 row [8 columns, 1024] tiles 4 stages deep, 2.52 ms (bf16 4.77; the best on three
+    shapes and within 1.3% on qkv, where [16, 256] leads by 6%; the swapped dot, its scales then read in the
+    program, took twice as long); 2 rows [32, 512] with 8 warps, 3.12 (4.77; each shape's best together 2.81,
+    the swapped dot's best within 2% on gate_up only); K split only where the column blocks leave SMs idle.
+    3 rows up to SWAP_ROWS: the swapped dot ``w @ x.T`` on x quantized first, [64 columns, 256] weight tiles 3
+    stages deep (cp.async into shared memory, Hopper's fp8 wgmma 64x16x32), K split while the column blocks
+    leave SMs idle: the best or within 0.5% of it on every shape at 4 and 16 rows, 3.29 and 3.38 ms (bf16 4.79
+    and 4.91; at 4 rows the FMA path's [16, 256] took 4.66). More rows (fp8_linear sends bfloat16 to
+    cuBLASLt): 64-row tiles, 128 columns wide once they fill the SMs (untuned)."""
     if M <= FMA_ROWS:
-        block_m, block_n, block_k, warps, stages = {1: (1, 8, 1024, 4, 4), 2: (2, 32, 512, 8, 4)}.get(
-            M, (4, 16, 256, 4, 3))
+        block_m, block_n, block_k, warps, stages = (1, 8, 1024, 4, 4) if M == 1 else (2, 32, 512, 8, 4)
         return Fp8Config(block_m, block_n, block_k, warps, stages, default_split_k(N, K, block_n, block_k, num_sms))
-    if M <= 16:
-        return Fp8Config(16, 128, 128, 4, 4, fill_split_k(triton.cdiv(N, 128), K, 128, 1.9, num_sms))
+    if M <= SWAP_ROWS:
+        block_n, block_k = 64, 256
+        split = fill_split_k(triton.cdiv(N, block_n), K, block_k, 1, num_sms)
+        return Fp8Config(DOT_ROWS, block_n, block_k, 4, 3, split, True)
     wide = triton.cdiv(M, 64) * triton.cdiv(N, 128) >= num_sms
     return Fp8Config(64, 128 if wide else 64, 128, 8 if wide else 4, 3)
 
@@ -253,8 +279,8 @@ def _validated(config) -> Fp8Config:
     try:
         cfg = Fp8Config(*config)
     except TypeError:
-        raise ValueError(f"config must be (block_m, block_n, block_k, num_warps, num_stages[, split_k]), "
-                         f"got {config!r}") from None
+        raise ValueError(f"config must be (block_m, block_n, block_k, num_warps, num_stages[, split_k[, "
+                         f"swap_ab]]), got {config!r}") from None
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(cfg, name)
         if not (isinstance(value, int) and value > 0 and value & (value - 1) == 0):
@@ -262,6 +288,8 @@ def _validated(config) -> Fp8Config:
     if cfg.block_m >= DOT_ROWS and min(cfg.block_n, cfg.block_k) < 16:
         raise ValueError(f"the tensor-core path (block_m >= {DOT_ROWS}) needs block_n and block_k >= 16, "
                          f"got {tuple(cfg)}")
+    if cfg.swap_ab and cfg.block_m < DOT_ROWS:
+        raise ValueError(f"the swapped dot (swap_ab) pads x to block_m >= {DOT_ROWS} rows, got {tuple(cfg)}")
     return cfg
 
 
@@ -279,7 +307,9 @@ def _check(x, weight: Fp8Weight, bias) -> None:
 
 def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
              config: Fp8Config | tuple | None = None) -> torch.Tensor:
-    """x [M, K] (quantized per token here) @ dequant(weight).T (+ bias [N]) -> new [M, N] in x's dtype."""
+    """x [M, K] (quantized per token here) @ dequant(weight).T (+ bias [N]) -> new [M, N] in x's dtype. The
+    tensor-core paths (``block_m >= 16``) take x quantized by ``quantize_rows`` first (one launch): their programs
+    would each read all their rows' K columns for the scales; the FMA path's few rows quantize in the program."""
     _check(x, weight, bias)
     M, K = x.shape
     N = weight.shape[0]
@@ -292,12 +322,15 @@ def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
     pdl = launch_options(x)
+    x_fp8 = cfg.block_m >= DOT_ROWS
+    x_in, x_scale = quantize_rows(x) if x_fp8 else (x, weight.scale)   # (weight.scale: a pointer never read)
     _fp8_gemm_kernel[grid](
-        x, weight.weight, weight.scale, bias_arg, partial, M, N, K, k_per_split,
-        x.stride(0), weight.weight.stride(0), partial.stride(-2), partial.stride(0) if splits > 1 else 0,
+        x_in, x_scale, weight.weight, weight.scale, bias_arg, partial, M, N, K, k_per_split,
+        x_in.stride(0), weight.weight.stride(0), partial.stride(-2), partial.stride(0) if splits > 1 else 0,
         HAS_BIAS=bias is not None, SPLIT=splits > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, AMAX_K=amax_block(cfg.block_m, cfg.block_k, K),
-        NUM_STAGES=cfg.num_stages, USE_DOT=cfg.block_m >= DOT_ROWS, HW_CVT=x.is_cuda, WHILE_LOOP=not x.is_cuda,
+        NUM_STAGES=cfg.num_stages, USE_DOT=cfg.block_m >= DOT_ROWS, SWAP_AB=cfg.swap_ab, X_FP8=x_fp8,
+        HW_CVT=x.is_cuda, WHILE_LOOP=not x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     reduce_split_k(partial, bias, out, pdl)
     return out

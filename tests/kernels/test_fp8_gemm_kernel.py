@@ -12,6 +12,7 @@ N, K = 40, 80          # N: a masked last column block of 16; K: 2.5 tiles of 32
 SMALL = Fp8Config(16, 16, 32, 4, 1)
 SPLIT = Fp8Config(16, 16, 32, 4, 1, 2)   # K: tiles 0-1 and tile 2 in two programs, summed by the reduce kernel
 FMA = Fp8Config(2, 8, 32, 4, 1, 2)      # decode rows' FMA path: 2-row blocks (3 rows: two blocks), split K
+SWAP = Fp8Config(16, 16, 32, 4, 1, 2, True)   # the swapped dot w @ x.T (the default for 3-16 rows), split K
 
 
 def make_weight(n, k, device):
@@ -27,7 +28,7 @@ def test_per_token_quantization_scales_each_row_to_the_fp8_range(device):
     torch.testing.assert_close(x_fp8.float() * scale[:, None], x, rtol=2**-4, atol=0)
 
 
-@pytest.mark.parametrize("config", [SMALL, FMA], ids=["dot", "fma"])
+@pytest.mark.parametrize("config", [SMALL, FMA, SWAP], ids=["dot", "fma", "swap"])
 def test_the_kernel_rounds_activations_as_quantize_per_token(device, config):
     """Through an identity weight each output is one quantized activation times its scale: bit-equal to torch's
     round-to-nearest-even cast (values spread over many binades, subnormals and ties included)."""
@@ -53,7 +54,7 @@ def test_quantize_rows_is_bit_equal_to_quantize_per_token(device, dtype, k):
     assert torch.equal(q.float(), q_ref.float())
 
 
-@pytest.mark.parametrize("config", [SMALL, SPLIT, FMA, None], ids=["small", "split", "fma", "default"])
+@pytest.mark.parametrize("config", [SMALL, SPLIT, FMA, SWAP, None], ids=["small", "split", "fma", "swap", "default"])
 @pytest.mark.parametrize("rows,has_bias", [(1, True), (3, False), (37, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp8_gemm_matches_reference(device, dtype, rows, has_bias, config):
@@ -82,6 +83,8 @@ def test_bad_inputs_are_clear_errors(device):
         fp8_gemm(torch.randn(2, K, device=device), weight, config=(1, 12, 32, 4, 1))
     with pytest.raises(ValueError, match="tensor-core path"):
         fp8_gemm(torch.randn(2, K, device=device), weight, config=(16, 8, 32, 4, 1))
+    with pytest.raises(ValueError, match="swapped dot"):
+        fp8_gemm(torch.randn(2, K, device=device), weight, config=(2, 16, 32, 4, 1, 1, True))
     with pytest.raises(ValueError, match="weight has dtype torch.float32"):
         fp8_gemm(torch.randn(2, K, device=device), Fp8Weight(weight.weight.float(), weight.scale))
     with pytest.raises(ValueError, match=r"scale has shape \(1,\); expected \(40,\)"):
