@@ -330,12 +330,14 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
 
 
 ONE_TOKEN_TOKENS = 1         # a batch of this many tokens takes the one-token path (benches set 0: never)
-# (BLOCK_N, BLOCK_K, num_stages) of gate|up and of down (for 8 experts; BLOCK_K scales as 8 / k), from
-# bench.moe_bench --routing-ab on one H100, Qwen3-30B-A3B's block at batch 1: 36.8 us with (8, 256, 3) and
-# (8, 64, 3); gate|up (4, 512, 3) 35.2; down (8, 128, 3) 35.6, (4, 128, 4) 35.5. Qwen1.5-MoE-A2.7B's block
-# (with its shared expert, before it joined these kernels): 58.7 us with these against 61.5 with (8, 256, 3)
-ONE_TOKEN_TILES = (4, 512, 3)
-ONE_TOKEN_DOWN_TILES = (8, 128, 3)
+# (BLOCK_N, BLOCK_K, num_stages) of gate|up and of down (for 8 experts; BLOCK_K scales as 8 / k). One MoE block at
+# batch 1 on one H100, both launches in a CUDA graph (random weights, 8 expert choices in turn), each tile beside
+# the earlier (4, 512, 3) / (8, 128, 3), in one run: gate|up (2, 512, 3) took Qwen3-30B-A3B's block 36.42 -> 34.56
+# us (8 of 8 gate|up choices tried) and Qwen1.5-MoE-A2.7B's (with its shared expert) 52.04 -> 51.82; down
+# (4, 128, 3) took Qwen1.5-MoE's 52.04 -> 50.84 and Qwen3's 36.42 -> 36.33 (11 tried). Outputs bit-equal
+# (the same K order). Earlier, bench.moe_bench --routing-ab: Qwen3's block 36.8 us with (8, 256, 3) / (8, 64, 3).
+ONE_TOKEN_TILES = (2, 512, 3)
+ONE_TOKEN_DOWN_TILES = (4, 128, 3)
 
 
 def _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared: SharedExpert | None
