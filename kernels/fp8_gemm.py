@@ -288,6 +288,8 @@ def _validated(config) -> Fp8Config:
     if cfg.block_m >= DOT_ROWS and min(cfg.block_n, cfg.block_k) < 16:
         raise ValueError(f"the tensor-core path (block_m >= {DOT_ROWS}) needs block_n and block_k >= 16, "
                          f"got {tuple(cfg)}")
+    if not isinstance(cfg.swap_ab, bool):
+        raise ValueError(f"swap_ab must be True or False, got {cfg.swap_ab!r}")
     if cfg.swap_ab and cfg.block_m < DOT_ROWS:
         raise ValueError(f"the swapped dot (swap_ab) pads x to block_m >= {DOT_ROWS} rows, got {tuple(cfg)}")
     return cfg
@@ -322,14 +324,14 @@ def fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
     pdl = launch_options(x)
-    x_fp8 = cfg.block_m >= DOT_ROWS
-    x_in, x_scale = quantize_rows(x) if x_fp8 else (x, weight.scale)   # (weight.scale: a pointer never read)
+    use_dot = cfg.block_m >= DOT_ROWS      # the tensor-core paths, which take x quantized first (X_FP8)
+    x_in, x_scale = quantize_rows(x) if use_dot else (x, weight.scale)   # (weight.scale: a pointer never read)
     _fp8_gemm_kernel[grid](
         x_in, x_scale, weight.weight, weight.scale, bias_arg, partial, M, N, K, k_per_split,
         x_in.stride(0), weight.weight.stride(0), partial.stride(-2), partial.stride(0) if splits > 1 else 0,
         HAS_BIAS=bias is not None, SPLIT=splits > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, AMAX_K=amax_block(cfg.block_m, cfg.block_k, K),
-        NUM_STAGES=cfg.num_stages, USE_DOT=cfg.block_m >= DOT_ROWS, SWAP_AB=cfg.swap_ab, X_FP8=x_fp8,
+        NUM_STAGES=cfg.num_stages, USE_DOT=use_dot, SWAP_AB=cfg.swap_ab, X_FP8=use_dot,
         HW_CVT=x.is_cuda, WHILE_LOOP=not x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     reduce_split_k(partial, bias, out, pdl)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.fp8_gemm import (FP8_MAX, Fp8Config, Fp8Weight, fp8_gemm, fp8_gemm_ref, quantize_per_token,
+from kernels.fp8_gemm import (FP8_MAX, Fp8Config, Fp8Weight, _config, fp8_gemm, fp8_gemm_ref, quantize_per_token,
                               quantize_rows)
 
 # float32: Hopper's fp8 tensor cores add a tile's products with about 14 bits (DeepSeek-V3 report, 3.3.2), so an
@@ -85,7 +85,25 @@ def test_bad_inputs_are_clear_errors(device):
         fp8_gemm(torch.randn(2, K, device=device), weight, config=(16, 8, 32, 4, 1))
     with pytest.raises(ValueError, match="swapped dot"):
         fp8_gemm(torch.randn(2, K, device=device), weight, config=(2, 16, 32, 4, 1, 1, True))
+    with pytest.raises(ValueError, match="swap_ab must be True or False, got 'yes'"):
+        fp8_gemm(torch.randn(2, K, device=device), weight, config=(16, 16, 32, 4, 1, 1, "yes"))
     with pytest.raises(ValueError, match="weight has dtype torch.float32"):
         fp8_gemm(torch.randn(2, K, device=device), Fp8Weight(weight.weight.float(), weight.scale))
     with pytest.raises(ValueError, match=r"scale has shape \(1,\); expected \(40,\)"):
         fp8_gemm(torch.randn(2, K, device=device), Fp8Weight(weight.weight, weight.scale[:1]))
+
+
+def test_decode_rows_route_to_the_fma_path_then_the_swapped_dot():
+    """1-2 rows: the FMA path (its own rows' scales); 3-16: the swapped tensor-core dot on x quantized first; more:
+    the 64-row dot. (On one H100 the swapped dot took the 7B's linear layers at 4 rows 4.69 -> 3.28 ms a step and
+    doubled them at 1 row: kernels/fp8_gemm.py's _config.)"""
+    shapes = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]
+    for rows in range(1, 33):
+        for n, k in shapes:
+            cfg = _config(rows, n, k, 132)
+            if rows <= 2:
+                assert cfg.block_m == rows and not cfg.swap_ab, (rows, cfg)
+            elif rows <= 16:
+                assert cfg.block_m == 16 and cfg.swap_ab and cfg.block_n >= 64, (rows, cfg)   # wgmma's 64-row side
+            else:
+                assert cfg.block_m == 64 and not cfg.swap_ab, (rows, cfg)
