@@ -166,19 +166,25 @@ def _one_token_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden
     slots = tl.arange(0, K_BLOCK)
     slot_ok = slots < TOP_K
     dtype = out_ptr.dtype.element_ty
-    wait_for_prior_kernel(PDL)
-    allow_next_kernel(PDL)
-    experts = tl.load(ids_ptr + slots, mask=slot_ok, other=0).to(tl.int64)
+    # Before the PDL wait (kernels._pdl): the chosen experts and their router weights, which the routing wrote two
+    # launches back (the gate|up launch comes between), and the first tile of those experts' weights
+    experts = tl.load(ids_ptr + slots, mask=slot_ok, other=0, cache_modifier=".cg").to(tl.int64)
+    router_weights = tl.load(weights_ptr + slots, mask=slot_ok, other=0.0, cache_modifier=".cg")
     w_ptrs = w_ptr + experts[:, None, None] * stride_we + rows[None, :, None] * stride_wn + ks[None, None, :]
     a_ptrs = act_ptr + slots[:, None] * inter + ks[None, :]
+    k_ok = slot_ok[:, None] & (ks < inter)[None, :]
+    w = tl.load(w_ptrs, mask=k_ok[:, None, :], other=0.0, eviction_policy="evict_first")
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
     acc = tl.zeros([K_BLOCK, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, inter, BLOCK_K, num_stages=NUM_STAGES):
+    acc += w.to(tl.float32) * tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)[:, None, :]
+    for k0 in tl.range(BLOCK_K, inter, BLOCK_K, num_stages=NUM_STAGES):
         k_ok = slot_ok[:, None] & ((k0 + ks) < inter)[None, :]
         a = tl.load(a_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptrs + k0, mask=k_ok[:, None, :], other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * a[:, None, :]
     y = round_to(tl.sum(acc, 2), dtype).to(tl.float32)                  # [K_BLOCK, BLOCK_N]: each expert's output
-    y = y * tl.load(weights_ptr + slots, mask=slot_ok, other=0.0)[:, None]
+    y = y * router_weights[:, None]
     out = round_to(tl.sum(round_to(y, dtype).to(tl.float32), 0), dtype)
     if SHARED:
         shared = _row_block_gemv(shared_act_ptr, shared_w_ptr + rows[:, None] * shared_stride_wn, shared_inter,
@@ -351,7 +357,9 @@ def _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared: S
         down_k = max(16, down_k * 8 // k_block)     # for any k, the tile holds as many weights as for 8 experts
     else:
         (block_n, block_k, stages), (down_n, down_k, down_stages) = (16, 64, 1), (16, 32, 1)
+    # ids and weights before the gate|up launch: the down launch reads them before its PDL wait (two launches back)
     ids = topk_ids.reshape(-1).contiguous()
+    router_weights = topk_weights.reshape(-1).contiguous().float()
     act = torch.empty((top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((1, hidden), dtype=x.dtype, device=x.device)
     pdl = launch_options(x)
@@ -366,7 +374,7 @@ def _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared: S
     shared_args = (shared_act, shared.down, shared.gate_logits, shared_inter, shared.down.stride(0)) \
         if shared is not None else (act, w_down, ids, 0, 1)
     _one_token_down_kernel[(triton.cdiv(hidden, down_n),)](
-        act, w_down, ids, topk_weights.reshape(-1).contiguous().float(), out, hidden, inter,
+        act, w_down, ids, router_weights, out, hidden, inter,
         w_down.stride(0), w_down.stride(1), *shared_args, TOP_K=top_k, K_BLOCK=k_block, BLOCK_N=down_n,
         BLOCK_K=down_k, NUM_STAGES=down_stages, SHARED=shared is not None, num_warps=4, **pdl)
     return out

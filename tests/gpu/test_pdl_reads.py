@@ -1,0 +1,105 @@
+"""Reads before the PDL wait (``kernels._pdl``) on the GPU.
+
+A launch may read before ``griddepcontrol.wait`` only what launches at least two back wrote. The decode
+attention reads everything after its wait; the newest key and value rows are written by the launch just
+before it (``rotary_store_kv``). Here the launch just before is a stand-in that lets the next launch start,
+then waits ``DELAY_NS`` and only then writes the newest rows: an attention that read its keys before its
+wait (all of them, or a block gathered early without the newest position read again after it) would attend
+to the old rows. A control kernel that does read before its wait shows the window is real (it sees the old
+row). Every kernel runs once before (compiled: a compile between the two launches would close the window)."""
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels._pdl import allow_next_kernel, use_pdl, wait_for_prior_kernel
+from kernels.decode_attention import decode_attention, decode_attention_ref
+
+DELAY_NS = 2_000_000   # far longer than the host takes to launch the next kernel
+BLOCK = 1024
+
+
+@triton.jit
+def _late_copy_kernel(src_ptr, dst_ptr, n, delay_ns, BLOCK: tl.constexpr):
+    """dst[:n] = src[:n], written ``delay_ns`` after this launch let the next one start."""
+    wait_for_prior_kernel(True)
+    allow_next_kernel(True)
+    start = tl.extra.cuda.globaltimer()
+    while tl.extra.cuda.globaltimer() - start < delay_ns:
+        pass
+    for i in range(0, n, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit
+def _early_read_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """The control: dst[:n] = src[:n] read before the wait (what the rule forbids for the launch just before)."""
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(src_ptr + offs, mask=offs < n, cache_modifier=".cg")
+    wait_for_prior_kernel(True)
+    allow_next_kernel(True)
+    tl.store(dst_ptr + offs, x, mask=offs < n)
+
+
+def late_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+    _late_copy_kernel[(1,)](src, dst, src.numel(), DELAY_NS, BLOCK=BLOCK, launch_pdl=True)
+
+
+def one_request(seq_len: int, q_heads: int, kv_heads: int, head_dim: int, dtype, device):
+    """A cache of seq_len + 8 slots in a shuffled order, one request over the first seq_len of them."""
+    slots = seq_len + 8
+    kv_layer = torch.randn(slots + 1, 2 * kv_heads, head_dim, device=device).to(dtype)
+    table = torch.zeros(1, seq_len + 16, dtype=torch.int32, device=device)
+    table[0, :seq_len] = (torch.randperm(slots, device=device)[:seq_len] + 1).to(torch.int32)
+    q = torch.randn(1, q_heads, head_dim, device=device).to(dtype)
+    rows = torch.zeros(1, dtype=torch.int32, device=device)
+    lengths = torch.tensor([seq_len], dtype=torch.int32, device=device)
+    return q, kv_layer, table, rows, lengths, 1 / math.sqrt(head_dim)
+
+
+@pytest.fixture(autouse=True)
+def needs_pdl():
+    if not use_pdl(torch.empty(1, device="cuda")):
+        pytest.skip("PDL needs compute capability 9 or newer (and ENGINE_PDL not 0)")
+
+
+def test_the_control_reads_the_old_row_before_its_wait():
+    old = torch.zeros(256, device="cuda")
+    new = torch.ones(256, device="cuda")
+    seen = torch.full((256,), -1.0, device="cuda")
+    late_copy(old, old)
+    _early_read_kernel[(1,)](old, seen, 256, BLOCK=256, launch_pdl=True)
+    torch.cuda.synchronize()
+    late_copy(new, old)
+    _early_read_kernel[(1,)](old, seen, 256, BLOCK=256, launch_pdl=True)
+    torch.cuda.synchronize()
+    assert old.eq(1).all()
+    assert seen.eq(0).all(), "the early read saw the late write: no overlap, so the tests below prove nothing"
+
+
+@pytest.mark.parametrize("seq_len", [1, 20, 33, 384, 1000])
+@pytest.mark.parametrize("q_heads,kv_heads", [(32, 32), (32, 4)])
+@pytest.mark.parametrize("num_splits", [1, 16])
+def test_decode_attention_sees_the_newest_key_written_by_the_launch_before(seq_len, q_heads, kv_heads, num_splits):
+    q, kv_layer, table, rows, lengths, scale = one_request(seq_len, q_heads, kv_heads, 128, torch.bfloat16, "cuda")
+    newest = int(table[0, seq_len - 1])
+    fresh = torch.randn(2 * kv_heads, 128, device="cuda").to(torch.bfloat16) * 4
+    stale = kv_layer[newest].clone()
+    late_copy(stale, kv_layer[newest])
+    decode_attention(q, kv_layer, table, rows, lengths, scale, num_splits=num_splits)
+    torch.cuda.synchronize()
+    late_copy(fresh, kv_layer[newest])
+    out = decode_attention(q, kv_layer, table, rows, lengths, scale, num_splits=num_splits)
+    torch.cuda.synchronize()
+    assert kv_layer[newest].equal(fresh)
+    settled = decode_attention(q, kv_layer, table, rows, lengths, scale, num_splits=num_splits)
+    assert out.equal(settled)
+    kv_layer[newest] = stale
+    with_stale = decode_attention(q, kv_layer, table, rows, lengths, scale, num_splits=num_splits)
+    assert not out.equal(with_stale)
+    kv_layer[newest] = fresh
+    torch.testing.assert_close(out, decode_attention_ref(q, kv_layer, table, rows, lengths, scale),
+                               atol=2e-2, rtol=2e-2)
