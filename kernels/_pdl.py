@@ -13,7 +13,8 @@ takes ``PDL`` follows one rule, which keeps that safe in any order of kernels:
     passed its own wait (the rule below), or that launch, not ours, has completed; either
     way every launch before it has completed and its writes are in L2. The one-token MoE
     down kernel reads the chosen experts (the routing's, with the gate|up launch between)
-    and their first weight tile before its wait.
+    and their first weight tile before its wait. ``tests/gpu/test_pdl_reads.py`` races
+    delayed writers against the decode attention and that down kernel on the GPU.
 - ``allow_next_kernel`` (``griddepcontrol.launch_dependents``) runs right after the wait:
   once every program of this kernel has passed it, the next kernel may launch, take the
   SMs this kernel has left idle, and prefetch its own weights.

@@ -351,12 +351,7 @@ def _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared: S
     """``fused_moe`` of one token: two matrix-vector launches, the shared expert's in them (module docstring)."""
     experts, two_inter, hidden = w_gate_up.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
-    k_block = triton.next_power_of_2(top_k)
-    if x.is_cuda:
-        (block_n, block_k, stages), (down_n, down_k, down_stages) = ONE_TOKEN_TILES, ONE_TOKEN_DOWN_TILES
-        down_k = max(16, down_k * 8 // k_block)     # for any k, the tile holds as many weights as for 8 experts
-    else:
-        (block_n, block_k, stages), (down_n, down_k, down_stages) = (16, 64, 1), (16, 32, 1)
+    block_n, block_k, stages = ONE_TOKEN_TILES if x.is_cuda else (16, 64, 1)
     # ids and weights before the gate|up launch: the down launch reads them before its PDL wait (two launches back)
     ids = topk_ids.reshape(-1).contiguous()
     router_weights = topk_weights.reshape(-1).contiguous().float()
@@ -371,13 +366,30 @@ def _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared: S
     _one_token_gate_up_kernel[(top_k + (shared is not None), triton.cdiv(max(inter, shared_inter), block_n))](
         x, w_gate_up, ids, act, inter, hidden, w_gate_up.stride(0), w_gate_up.stride(1), *gate_up_shared, top_k,
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=4, **pdl)
-    shared_args = (shared_act, shared.down, shared.gate_logits, shared_inter, shared.down.stride(0)) \
-        if shared is not None else (act, w_down, ids, 0, 1)
+    one_token_down(act, w_down, ids, router_weights, out, (shared, shared_act) if shared is not None else None)
+    return out
+
+
+def one_token_down(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, router_weights: torch.Tensor,
+                   out: torch.Tensor, shared: tuple[SharedExpert, torch.Tensor] | None = None) -> None:
+    """The one-token path's down launch: ``out`` [1, H] = sum_j act[j] @ w_down[ids[j]].T * router_weights[j]
+    (``_one_token_down_kernel``; ``shared``: the shared expert and its gate|up output). It reads ``ids`` and
+    ``router_weights`` before its PDL wait, so whatever writes them must be two or more launches before it
+    (``kernels._pdl``); ``act`` may come from the launch just before."""
+    top_k, inter = act.shape
+    hidden = w_down.shape[1]
+    k_block = triton.next_power_of_2(top_k)
+    if act.is_cuda:
+        down_n, down_k, down_stages = ONE_TOKEN_DOWN_TILES
+        down_k = max(16, down_k * 8 // k_block)     # for any k, the tile holds as many weights as for 8 experts
+    else:
+        down_n, down_k, down_stages = 16, 32, 1
+    shared_args = (shared[1], shared[0].down, shared[0].gate_logits, shared[0].down.shape[1],
+                   shared[0].down.stride(0)) if shared is not None else (act, w_down, ids, 0, 1)
     _one_token_down_kernel[(triton.cdiv(hidden, down_n),)](
         act, w_down, ids, router_weights, out, hidden, inter,
         w_down.stride(0), w_down.stride(1), *shared_args, TOP_K=top_k, K_BLOCK=k_block, BLOCK_N=down_n,
-        BLOCK_K=down_k, NUM_STAGES=down_stages, SHARED=shared is not None, num_warps=4, **pdl)
-    return out
+        BLOCK_K=down_k, NUM_STAGES=down_stages, SHARED=shared is not None, num_warps=4, **launch_options(act))
 
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

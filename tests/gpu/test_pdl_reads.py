@@ -6,7 +6,11 @@ before it (``rotary_store_kv``). Here the launch just before is a stand-in that 
 then waits ``DELAY_NS`` and only then writes the newest rows: an attention that read its keys before its
 wait (all of them, or a block gathered early without the newest position read again after it) would attend
 to the old rows. A control kernel that does read before its wait shows the window is real (it sees the old
-row). Every kernel runs once before (compiled: a compile between the two launches would close the window)."""
+row). Every kernel runs once before (compiled: a compile between the two launches would close the window).
+
+The one-token MoE down kernel reads the chosen experts and their router weights before its wait (written two
+launches back) and the gate|up output after it (the launch just before): two late writers in a row, each
+delayed, stand in for the routing and the gate|up launch."""
 import math
 
 import pytest
@@ -16,6 +20,7 @@ import triton.language as tl
 
 from kernels._pdl import allow_next_kernel, use_pdl, wait_for_prior_kernel
 from kernels.decode_attention import decode_attention, decode_attention_ref
+from kernels.fused_moe import one_token_down
 
 DELAY_NS = 2_000_000   # far longer than the host takes to launch the next kernel
 BLOCK = 1024
@@ -103,3 +108,57 @@ def test_decode_attention_sees_the_newest_key_written_by_the_launch_before(seq_l
     kv_layer[newest] = fresh
     torch.testing.assert_close(out, decode_attention_ref(q, kv_layer, table, rows, lengths, scale),
                                atol=2e-2, rtol=2e-2)
+
+
+def down_inputs(top_k: int, experts: int, inter: int, seed: int):
+    """act [k, I] and a routing buffer (int32: k expert ids, then k float32 router weights as their bits)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    act = torch.randn(top_k, inter, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.randperm(experts, device="cuda", generator=g)[:top_k].to(torch.int32)
+    weights = torch.rand(top_k, device="cuda", generator=g).softmax(0)
+    return act, torch.cat([ids, weights.view(torch.int32)])
+
+
+def down_reference(act, routing, w_down, top_k):
+    """The down half of fused_moe_ref in float32: sum_j act[j] @ w_down[ids[j]].T * weights[j]."""
+    ids, weights = routing[:top_k].long(), routing[top_k:].view(torch.float32)
+    return sum(((act[j:j + 1].float() @ w_down[ids[j]].float().T) * weights[j]) for j in range(top_k))
+
+
+@pytest.mark.parametrize("top_k,experts,inter,hidden", [(8, 16, 768, 2048), (4, 8, 1408, 2048)])
+def test_moe_down_reads_the_routing_two_back_and_the_act_written_by_the_launch_before(top_k, experts, inter,
+                                                                                       hidden):
+    w_down = (torch.randn(experts, hidden, inter, device="cuda") * 0.05).to(torch.bfloat16)
+    act, routing = torch.empty(top_k, inter, device="cuda", dtype=torch.bfloat16), torch.empty(
+        2 * top_k, dtype=torch.int32, device="cuda")
+    ids, weights = routing[:top_k], routing[top_k:].view(torch.float32)
+    out = torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16)
+    old_act, old_routing = down_inputs(top_k, experts, inter, 1)
+    new_act, new_routing = down_inputs(top_k, experts, inter, 2)
+
+    def launches(act_src, routing_src):
+        late_copy(routing_src, routing)        # the routing, two launches back
+        late_copy(act_src, act)                # the gate|up output, the launch just before
+        one_token_down(act, w_down, ids, weights, out)
+        torch.cuda.synchronize()
+        return out.clone()
+
+    launches(old_act, old_routing)             # compiled, and the buffers hold the old values
+    raced = launches(new_act, new_routing)
+    assert act.equal(new_act) and routing.equal(new_routing)
+    one_token_down(act, w_down, ids, weights, out)
+    assert raced.equal(out), "the down launch read something before it was written"
+    act.copy_(old_act)
+    one_token_down(act, w_down, ids, weights, out)
+    assert not raced.equal(out), "the old act gives the same output: the race proves nothing"
+    torch.testing.assert_close(raced.float(), down_reference(new_act, new_routing, w_down, top_k),
+                               atol=2e-2, rtol=2e-2)
+    # the control: with the routing written by the launch just before (the order the rule forbids), the
+    # reads before the wait see the old routing, so the output is not the settled one
+    act.copy_(new_act)
+    routing.copy_(old_routing)
+    late_copy(new_routing, routing)
+    one_token_down(act, w_down, ids, weights, out)
+    torch.cuda.synchronize()
+    assert routing.equal(new_routing)
+    assert not out.equal(raced), "the routing was read after the launch before wrote it: the window is shut"
