@@ -12,7 +12,8 @@ For each batch size B it prefills B requests of --context tokens, then measures:
   sample_ms   the sampler alone on that step's logits (greedy), wall clock
   host_ms     step_ms - gpu_ms: the time the device would idle in a one-step-at-a-time loop
 
-and, with --table-dir, writes torch.profiler's kernel table of one eager forward per B.
+and, with --table-dir, writes torch.profiler's kernel table of one eager forward per B (with PDL on, a
+kernel's time there includes its wait for the launch before it: take the tables with ENGINE_PDL=0).
 On a CPU the timings are wall clock of the torch references (for a smoke run only).
 """
 from __future__ import annotations
