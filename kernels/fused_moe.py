@@ -349,7 +349,7 @@ ONE_TOKEN_DOWN_TILES = (4, 128, 3)
 def _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared: SharedExpert | None
                          ) -> torch.Tensor:
     """``fused_moe`` of one token: two matrix-vector launches, the shared expert's in them (module docstring)."""
-    experts, two_inter, hidden = w_gate_up.shape
+    two_inter, hidden = w_gate_up.shape[1:]
     inter, top_k = two_inter // 2, topk_ids.shape[1]
     block_n, block_k, stages = ONE_TOKEN_TILES if x.is_cuda else (16, 64, 1)
     # ids and weights before the gate|up launch: the down launch reads them before its PDL wait (two launches back)
