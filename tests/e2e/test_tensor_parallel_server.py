@@ -4,6 +4,7 @@ import requests
 import transformers
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
+from engine.protocol.messages import SamplingParams
 from tests.e2e.server import LaunchedServer, free_port
 from tests.tiny_models import save_tiny_server_model
 
@@ -17,22 +18,28 @@ def qwen2_dir(tmp_path_factory):
 
 
 def test_two_shard_server_answers_like_one_shard(qwen2_dir):
+    """Tokens, and the prompt's logprobs (``decoder_input_details``), whose logits both shards form 2 positions
+    at a time (``--max-batch-size 2``: the warm-up's rows) and gather."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(qwen2_dir)
     engine = Engine(EngineConfig(model_dir=str(qwen2_dir), device="cpu", kernel_backend="torch", num_slots=1024))
-    expected = engine.generate([GenerationRequest(i, tokenizer(p)["input_ids"], 12, stop_token_ids=[])
-                                for i, p in enumerate(PROMPTS)])
+    expected = engine.generate([GenerationRequest(i, tokenizer(p)["input_ids"], 12, SamplingParams(prompt_logprobs=True),
+                                                  stop_token_ids=[]) for i, p in enumerate(PROMPTS)])
     srv = LaunchedServer(qwen2_dir, "--num-shard", "2", "--master-port", str(free_port()),
-                         "--max-total-tokens", "256", "--max-input-tokens", "128")
+                         "--max-total-tokens", "256", "--max-input-tokens", "128", "--max-batch-size", "2")
     try:
         srv.wait_healthy()
         info = requests.get(srv.url + "/info", timeout=5).json()
         assert "\ntgi_num_shards 2.0\n" in requests.get(srv.url + "/metrics", timeout=5).text
         for i, prompt in enumerate(PROMPTS):
-            body = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "details": True}}
+            body = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "details": True,
+                                                     "decoder_input_details": True}}
             details = requests.post(srv.url + "/generate", json=body, timeout=60).json()["details"]
             ours = [e.token_id for e in expected[i]]
             got = [t["id"] for t in details["tokens"]]
             assert got == ours[: len(got)] and (len(got) == 12 or details["finish_reason"] == "eos_token")
+            prompt_logprobs = expected[i][0].prompt_logprobs
+            assert len(details["prefill"]) == len(prompt_logprobs) > 2 and details["prefill"][0]["logprob"] is None
+            assert [t["logprob"] for t in details["prefill"][1:]] == pytest.approx(prompt_logprobs[1:], abs=1e-4)
         assert info["max_total_tokens"] == 256
     finally:
         assert srv.stop() == 0, srv.output()

@@ -87,13 +87,21 @@ def test_triton_kernels_under_the_interpreter_match_transformers(tmp_path, famil
             assert o.logprob == pytest.approx(ref[o.token_id].item(), abs=LOGPROB_TOL["triton"])
 
 
-def test_prompt_logprobs_match_transformers(tmp_path):
+@pytest.mark.parametrize("budget,rows", [(7, 8), (64, 4)])
+def test_prompt_logprobs_match_transformers(tmp_path, budget, rows):
+    """(7, 8): the 33-token prompt is prefilled in 5 chunks; (64, 4): in one, its logits formed 4 positions at a
+    time (the warm-up's rows: a chunk's [positions, vocab] float32 logits at once could pass the memory it
+    measured)."""
     path = save_tiny_model("qwen2", tmp_path / "qwen2")
     hf = load_hf(path)
     engine = Engine(EngineConfig(model_dir=str(path), device="cpu", kernel_backend="torch", num_slots=256,
-                                 max_prefill_tokens=7))   # the 33-token prompt is prefilled in 5 chunks
+                                 max_prefill_tokens=budget, max_requests=rows))
+    formed = []
+    compute_logits = engine.worker.model.compute_logits
+    engine.worker.model.compute_logits = lambda hidden: formed.append(len(hidden)) or compute_logits(hidden)
     prompt = prompts()[3]
     out = engine.generate([GenerationRequest(0, prompt, 2, SamplingParams(prompt_logprobs=True))])[0]
+    assert max(formed) <= rows and sum(formed) >= len(prompt) - 1
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
     expected = [None] + [ref[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)]
