@@ -81,7 +81,8 @@ def start_server(args: argparse.Namespace, *extra: str):
 
 def stop_server(server, args: argparse.Namespace) -> None:
     code = server.stop()
-    if args.server_log_dir:
+    if args.server_log_dir:     # created if missing: a bench must not lose its results to a missing folder
+        Path(args.server_log_dir).mkdir(parents=True, exist_ok=True)
         shutil.copy(server.log_path, Path(args.server_log_dir) / f"server-{server.port}.log")
     if code != 0:
         print(f"the server exited with {code}; log: {server.log_path}", flush=True)
