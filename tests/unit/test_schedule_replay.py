@@ -1,0 +1,61 @@
+"""bench.schedule_replay: the scheduler replayed with a step-time model (CPU, no model)."""
+import json
+
+import pytest
+
+from bench import schedule_replay
+from bench.schedule_replay import EAGER_STEP_S, ROW_S, Load, arrivals_from_log, replay, step_model
+
+
+def test_a_lone_prompt_and_its_decode_steps_take_the_modelled_times():
+    model, span, _ = step_model("llama-2-7b")
+    assert model.tau == pytest.approx(2 * 6.476e9 / 560e12, rel=0.01)      # Llama-2-7B's layers: 6.48e9 weights
+    assert model.weights_s == pytest.approx(2 * 6.738e9 / 3.0e12 + 0.2e-3, rel=0.01)
+    prompt = list(range(100, 1100))
+    result = replay(Load("llama-2-7b", 4000, 2048, [(0.0, prompt, 3)]), stall_free_tokens=None,
+                    max_prefill_tokens=4096)
+    prefill = max(model.weights_s + model.tau * 1000 * (1 + 500 / span), EAGER_STEP_S)
+    assert result["ttft_s"]["p50"] == pytest.approx(prefill)
+    decode = [model.weights_s + ROW_S + model.kv_s_per_token * (position + 1) for position in (1000, 1001)]
+    assert result["itl_s"]["p50"] == pytest.approx(sum(decode) / 2)    # two gaps: their mean is the median
+    assert result["steps"] == 3 and result["seconds"] == pytest.approx(prefill + sum(decode))
+
+
+def test_arrivals_come_from_the_validated_lines_of_the_burst():
+    log = "\n".join([
+        "2026-11-28 04:09:34,356 INFO tgi_compat: request 9 validated: 4096 input tokens, max_new_tokens=1, x",
+        "2026-11-28 04:10:20,100 INFO tgi_compat: request 12 validated: 15835 input tokens, max_new_tokens=128, x",
+        "2026-11-28 04:10:20,350 INFO tgi_compat: request 13 validated: 2663 input tokens, max_new_tokens=128, x",
+        "2026-11-28 04:10:20,350 INFO engine.router.scheduler: request 12 admitted: 15835 prompt tokens",
+        "2026-11-28 04:10:20,400 INFO tgi_compat: request 14 validated: 20 input tokens, max_new_tokens=128, x",
+    ])
+    arrivals = arrivals_from_log(log, range(2000, 16001), {128})
+    assert arrivals == [(0.0, 15835, 128), (pytest.approx(0.25), 2663, 128)]
+    with pytest.raises(ValueError, match="no 'request N validated"):
+        arrivals_from_log(log, range(30_000, 40_000), {128})
+
+
+def test_the_command_replays_a_load_and_writes_its_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert schedule_replay.main(["--load", "shared", "--stall-free-tokens", "384", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["requests"] == 256 and result["ttft_s"]["p50"] <= result["ttft_s"]["p99"]
+    assert "shared (256 requests, stall_free_tokens 384)" in capsys.readouterr().out
+
+
+def test_another_trees_scheduler_replays_through_tree(tmp_path):
+    """``--tree``: that checkout's scheduler and launcher defaults (here a copy whose default cap differs)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(schedule_replay.__file__).resolve().parents[1]
+    tree = tmp_path / "tree"
+    for package in ("engine", "tgi_compat", "kernels", "weights"):
+        shutil.copytree(root / package, tree / package, ignore=shutil.ignore_patterns("demo", "__pycache__"))
+    config = tree / "tgi_compat" / "launch_config.py"
+    config.write_text(config.read_text().replace("\nSTALL_FREE_TOKENS = ", "\nSTALL_FREE_TOKENS = 111  # ", 1))
+    run = subprocess.run([sys.executable, "-m", "bench.schedule_replay", "--load", "shared", "--tree", str(tree)],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "stall_free_tokens 111)" in run.stdout
