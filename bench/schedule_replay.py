@@ -15,6 +15,8 @@ The loads (the numbers of ``bench.long_prompt_bench``'s mixed phase and ``bench/
   mixed     64 prompts of 2,000-16,000 tokens at once, 128 new each, Llama-3.1-8B, 413,589 KV slots
   load512   512 prompts of 64-512 tokens at once, 256 new each, Llama-2-7B, 118,158 KV slots
   shared    256 prompts behind one 3,000-token prefix (+ 20-80 tokens), 64 new each, Llama-2-7B
+  beside    a stream (32-token prompt, 1,500 new) from 0 s, a 100,000-token prompt from 1 s, then prompts of
+            100 and 2,000 tokens (16 new) at 6 and 6.5 s, Llama-3.1-8B: each request's TTFT is printed
 
 A step's time, from the model's shapes (``weights.random_checkpoint``'s config) and one H100:
 
@@ -112,6 +114,9 @@ def builtin_load(name: str) -> Load:
     if name == "load512":
         pairs = sample_lengths(512, (64, 512), (256, 256), seed=0)
         return Load("llama-2-7b", 118_158, 4096, distinct_prompts([(0.0, *p) for p in pairs]))
+    if name == "beside":
+        requests = [(0.0, 32, 1500), (1.0, 100_000, 1), (6.0, 100, 16), (6.5, 2000, 16)]
+        return Load("llama-3.1-8b", 413_589, 120_000 + 4000 + 64, distinct_prompts(requests))
     rng = random.Random(0)
     prefix = list(range(10, 3010))
     tails = distinct_prompts([(0.0, rng.randint(20, 80), 64) for _ in range(256)], first=5000)
@@ -182,6 +187,7 @@ def replay(load: Load, stall_free_tokens: int | None, max_prefill_tokens: int) -
     return {"requests": len(first), "steps": steps, "seconds": now,
             "output_tokens_per_s": sum(new for _, _, new in load.requests) / now,
             "ttft_s": {"p50": _percentile(ttfts, 0.5), "p99": _percentile(ttfts, 0.99)},
+            "ttft_by_request_s": {str(i): first[i] for i in sorted(first)},
             "itl_s": {"p50": _percentile(itls, 0.5), "p99": _percentile(itls, 0.99)}}
 
 
@@ -198,7 +204,8 @@ def _percentile(values: list[float], q: float) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.schedule_replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--load", choices=["mixed", "load512", "shared"], default="mixed", help="the load (above)")
+    parser.add_argument("--load", choices=["mixed", "load512", "shared", "beside"], default="mixed",
+                        help="the load (above)")
     parser.add_argument("--tree", help="replay this checkout's scheduler (and launcher defaults) instead of ours")
     parser.add_argument("--stall-free-tokens", type=int,
                         help="the scheduler's stall_free_tokens (default: the tree's launcher default)")
@@ -225,6 +232,8 @@ def main(argv=None) -> int:
           f"{result['ttft_s']['p50']:.2f} s p99 {result['ttft_s']['p99']:.2f} s; ITL p50 {ms(result['itl_s']['p50']):.0f} "
           f"ms p99 {ms(result['itl_s']['p99']):.0f} ms; {result['output_tokens_per_s']:.0f} output tokens/s; "
           f"{result['steps']} steps")
+    if len(load.requests) <= 8:
+        print("TTFT by request (s): " + ", ".join(f"{i}: {t:.2f}" for i, t in result["ttft_by_request_s"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

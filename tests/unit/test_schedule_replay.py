@@ -41,6 +41,9 @@ def test_the_command_replays_a_load_and_writes_its_json(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["requests"] == 256 and result["ttft_s"]["p50"] <= result["ttft_s"]["p99"]
     assert "shared (256 requests, stall_free_tokens 384)" in capsys.readouterr().out
+    assert schedule_replay.main(["--load", "beside"]) == 0
+    by_request = capsys.readouterr().out.splitlines()[-1]
+    assert by_request.startswith("TTFT by request (s): 0: ") and by_request.count(":") == 5
 
 
 def test_another_trees_scheduler_replays_through_tree(tmp_path):
