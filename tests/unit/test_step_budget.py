@@ -87,6 +87,31 @@ def test_a_short_prompt_passes_a_long_one():
     assert sched.running[0].in_prefill      # while the long prompt is still being planned
 
 
+def test_a_short_prompt_passes_a_long_one_that_has_been_in_prefill_for_many_small_steps():
+    """Beside a decoding stream the cost cap keeps steps small, so a long prompt spends many steps in prefill.
+    A newcomer still goes first: the long one aged by what the others were given (nothing), not by its
+    steps (it had aged past every newcomer, and the short prompt waited for all of it)."""
+    alloc = SlotAllocator(num_slots=10_000, max_requests=8)
+    config = SchedulerConfig(max_prefill_tokens=64, max_seq_len=10_000, stall_free_tokens=16, attention_span=300,
+                             kv_weight_tokens=500, prefix_caching=False)
+    sched = Scheduler(alloc, config)
+    sched.add(make_request(0, 10, 2000))                  # the stream
+    drive(sched, 3)
+    sched.add(make_request(1, 3000, 1))
+    drive(sched, 60)
+    assert 0 < sched.running[1].prefilled < 1000          # capped chunks: 60 steps planned a fraction of it
+    sched.add(make_request(2, 20, 1))
+    first_token = {}
+
+    def check(i, step, decoding):
+        for row in prompt_rows(step):
+            if row.sample:
+                first_token.setdefault(row.request_id, i)
+
+    drive(sched, 400, check)
+    assert first_token[2] <= 1 and first_token[1] > first_token[2]
+
+
 def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
     alloc = SlotAllocator(num_slots=5000, max_requests=16)
     sched = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=64, max_seq_len=5000))
