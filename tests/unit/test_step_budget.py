@@ -30,6 +30,19 @@ def prompt_rows(step):
     return [r for r in step.rows if r.input_ids[0] != FED_BACK]
 
 
+def first_token_steps(sched, steps) -> dict[int, int]:
+    """Drive ``steps`` steps; {request id: the step that sampled its first token}."""
+    first_token = {}
+
+    def check(i, step, decoding):
+        for row in prompt_rows(step):
+            if row.sample:
+                first_token.setdefault(row.request_id, i)
+
+    drive(sched, steps, check)
+    return first_token
+
+
 @pytest.mark.parametrize("stall_free", [None, 24])
 def test_a_long_prompt_beside_decoding_requests_never_exceeds_the_budget(stall_free):
     alloc = SlotAllocator(num_slots=4000, max_requests=8)
@@ -75,15 +88,7 @@ def test_a_short_prompt_passes_a_long_one():
     sched.add(make_request(1, 10_000, 2))
     drive(sched, 3)
     sched.add(make_request(2, 20, 2))
-    first_token = {}
-
-    def check(i, step, decoding):
-        for row in prompt_rows(step):
-            if row.sample:
-                first_token.setdefault(row.request_id, i)
-
-    drive(sched, 5, check)
-    assert first_token == {2: 0}            # planned in full in the step after it arrived
+    assert first_token_steps(sched, 5) == {2: 0}            # planned in full in the step after it arrived
     assert sched.running[0].in_prefill      # while the long prompt is still being planned
 
 
@@ -101,14 +106,7 @@ def test_a_short_prompt_passes_a_long_one_that_has_been_in_prefill_for_many_smal
     drive(sched, 60)
     assert 0 < sched.running[1].prefilled < 1000          # capped chunks: 60 steps planned a fraction of it
     sched.add(make_request(2, 20, 1))
-    first_token = {}
-
-    def check(i, step, decoding):
-        for row in prompt_rows(step):
-            if row.sample:
-                first_token.setdefault(row.request_id, i)
-
-    drive(sched, 400, check)
+    first_token = first_token_steps(sched, 400)
     assert first_token[2] <= 1 and first_token[1] > first_token[2]
 
 
