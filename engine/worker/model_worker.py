@@ -591,16 +591,15 @@ class ModelWorker:
                 if r.logprob_targets is not None:
                     results[i].prompt_logprobs = []
                 continue
-            logprobs = []
+            picked = torch.tensor(r.logprob_targets, device=self.device)[:, None]
+            parts = []
             for start in range(0, len(r.logprob_targets), rows):
-                targets = r.logprob_targets[start : start + rows]
-                first = offsets[i] + start
-                logits = self.model.compute_logits(hidden[first : first + len(targets)])   # every rank (TP gather)
+                end = min(start + rows, len(r.logprob_targets))
+                logits = self.model.compute_logits(hidden[offsets[i] + start : offsets[i] + end])  # every rank (TP)
                 if self.tp.rank == 0:
-                    picked = torch.tensor(targets, device=self.device)[:, None]
-                    logprobs += torch.log_softmax(logits, dim=-1).gather(1, picked)[:, 0].tolist()
+                    parts.append(torch.log_softmax(logits, dim=-1).gather(1, picked[start:end])[:, 0])
             if self.tp.rank == 0:
-                results[i].prompt_logprobs = logprobs
+                results[i].prompt_logprobs = torch.cat(parts).tolist()     # one wait for the device, not one a slice
 
 
 def warmup_shape(config: WorkerConfig) -> tuple[int, int]:
