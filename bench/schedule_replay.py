@@ -182,23 +182,20 @@ def replay(load: Load, stall_free_tokens: int | None, max_prefill_tokens: int) -
                 else:
                     first[r.request_id] = now - arrived[r.request_id]
                 last[r.request_id] = now
-    ttfts = sorted(first.values())
-    itls.sort()
+    from bench.load import percentile
+    ttfts = list(first.values())
     return {"requests": len(first), "steps": steps, "seconds": now,
             "output_tokens_per_s": sum(new for _, _, new in load.requests) / now,
-            "ttft_s": {"p50": _percentile(ttfts, 0.5), "p99": _percentile(ttfts, 0.99)},
+            "ttft_s": {"p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)},
             "ttft_by_request_s": {str(i): first[i] for i in sorted(first)},
-            "itl_s": {"p50": _percentile(itls, 0.5), "p99": _percentile(itls, 0.99)}}
+            "itl_s": {"p50": percentile(itls, 50), "p99": percentile(itls, 99)}}
 
 
-def _percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between order statistics (as ``bench.load``); NaN for none."""
-    if not values:
-        return float("nan")
-    pos = q * (len(values) - 1)
-    low = int(pos)
-    high = min(low + 1, len(values) - 1)
-    return values[low] + (values[high] - values[low]) * (pos - low)
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
+    return value
 
 
 def main(argv=None) -> int:
@@ -207,13 +204,17 @@ def main(argv=None) -> int:
     parser.add_argument("--load", choices=["mixed", "load512", "shared", "beside"], default="mixed",
                         help="the load (above)")
     parser.add_argument("--tree", help="replay this checkout's scheduler (and launcher defaults) instead of ours")
-    parser.add_argument("--stall-free-tokens", type=int,
+    parser.add_argument("--stall-free-tokens", type=_positive,
                         help="the scheduler's stall_free_tokens (default: the tree's launcher default)")
-    parser.add_argument("--max-prefill-tokens", type=int, help="the step budget (default: the launcher's)")
+    parser.add_argument("--max-prefill-tokens", type=_positive, help="the step budget (default: the launcher's)")
     parser.add_argument("--arrivals-log",
                         help="a server log of this load: requests arrive when it shows them validated")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
+    if args.tree and not Path(args.tree, "engine", "router", "scheduler.py").is_file():
+        parser.error(f"--tree {args.tree}: no engine/router/scheduler.py there (give a checkout of this project)")
+    if args.arrivals_log and not Path(args.arrivals_log).is_file():
+        parser.error(f"--arrivals-log {args.arrivals_log}: no such file")
     if args.tree:
         sys.path.insert(0, str(Path(args.tree).resolve()))
         for name in [m for m in sys.modules if m == "engine" or m.startswith(("engine.", "tgi_compat"))]:
@@ -222,11 +223,15 @@ def main(argv=None) -> int:
     load = builtin_load(args.load)
     if args.arrivals_log:
         lengths = [len(ids) for _, ids, _ in load.requests]
-        arrivals = arrivals_from_log(Path(args.arrivals_log).read_text(errors="replace"),
-                                     range(min(lengths), max(lengths) + 1), {new for _, _, new in load.requests})
+        try:
+            arrivals = arrivals_from_log(Path(args.arrivals_log).read_text(errors="replace"),
+                                         range(min(lengths), max(lengths) + 1), {new for _, _, new in load.requests})
+        except ValueError as e:
+            parser.error(f"--arrivals-log {args.arrivals_log}: {e}")
         load = Load(load.config, load.kv_slots, load.max_seq_len, distinct_prompts(arrivals))
     stall_free = args.stall_free_tokens if args.stall_free_tokens is not None else STALL_FREE_TOKENS
-    result = replay(load, stall_free, args.max_prefill_tokens or STEP_TOKENS)
+    budget = args.max_prefill_tokens if args.max_prefill_tokens is not None else STEP_TOKENS
+    result = replay(load, stall_free, budget)
     ms = lambda s: s * 1000     # noqa: E731
     print(f"{args.load} ({len(load.requests)} requests, stall_free_tokens {stall_free}): TTFT p50 "
           f"{result['ttft_s']['p50']:.2f} s p99 {result['ttft_s']['p99']:.2f} s; ITL p50 {ms(result['itl_s']['p50']):.0f} "

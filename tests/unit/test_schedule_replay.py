@@ -62,3 +62,32 @@ def test_another_trees_scheduler_replays_through_tree(tmp_path):
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "stall_free_tokens 111)" in run.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-prefill-tokens", "0"], "--max-prefill-tokens: must be a whole number >= 1, got 0"),
+    (["--stall-free-tokens", "-1"], "--stall-free-tokens: must be a whole number >= 1, got -1"),
+    (["--tree", "/no/such/tree"], "--tree /no/such/tree: no engine/router/scheduler.py there"),
+    (["--arrivals-log", "/no/such.log"], "--arrivals-log /no/such.log: no such file"),
+])
+def test_bad_flags_are_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        schedule_replay.main(["--load", "shared", *args])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_log_without_the_loads_requests_is_a_usage_error(tmp_path, capsys):
+    log = tmp_path / "server.log"
+    log.write_text("2026-11-28 04:09:34,356 INFO tgi_compat: request 9 validated: 5 input tokens, max_new_tokens=1\n")
+    with pytest.raises(SystemExit) as exited:
+        schedule_replay.main(["--load", "mixed", "--arrivals-log", str(log)])
+    assert exited.value.code == 2 and "no 'request N validated" in capsys.readouterr().err
+
+
+def test_a_budget_flag_is_applied(tmp_path):
+    steps = {}
+    for budget in ("512", "4096"):
+        out = tmp_path / f"{budget}.json"
+        schedule_replay.main(["--load", "shared", "--max-prefill-tokens", budget, "--json", str(out)])
+        steps[budget] = json.loads(out.read_text())["steps"]
+    assert steps["512"] > steps["4096"]         # a smaller budget plans the burst's prompts in more steps
