@@ -34,6 +34,11 @@ on the mixed load the replay of ab314ec's scheduler gives TTFT p50 11.5 s / ITL 
 measured 11.6 s / 191 ms. A scheduler that capped every step beside decoding requests (cost cap 704, no
 yield to bursts, shortest prompt admitted first) replayed at 13.2 s / 55 ms and measured 15.4 s / 99 ms:
 the replay had the direction, but not the tail of capped steps' ITL nor all of their TTFT.
+Stop 43, that policy with the cap kept and admission aged by work (the default since): the mixed load
+replayed at 8.6 s / 55 ms and measured 11.5 s / 74 ms. On the 512-request load it replayed TTFT p50
+1.4 s (all 512 at 0 s: the shortest prompts fill the first wave) and measured 8.7-8.8 s; the HTTP burst
+arrives over about a second (a 1 s spread replays at 7.4 s). Nor does the replay show what more,
+smaller prompt steps cost there: 6,781 against 6,773 tokens/s replayed, -2.9% measured.
 """
 from __future__ import annotations
 

@@ -320,7 +320,8 @@ def test_a_burst_behind_one_cached_prefix_carries_its_slots_once_a_step():
     step = scheduler.schedule()
     firsts = {r.request_id: r for r in step.rows if r.start_pos > 0}
     assert {rid: r.start_pos for rid, r in firsts.items()} == {1: 301, 2: 300, 3: 300, 4: 301, 5: 300}
-    assert [len(p.slots) for p in step.prefixes] == [301]        # 1 and 4 map all 301, the others 300 of them
+    # 2 and 5 go first (the shorter prompts) and map 300 slots, sent whole; 1 and 4 each add their 301st
+    assert [len(p.slots) for p in step.prefixes] == [300, 1, 1]
     for rid, r in firsts.items():
         assert step.prefix_slots(r.prefix, r.start_pos) == alloc.slots(rid)[: r.start_pos]
     scheduler.process(step, worker.launch(step).result())       # the stand-in worker checks every row's context

@@ -103,24 +103,42 @@ def test_abort_frees_slots_in_every_state():
     assert sched.schedule().released == [1]
 
 
-def test_small_requests_overtake_a_huge_one_until_it_has_waited_enough():
-    alloc = SlotAllocator(num_slots=100, max_requests=8)
-    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=100, max_waiting_steps=3))
+def test_small_requests_overtake_a_huge_one_until_the_others_got_its_length_of_prompt():
+    """Admission goes shortest prompt first, aged by the prompt tokens the others were given since a
+    request arrived: a 60-token prompt that does not fit is passed by 5-token ones while 5 plus what the
+    others got since it arrived is less than 60; then a newcomer queues behind it, and nobody overtakes
+    it (it waited ``max_waiting_steps``)."""
+    alloc = SlotAllocator(num_slots=100, max_requests=32)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=100, max_waiting_steps=3, prefix_caching=False))
     def step():
         s = sched.schedule()
         sched.process(s, fake_result(s))
 
-    sched.add(make_request(1, 10, 50))    # running: peak 60
+    sched.add(make_request(1, 10, 80))    # running: peak 90
     step()
-    sched.add(make_request(2, 60, 30))    # does not fit yet
-    sched.add(make_request(3, 5, 5))      # fits: admitted although 2 is ahead
-    step()
-    assert [r.request_id for r in sched.running] == [1, 3]
-    for _ in range(2):
+    sched.add(make_request(2, 60, 30))    # does not fit while 1 runs
+    since = sched.prompt_work
+    rid = 3
+    while 5 + sched.prompt_work - since < 60:
+        sched.add(make_request(rid, 5, 1))    # fits beside 1: admitted although 2 arrived first
         step()
-    sched.add(make_request(4, 5, 5))      # 2 has now waited 3 steps: 4 must queue behind it
+        assert [r.request_id for r in sched.waiting] == [2], f"request {rid} was not admitted"
+        rid += 1
+    assert rid == 3 + 11
+    sched.add(make_request(rid, 5, 1))    # the others got 55 prompt tokens since 2 arrived: it queues behind 2
     step()
-    assert [r.request_id for r in sched.waiting] == [2, 4]
+    assert [r.request_id for r in sched.waiting] == [2, rid]
+
+
+def test_waiting_requests_are_admitted_shortest_first_and_in_arrival_order_between_equals():
+    alloc = SlotAllocator(num_slots=1000, max_requests=8)
+    sched = Scheduler(alloc, SchedulerConfig(max_prefill_tokens=64, max_seq_len=200))
+    for rid, length in enumerate((50, 30, 40, 30, 10)):
+        sched.add(make_request(rid, length, 4))
+    assert [r.request_id for r in sched.waiting] == [4, 1, 3, 2, 0]
+    step = sched.schedule()     # a step's budget (64 new prompt tokens) admits 10 + 30 + 30
+    assert [r.request_id for r in sched.running] == [4, 1, 3] and [r.request_id for r in sched.waiting] == [2, 0]
+    assert {r.request_id for r in step.rows} == {4, 1, 3}
 
 
 def test_a_request_over_the_limits_is_refused():

@@ -73,13 +73,36 @@ def test_a_chunks_cost_stays_within_the_stall_free_budget():
     config = SchedulerConfig(max_prefill_tokens=10_000, stall_free_tokens=100, attention_span=1000,
                              kv_weight_tokens=2000)
     decoding = [make_request(i, 500, 10) for i in range(3)]
-    budget = StepBudget.for_step(config, decoding, 1)
+    budget = StepBudget.for_step(config, decoding)
     assert budget.tokens == 10_000 - 3 and budget.cost == pytest.approx(100 * (1 + 1500 / 2000))
     for start in (0, 5000, 50_000):
         tokens = budget.fit(start, 100_000, config.attention_span)
         assert 0 < tokens and chunk_cost(start, tokens, 1000) <= budget.cost < chunk_cost(start, tokens + 1, 1000)
-    assert StepBudget.for_step(config, [], 1).cost is None         # nothing decodes: the token budget only
-    assert StepBudget.for_step(config, decoding, 4).cost is None   # more await a first token than decode
+    assert StepBudget.for_step(config, []).cost is None         # nothing decodes: the token budget only
+
+
+def test_a_burst_of_prompts_beside_one_decoding_request_is_capped_too():
+    """Many prompts waiting for their first token do not lift the cap off the one decoding request's steps
+    (they did while they outnumbered it: whole steps of prompt, the ITL tail of a mixed load)."""
+    alloc = SlotAllocator(num_slots=20_000, max_requests=16)
+    config = SchedulerConfig(max_prefill_tokens=512, max_seq_len=4000, stall_free_tokens=24, attention_span=300,
+                             kv_weight_tokens=500, prefix_caching=False)
+    sched = Scheduler(alloc, config)
+    sched.add(make_request(0, 10, 300))
+    drive(sched, 2)
+    for rid in range(1, 9):
+        sched.add(make_request(rid, 400, 2))
+    costs = []
+
+    def check(i, step, decoding):
+        if decoding:
+            cap = 24 * (1 + sum(r.held_tokens for r in sched.running if r.request_id in decoding) / 500)
+            cost = sum(chunk_cost(r.start_pos, len(r.input_ids), 300) for r in prompt_rows(step))
+            costs.append(cost)
+            assert len(prompt_rows(step)) <= 1 or cost <= cap, f"step {i}: prompt cost {cost} over the cap {cap}"
+
+    drive(sched, 3000, check)
+    assert not sched.has_work() and len(costs) > 100 and max(costs) > 0
 
 
 def test_a_short_prompt_passes_a_long_one():
