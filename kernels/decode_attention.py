@@ -116,7 +116,10 @@ def _decode_split_kernel(
 
 
 # The split counts are not specialised: every count shares one compiled kernel (no compile mid-serving)
-@triton.jit(do_not_specialize=["num_splits", "total_splits"])
+MERGE_UNSPECIALISED = ("num_splits", "total_splits")
+
+
+@triton.jit(do_not_specialize=list(MERGE_UNSPECIALISED))
 def _decode_merge_kernel(
     mid_out_ptr, mid_lse_ptr, out_ptr, b_first_ptr,
     stride_mid_batch, stride_mid_head, stride_mid_split, stride_lse_batch, stride_lse_head,

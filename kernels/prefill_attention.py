@@ -68,7 +68,10 @@ from .score_mods import ScoreMods
 
 # One compiled kernel for every split count (the worker's warm-up compiles each variant once, so none
 # compiles while requests wait: engine.worker.model_worker)
-@triton.jit(do_not_specialize=["num_splits"])
+UNSPECIALISED = ("num_splits",)
+
+
+@triton.jit(do_not_specialize=list(UNSPECIALISED))
 def _prefill_attention_kernel(
     q_ptr, kv_ptr, req_to_token_ptr, out_ptr,
     b_req_row_ptr, b_q_start_ptr, b_q_len_ptr, b_seq_len_ptr,
@@ -262,7 +265,7 @@ CUDA_LAUNCHES = {64: PrefillLaunch(128, 64, 8, 2), 128: PrefillLaunch(128, 64, 4
 CUDA_LAUNCHES_FP32 = {64: PrefillLaunch(32, 32, 8, 1), 128: PrefillLaunch(64, 64, 4, 2),
                       256: PrefillLaunch(16, 16, 8, 1)}
 CPU_LAUNCH = PrefillLaunch(32, 32, 4, 1)     # the interpreter: small tiles keep the tests fast
-MAX_SPLITS = 32
+MAX_SPLITS = 32         # a multiple of 16 (the split lse rows' width: ``launch``)
 MIN_SPLIT_KEYS = 1024   # a split walks at least this many keys (its partial result costs a merge)
 MERGE_BLOCK_S = triton.next_power_of_2(MAX_SPLITS)   # one merge kernel for every split count
 
@@ -352,7 +355,11 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
     split_strides = (0, 0, 0, 0, 0)
     if splits > 1:
         split_out = torch.empty((tokens, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        split_lse = torch.empty((tokens, q_heads, splits), dtype=torch.float32, device=q.device)
+        # lse rows MAX_SPLITS wide whatever the count: Triton compiles one kernel per class of each integer
+        # argument (1, a multiple of 16, other), and rows ``splits`` wide put 16 and 32 splits (a short
+        # chunk at a long context) in another class than the warm-up's 2: both kernels compiled mid-serving,
+        # a 1.3 s stall of a stream beside a 16k-token prompt on one H100 (stop 43's note)
+        split_lse = torch.empty((tokens, q_heads, MAX_SPLITS), dtype=torch.float32, device=q.device)
         split_strides = (*split_out.stride()[:3], *split_lse.stride()[:2])
     block_d = max(16, triton.next_power_of_2(head_dim))
     heads, block_tokens = tile_shape(params, q_heads // kv_heads)

@@ -159,6 +159,41 @@ def test_split_keys_give_the_same_prefill_attention(device, splits, layout):
     torch.testing.assert_close(out, prefill_attention_ref(*args), atol=1e-4, rtol=1e-4)
 
 
+def specialisation(kernel, unspecialised, args) -> list:
+    """The class Triton compiles a launch's integer arguments by (1, a multiple of 16, other), but those
+    the kernel does not specialise."""
+    skipped = {kernel.arg_names.index(name) for name in unspecialised}
+    return [(a == 1, a % 16 == 0) for i, a in enumerate(args) if i not in skipped and type(a) is int]
+
+
+def test_every_split_count_launches_the_kernels_the_warm_up_compiled(monkeypatch):
+    """The worker's warm-up runs 2 splits (engine.worker.model_worker). Every other count must launch both
+    kernels with their integer arguments in the same classes, or Triton compiles them while requests wait
+    (16 and 32 splits did: the lse rows were ``splits`` wide)."""
+    import kernels.prefill_attention as module
+    from kernels.decode_attention import MERGE_UNSPECIALISED
+    unspecialised = {"_prefill_attention_kernel": module.UNSPECIALISED, "_decode_merge_kernel": MERGE_UNSPECIALISED}
+    kernels = {name: getattr(module, name) for name in unspecialised}
+    seen = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def record(*args, **kwargs):
+                seen.setdefault(self.name, []).append(specialisation(kernels[self.name], unspecialised[self.name], args))
+            return record
+
+    for name in kernels:
+        monkeypatch.setattr(module, name, Recorder(name))
+    args = prefill_inputs([40, 1, 70], [100, 130, 0], 32, 8, 128, torch.float32, torch.device("cpu"))
+    for splits in (2, 4, 8, 16, 32):
+        launch(*args, params=CPU_LAUNCH, splits=splits)
+    for name, classes in seen.items():
+        assert len(classes) == 5 and all(c == classes[0] for c in classes), f"{name}: {classes}"
+
+
 def test_split_keys_with_a_shared_prefix(device):
     q_lens, prefixes, members, prefix = [7, 3, 20], [150, 150, 90], [0, 1, 2], 64
     q, kv_layer, table, rows, q_start, q_len, seq_len, scale, max_q_len = prefill_inputs(
