@@ -358,7 +358,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
         # lse rows MAX_SPLITS wide whatever the count: Triton compiles one kernel per class of each integer
         # argument (1, a multiple of 16, other), and rows ``splits`` wide put 16 and 32 splits (a short
         # chunk at a long context) in another class than the warm-up's 2: both kernels compiled mid-serving,
-        # a 1.3 s stall of a stream beside a 16k-token prompt on one H100 (stop 43's note)
+        # a 1.25 s stall of a stream beside a 16k-token prompt on one H100 (stop 43's note)
         split_lse = torch.empty((tokens, q_heads, MAX_SPLITS), dtype=torch.float32, device=q.device)
         split_strides = (*split_out.stride()[:3], *split_lse.stride()[:2])
     block_d = max(16, triton.next_power_of_2(head_dim))

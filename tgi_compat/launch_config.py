@@ -340,8 +340,8 @@ ARRIVAL_WINDOW_S = 0.1    # a request came this recently: the router plans after
 STALL_FREE_TOKENS = 704   # with the default budget: a decoding step's prompt chunk cost (engine.router.scheduler):
 #                           about 18 ms of matmuls on one H100, beside a batch-1 decode step of 5.6 ms; measured
 #                           through HTTP, Llama-3.1-8B, 64 prompts of 2k-16k tokens at once: ITL p99 60 ms at 512,
-#                           74 ms at 704 (TTFT p50 13.9 s, 11.5 s; 11.4 s uncapped); a 16k prompt beside a stream
-#                           answered in 1.54 s at 384, 1.01 s at 704
+#                           74 ms at 704 (TTFT p50 13.9 s, 11.5 s; 11.4 s before, when bursts lifted the cap); a
+#                           16k-token prompt beside a stream answered in 1.54 s at 384, 1.01 s at 704
 
 
 def resolve_limits(config: LaunchConfig, context_length: int, max_allocatable: int | None = None) -> Limits:
