@@ -2,6 +2,7 @@
 
     python -m bench.schedule_replay --load mixed [--stall-free-tokens 704] [--tree .baseline]
     python -m bench.schedule_replay --load mixed --arrivals-log server.log    # the burst's arrival as served
+    python -m bench.schedule_replay --load load512 --spread 1                 # arrivals over a second
 
 It drives the tree's own ``engine.router.scheduler.Scheduler`` (``--tree``: another checkout's, to compare
 before and after) step by step, as ``tests/unit/test_step_budget.py`` does, every row answering a token at
@@ -37,7 +38,7 @@ the replay had the direction, but not the tail of capped steps' ITL nor all of t
 Stop 43, that policy with the cap kept and admission aged by work (the default since): the mixed load
 replayed at 8.6 s / 55 ms and measured 11.5 s / 74 ms. On the 512-request load it replayed TTFT p50
 1.4 s (all 512 at 0 s: the shortest prompts fill the first wave) and measured 8.7-8.8 s; the HTTP burst
-arrives over about a second (a 1 s spread replays at 7.4 s). Nor does the replay show what more,
+arrives over about a second (``--spread 1`` replays 7.3 s). Nor does the replay show what more,
 smaller prompt steps cost there: 6,781 against 6,773 tokens/s replayed, -2.9% measured.
 """
 from __future__ import annotations
@@ -196,6 +197,23 @@ def replay(load: Load, stall_free_tokens: int | None, max_prefill_tokens: int) -
             "itl_s": {"p50": percentile(itls, 50), "p99": percentile(itls, 99)}}
 
 
+def spread_arrivals(load: Load, seconds: float, seed: int = 0) -> Load:
+    """The load with each request arriving at a uniform random time in [0, seconds) (seeded), in place of
+    all at 0 s: an HTTP burst reaches the router over about a second (stop 43: the 512-request burst's
+    TTFT p50 replayed 1.4 s all at once, 7.3 s spread over 1 s; measured 8.7-8.8 s)."""
+    import random
+    rng = random.Random(seed)
+    return Load(load.config, load.kv_slots, load.max_seq_len,
+                [(t + rng.uniform(0, seconds), ids, new) for t, ids, new in load.requests])
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -214,8 +232,13 @@ def main(argv=None) -> int:
     parser.add_argument("--max-prefill-tokens", type=_positive, help="the step budget (default: the launcher's)")
     parser.add_argument("--arrivals-log",
                         help="a server log of this load: requests arrive when it shows them validated")
+    parser.add_argument("--spread", type=_non_negative, default=0.0,
+                        help="seconds over which the load's requests arrive, each at a seeded random time "
+                             "(default 0: all at their load's times)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
+    if args.spread and args.arrivals_log:
+        parser.error("--spread and --arrivals-log both set the arrival times: give one")
     if args.tree and not Path(args.tree, "engine", "router", "scheduler.py").is_file():
         parser.error(f"--tree {args.tree}: no engine/router/scheduler.py there (give a checkout of this project)")
     if args.arrivals_log and not Path(args.arrivals_log).is_file():
@@ -234,6 +257,8 @@ def main(argv=None) -> int:
         except ValueError as e:
             parser.error(f"--arrivals-log {args.arrivals_log}: {e}")
         load = Load(load.config, load.kv_slots, load.max_seq_len, distinct_prompts(arrivals))
+    if args.spread:
+        load = spread_arrivals(load, args.spread)
     stall_free = args.stall_free_tokens if args.stall_free_tokens is not None else STALL_FREE_TOKENS
     budget = args.max_prefill_tokens if args.max_prefill_tokens is not None else STEP_TOKENS
     result = replay(load, stall_free, budget)

@@ -69,6 +69,9 @@ def test_another_trees_scheduler_replays_through_tree(tmp_path):
     (["--stall-free-tokens", "-1"], "--stall-free-tokens: must be a whole number >= 1, got -1"),
     (["--tree", "/no/such/tree"], "--tree /no/such/tree: no engine/router/scheduler.py there"),
     (["--arrivals-log", "/no/such.log"], "--arrivals-log /no/such.log: no such file"),
+    (["--spread", "-1"], "--spread: must be a number of seconds >= 0, got -1"),
+    (["--spread", "inf"], "--spread: must be a number of seconds >= 0, got inf"),
+    (["--spread", "1", "--arrivals-log", __file__], "--spread and --arrivals-log both set the arrival times"),
 ])
 def test_bad_flags_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exited:
@@ -91,3 +94,15 @@ def test_a_budget_flag_is_applied(tmp_path):
         schedule_replay.main(["--load", "shared", "--max-prefill-tokens", budget, "--json", str(out)])
         steps[budget] = json.loads(out.read_text())["steps"]
     assert steps["512"] > steps["4096"]         # a smaller budget plans the burst's prompts in more steps
+
+
+def test_a_spread_burst_arrives_within_its_seconds_and_waits_less_at_the_median():
+    burst = schedule_replay.builtin_load("load512")
+    spread = schedule_replay.spread_arrivals(burst, 1.0)
+    times = [t for t, _, _ in spread.requests]
+    assert all(0 <= t < 1.0 for t in times) and len(set(times)) == len(times)
+    assert [ids for _, ids, _ in spread.requests] == [ids for _, ids, _ in burst.requests]
+    assert schedule_replay.spread_arrivals(burst, 1.0).requests == spread.requests     # seeded
+    at_once, over_a_second = (schedule_replay.replay(load, 704, 4096) for load in (burst, spread))
+    # all at 0 s the shortest prompts fill the first wave; arriving over a second, that wave is mostly the early ones
+    assert over_a_second["ttft_s"]["p50"] > 2 * at_once["ttft_s"]["p50"]
