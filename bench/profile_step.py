@@ -11,10 +11,19 @@ For each batch size B it prefills B requests of --context tokens, then measures:
   piped_ms    the same steps pipelined as the router runs them (launch N+1, then wait for N)
   sample_ms   the sampler alone on that step's logits (greedy), wall clock
   host_ms     step_ms - gpu_ms: the time the device would idle in a one-step-at-a-time loop
+  launch_ms   the host's time to issue that forward (inputs, launches), the device idle, not waiting
 
 and, with --table-dir, writes torch.profiler's kernel table of one eager forward per B (with PDL on, a
 kernel's time there includes its wait for the launch before it: take the tables with ENGINE_PDL=0).
 On a CPU the timings are wall clock of the torch references (for a smoke run only).
+
+With --prompt-chunk N every measured step is a mixed step, as stall-free batching makes them: the B
+decode rows plus one N-token prompt chunk of another request, from position --context (the same
+positions each step: the timing, not the text, is measured). Mixed steps run eagerly (no CUDA graph),
+so gpu_ms is the eager forward between CUDA events and piped_ms - gpu_ms shows how far the host's
+launches fall behind the device:
+
+    python -m bench.profile_step --model-dir /tmp/llama2-7b --batch-sizes 1,64,200 --prompt-chunk 704
 """
 from __future__ import annotations
 
@@ -37,15 +46,19 @@ PREFILL_CHUNK_TOKENS = 8192
 
 
 class DecodeFixture:
-    """B requests prefilled to ``context`` tokens; ``next_step`` makes their next decode step."""
+    """B requests prefilled to ``context`` tokens; ``next_step`` makes their next decode step, with
+    ``prompt_chunk`` > 0 also a chunk of that many prompt tokens of one more request (prefilled to
+    ``context`` too), at positions ``context..context + prompt_chunk - 1`` every step."""
 
-    def __init__(self, worker: ModelWorker, batch_size: int, context: int, first_id: int):
+    def __init__(self, worker: ModelWorker, batch_size: int, context: int, first_id: int, prompt_chunk: int = 0):
         self.worker = worker
         self.allocator = SlotAllocator(worker.num_slots, worker.config.max_requests)
         self.ids = [first_id + i for i in range(batch_size)]
         self.positions = {}
+        self.chunk_row = None
+        prompter = first_id + batch_size
         rows = []
-        for request_id in self.ids:
+        for request_id in self.ids + ([prompter] if prompt_chunk else []):
             self.allocator.open_request(request_id)
             prompt = [(request_id * 7919 + j) % 1000 + 10 for j in range(context)]
             rows.append(StepRow(request_id, self.allocator.row(request_id), 0, prompt,
@@ -53,6 +66,10 @@ class DecodeFixture:
             self.positions[request_id] = context
         for chunk in _chunks(rows, PREFILL_CHUNK_TOKENS):
             worker.execute(Step(rows=chunk))
+        if prompt_chunk:
+            tokens = [(prompter * 31 + j) % 1000 + 10 for j in range(prompt_chunk)]
+            self.chunk_row = StepRow(prompter, self.allocator.row(prompter), context, tokens,
+                                     self.allocator.allocate(prompter, prompt_chunk), sample=False)
 
     def next_step(self) -> Step:
         rows = []
@@ -61,10 +78,10 @@ class DecodeFixture:
             rows.append(StepRow(request_id, self.allocator.row(request_id), pos, [FED_BACK],
                                 self.allocator.allocate(request_id, 1), sample=True))
             self.positions[request_id] = pos + 1
-        return Step(rows=rows)
+        return Step(rows=rows + ([self.chunk_row] if self.chunk_row is not None else []))
 
     def close(self) -> None:
-        self.worker.execute(Step(rows=[], released=self.ids))
+        self.worker.execute(Step(rows=[], released=list(self.positions)))
 
 
 def _chunks(rows: list[StepRow], max_tokens: int):
@@ -88,15 +105,41 @@ def _wall_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _device_ms(worker: ModelWorker, step: Step, repeats: int) -> float:
-    """The decode forward + logits on the device, inputs already in place."""
+def _forward_call(worker: ModelWorker, step: Step):
+    """What a step runs on the device, as a call: a decode step's graph replay (inputs put in place once),
+    else (a mixed step, or no graphs) the worker's eager forward with its inputs and logits."""
     decoder = worker.decoder
-    if decoder is None:                       # CPU: the eager forward, wall clock
-        batch = worker._forward_batch(step)
-        return _wall_ms(lambda: worker.model.compute_logits(worker.model.forward(batch, worker.kv_cache)), repeats)
+    if decoder is None or any(row.input_ids[0] != FED_BACK for row in step.rows):
+        return lambda: worker._forward(step, [])
     size = next(b for b in decoder.buckets if b >= len(step.rows))
     decoder.run(step)                         # fills the inputs and the table
-    run = decoder.graphs[size][0].replay if size in decoder.graphs else (lambda: decoder._forward(size))
+    return decoder.graphs[size][0].replay if size in decoder.graphs else (lambda: decoder._forward(size))
+
+
+def _device_ms(worker: ModelWorker, step: Step, repeats: int) -> float:
+    """The forward + logits on the device (CUDA events around ``repeats`` calls in a row: an eager step whose
+    launches take longer than its kernels shows the launches' time), wall clock on a CPU."""
+    run = _forward_call(worker, step)
+    return _events_ms(run, repeats) if worker.device.type == "cuda" else _wall_ms(run, repeats)
+
+
+def _launch_ms(worker: ModelWorker, step: Step, repeats: int) -> float:
+    """Host ms to issue one forward (inputs, launches) with the device idle, not waiting for it to finish."""
+    run = _forward_call(worker, step)
+    times = []
+    for _ in range(repeats):
+        if worker.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1e3)
+    if worker.device.type == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _events_ms(run, repeats: int) -> float:
+    """Device ms per call of ``run``, between CUDA events around ``repeats`` calls in a row."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -135,8 +178,9 @@ def _kernel_table(worker: ModelWorker, step: Step, path: Path) -> None:
     path.write_text(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70))
 
 
-def profile_batch(worker: ModelWorker, batch_size: int, context: int, repeats: int, table_dir: Path | None) -> dict:
-    fixture = DecodeFixture(worker, batch_size, context, first_id=batch_size * 100_000)
+def profile_batch(worker: ModelWorker, batch_size: int, context: int, repeats: int, table_dir: Path | None,
+                  prompt_chunk: int = 0) -> dict:
+    fixture = DecodeFixture(worker, batch_size, context, first_id=batch_size * 100_000, prompt_chunk=prompt_chunk)
     try:
         for _ in range(3):
             worker.execute(fixture.next_step())            # warm-up
@@ -145,17 +189,26 @@ def profile_batch(worker: ModelWorker, batch_size: int, context: int, repeats: i
         piped_ms = _pipelined_ms(worker, fixture, repeats)
         step = fixture.next_step()
         gpu_ms = _device_ms(worker, step, repeats)
+        launch_ms = _launch_ms(worker, step, repeats)
         logits = worker.model.compute_logits(worker.model.forward(worker._forward_batch(step), worker.kv_cache))
-        states = [worker._sampling[r.request_id] for r in step.rows]
+        states = [worker._sampling[r.request_id] for r in step.rows if r.sample]
         sample_ms = _wall_ms(lambda: worker.sampler(logits, states), repeats)
         if table_dir is not None:
             _kernel_table(worker, step, table_dir / f"kernels_b{batch_size}.txt")
     finally:
         fixture.close()
-    return {"batch_size": batch_size, "gpu_ms": round(gpu_ms, 3), "step_ms": round(step_ms, 3),
+    return {"batch_size": batch_size, "prompt_chunk": prompt_chunk, "gpu_ms": round(gpu_ms, 3),
+            "step_ms": round(step_ms, 3),
             "piped_ms": round(piped_ms, 3),
-            "sample_ms": round(sample_ms, 3), "host_ms": round(step_ms - gpu_ms, 3),
+            "sample_ms": round(sample_ms, 3), "host_ms": round(step_ms - gpu_ms, 3), "launch_ms": round(launch_ms, 3),
             "tokens_per_s": round(batch_size / piped_ms * 1e3, 1)}
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
+    return value
 
 
 def main(argv=None) -> list[dict]:
@@ -168,6 +221,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default: the device's)")
     parser.add_argument("--kv-cache-dtype", default=None, choices=sorted(KV_CACHE_DTYPES),
                         help="a quantized KV cache (the launcher's flag; default: the model's dtype)")
+    parser.add_argument("--prompt-chunk", type=_non_negative, default=0,
+                        help="prompt tokens of another request in every measured step (mixed steps, eager); "
+                             "default 0: decode steps")
     parser.add_argument("--table-dir", help="write torch.profiler kernel tables here")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
@@ -176,18 +232,23 @@ def main(argv=None) -> list[dict]:
     config = load_model_config(args.model_dir)
     worker = ModelWorker(WorkerConfig(
         model_dir=args.model_dir, dtype=resolve_dtype(args.dtype, config, device), device=device,
-        kernel_backend="triton" if device.type == "cuda" else "torch", max_requests=max(sizes),
-        max_seq_len=args.context + 4 * args.repeats + 64, cuda_graphs=None if args.cuda_graphs == "on" else (),
+        kernel_backend="triton" if device.type == "cuda" else "torch",
+        max_requests=max(sizes) + (1 if args.prompt_chunk else 0),
+        max_seq_len=args.context + max(4 * args.repeats, args.prompt_chunk) + 64,
+        cuda_graphs=None if args.cuda_graphs == "on" else (),
         kv_cache_dtype=args.kv_cache_dtype))
     table_dir = Path(args.table_dir) if args.table_dir else None
     if table_dir:
         table_dir.mkdir(parents=True, exist_ok=True)
-    results = [profile_batch(worker, b, args.context, args.repeats, table_dir) for b in sizes]
+    results = [profile_batch(worker, b, args.context, args.repeats, table_dir, args.prompt_chunk) for b in sizes]
+    if args.prompt_chunk:
+        print(f"\nmixed steps: each batch's decode rows plus a {args.prompt_chunk}-token prompt chunk from position "
+              f"{args.context} (eager)")
     print(f"\n{'batch':>6} {'gpu ms':>8} {'step ms':>8} {'piped ms':>9} {'sample ms':>10} {'host ms':>8} "
-          f"{'tokens/s (piped)':>17}")
+          f"{'launch ms':>10} {'tokens/s (piped)':>17}")
     for r in results:
         print(f"{r['batch_size']:6d} {r['gpu_ms']:8.3f} {r['step_ms']:8.3f} {r['piped_ms']:9.3f} "
-              f"{r['sample_ms']:10.3f} {r['host_ms']:8.3f} {r['tokens_per_s']:17.1f}")
+              f"{r['sample_ms']:10.3f} {r['host_ms']:8.3f} {r['launch_ms']:10.3f} {r['tokens_per_s']:17.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results

@@ -27,3 +27,35 @@ def test_profile_step_serves_the_kv_cache_dtype_it_is_given(monkeypatch):
                                  "--repeats", "1", "--kv-cache-dtype", "int8"])
     assert [r["batch_size"] for r in results] == [2]
     assert built[0].kv_dtype == torch.int8 and built[0].kv_cache.kv_buffer.dtype == torch.int8
+
+
+def test_mixed_steps_carry_the_prompt_chunk_beside_the_decode_rows(monkeypatch):
+    """--prompt-chunk: every measured step is the decode rows plus the other request's chunk, at the same
+    positions each time (after the prompts' own prefill, which goes first)."""
+    forwards = []
+    real = profile_step.ModelWorker
+
+    def build(config):
+        worker = real(config)
+        eager = worker._forward
+
+        def recording(step, results):
+            forwards.append([(len(r.input_ids), r.start_pos, r.sample) for r in step.rows])
+            return eager(step, results)
+        worker._forward = recording
+        return worker
+
+    monkeypatch.setattr(profile_step, "ModelWorker", build)
+    results = profile_step.main(["--model-dir", "weights/demo", "--batch-sizes", "2", "--context", "8",
+                                 "--repeats", "2", "--prompt-chunk", "5"])
+    assert results[0]["prompt_chunk"] == 5 and results[0]["launch_ms"] > 0 and results[0]["gpu_ms"] > 0
+    assert forwards[0] == [(8, 0, True)] * 3                          # the three prompts
+    measured = forwards[1:]
+    assert len(measured) > 10
+    assert all(rows[:2] == [(1, rows[0][1], True)] * 2 and rows[2] == (5, 8, False) for rows in measured)
+
+
+def test_a_negative_prompt_chunk_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        profile_step.main(["--model-dir", "weights/demo", "--prompt-chunk", "-1"])
+    assert exited.value.code == 2 and "--prompt-chunk: must be a whole number >= 0, got -1" in capsys.readouterr().err
