@@ -83,12 +83,14 @@ for stage in $stages; do
         --json "$OUT/shared_sweep.json" 2>&1 | tee "$OUT/shared_sweep.log" | tail -6
       rc=${PIPESTATUS[0]} ;;
     profile)
-      # PROFILE_TREES=".baseline ." profiles each tree in turn (device and host time per decode step)
+      # PROFILE_TREES=".baseline ." profiles each tree in turn (device and host time per decode step);
+      # PROFILE_ARGS="--prompt-chunk 704" profiles the mixed steps of stall-free batching instead
       ensure_7b
       for tree in ${PROFILE_TREES:-.}; do
         tag=$(basename "$(realpath "$tree")"); mkdir -p "$OUT/$tag"
         (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 -m bench.profile_step --model-dir "$MODEL_7B" \
-          --batch-sizes "${PROFILE_BATCHES:-1,32,128,256}" --table-dir "$OUT/$tag" --json "$OUT/profile_$tag.json" 2>&1 \
+          --batch-sizes "${PROFILE_BATCHES:-1,32,128,256}" ${PROFILE_ARGS:-} --table-dir "$OUT/$tag" \
+          --json "$OUT/profile_$tag.json" 2>&1 \
           | tee "$OUT/profile_$tag.log" | grep -v -E "it/s|s/it" | tail -8)
         rc=$?
       done ;;
