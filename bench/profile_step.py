@@ -190,7 +190,7 @@ def profile_batch(worker: ModelWorker, batch_size: int, context: int, repeats: i
         step = fixture.next_step()
         gpu_ms = _device_ms(worker, step, repeats)
         launch_ms = _launch_ms(worker, step, repeats)
-        logits = worker.model.compute_logits(worker.model.forward(worker._forward_batch(step), worker.kv_cache))
+        _, logits, _ = worker._forward(step, [])           # the sampled rows' logits, as a step's sampler gets them
         states = [worker._sampling[r.request_id] for r in step.rows if r.sample]
         sample_ms = _wall_ms(lambda: worker.sampler(logits, states), repeats)
         if table_dir is not None:

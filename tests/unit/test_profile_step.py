@@ -32,7 +32,7 @@ def test_profile_step_serves_the_kv_cache_dtype_it_is_given(monkeypatch):
 def test_mixed_steps_carry_the_prompt_chunk_beside_the_decode_rows(monkeypatch):
     """--prompt-chunk: every measured step is the decode rows plus the other request's chunk, at the same
     positions each time (after the prompts' own prefill, which goes first)."""
-    forwards = []
+    forwards, sampled = [], []
     real = profile_step.ModelWorker
 
     def build(config):
@@ -43,6 +43,9 @@ def test_mixed_steps_carry_the_prompt_chunk_beside_the_decode_rows(monkeypatch):
             forwards.append([(len(r.input_ids), r.start_pos, r.sample) for r in step.rows])
             return eager(step, results)
         worker._forward = recording
+        launch = worker.sampler.launch
+        worker.sampler.launch = lambda logits, rows, **kw: sampled.append((logits.shape[0], len(rows))) or launch(
+            logits, rows, **kw)
         return worker
 
     monkeypatch.setattr(profile_step, "ModelWorker", build)
@@ -53,6 +56,7 @@ def test_mixed_steps_carry_the_prompt_chunk_beside_the_decode_rows(monkeypatch):
     measured = forwards[1:]
     assert len(measured) > 10
     assert all(rows[:2] == [(1, rows[0][1], True)] * 2 and rows[2] == (5, 8, False) for rows in measured)
+    assert sampled[0] == (3, 3) and all(pair == (2, 2) for pair in sampled[1:])   # the prompts, then 2 rows each
 
 
 def test_a_negative_prompt_chunk_is_a_usage_error(capsys):
