@@ -54,11 +54,12 @@ class TritonOps(KernelOps):
         rotary.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales, head_norms)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
-                          max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None):
-        """``mods``: the layer's sliding window / soft-cap / ALiBi (``kernels.score_mods.ScoreMods``)."""
+                          max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None, out=None):
+        """``mods``: the layer's sliding window / soft-cap / ALiBi (``kernels.score_mods.ScoreMods``); ``out``: write
+        the result there (a piecewise graph's static buffer) rather than into a new tensor."""
         return prefill_attention.prefill_attention(q, kv.data, req_to_token, req_rows, q_start, q_len, seq_len,
                                                    sm_scale, max_q_len, shared=shared, max_seq_len=max_seq_len,
-                                                   mods=mods, kv_scales=kv.scales)
+                                                   mods=mods, kv_scales=kv.scales, out=out)
 
     def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None, mods=None):
         """``shared``: a prefix several rows share (``ForwardBatch.shared_prefix``), attended to once for them."""
@@ -121,9 +122,10 @@ class TorchOps(KernelOps):
         rotary.rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales, head_norms)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
-                          max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None):
+                          max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None, out=None):
         return prefill_attention.prefill_attention_ref(q, kv.data, req_to_token, req_rows, q_start, q_len,
-                                                       seq_len, sm_scale, max_q_len, mods=mods, kv_scales=kv.scales)
+                                                       seq_len, sm_scale, max_q_len, mods=mods, kv_scales=kv.scales,
+                                                       out=out)
 
     def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None, mods=None):
         return decode_attention.decode_attention_ref(q, kv.data, req_to_token, req_rows, seq_len, sm_scale,

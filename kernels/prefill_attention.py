@@ -64,6 +64,7 @@ from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 from .decode_attention import _decode_merge_kernel
 from .score_mods import ScoreMods
+from .skinny_gemm import device_sms
 
 
 # One compiled kernel for every split count (the worker's warm-up compiles each variant once, so none
@@ -299,7 +300,7 @@ def default_splits(batch: int, q_heads: int, kv_heads: int, max_q_len: int, max_
         return 1
     heads, tokens = tile_shape(params, q_heads // kv_heads)
     programs = batch * (q_heads // heads) * triton.cdiv(max_q_len, tokens)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = device_sms(device)
     wanted = min(MAX_SPLITS, triton.cdiv(2 * sms, programs), max_seq_len // MIN_SPLIT_KEYS)
     return triton.next_power_of_2(wanted) if wanted > 1 else 1     # powers of two: few compiled variants
 
@@ -309,8 +310,9 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: tor
                       b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int,
                       shared: tuple[torch.Tensor, torch.Tensor] | None = None,
                       max_seq_len: int | None = None, mods: ScoreMods | None = None,
-                      kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [T, Hq, D] contiguous, q's dtype.
+                      kv_scales: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [T, Hq, D] contiguous, q's dtype (``out``: that tensor,
+    written in place).
 
     ``shared``: ``(b_prefix_len [B] int32, source [2] int32)``, a prefix that several requests
     share (see the module's docstring); ``max_seq_len``: the host's max of ``b_seq_len``, which
@@ -319,6 +321,7 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: tor
     ALiBi the shared prefix is not used (its kernel knows no row positions). ``kv_scales``: a quantized
     cache's scales (``kernels._kv_quant``)."""
     _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, max_q_len, kv_scales)
+    check_out(out, q)
     score_mods.check(mods, q.shape[1], q.device)
     if mods is not None and mods.needs_positions:
         shared = None
@@ -330,17 +333,28 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: tor
     splits = default_splits(b_req_row.shape[0], q.shape[1], kv_layer.shape[1] // 2, max_q_len, max_seq_len, params,
                             q.device)
     return launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale, max_q_len,
-                  params, splits, shared, mods, kv_scales)
+                  params, splits, shared, mods, kv_scales, out)
+
+
+def check_out(out: torch.Tensor | None, q: torch.Tensor) -> None:
+    """An ``out`` given to the attention: q's shape, dtype and device, contiguous."""
+    if out is None:
+        return
+    check_tensor("out", out, 3, dtypes=(q.dtype,), device=q.device)
+    check_shape("out", out, tuple(q.shape))
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {out.stride()}")
 
 
 def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale: float, max_q_len: int,
            params: PrefillLaunch, splits: int = 1, shared=None, mods: ScoreMods | None = None,
-           kv_scales=None) -> torch.Tensor:
+           kv_scales=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernels with explicit launch parameters (``prefill_attention`` picks them; benchmarks sweep them)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     batch = b_req_row.shape[0]
-    out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0 or batch == 0 or max_q_len == 0:
         return out
     scale_log2 = float(sm_scale) * math.log2(math.e)
@@ -405,12 +419,14 @@ def prefill_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token:
                           b_req_row: torch.Tensor, b_q_start: torch.Tensor, b_q_len: torch.Tensor,
                           b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int, shared=None,
                           max_seq_len: int | None = None, mods: ScoreMods | None = None,
-                          kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                          kv_scales: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Every new token over all the positions it sees (``shared`` and ``max_seq_len`` change only how the
     kernel walks them), the scores modified by ``mods`` (``score_mods.apply_ref``)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
-    out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    check_out(out, q)
+    if out is None:
+        out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
     for row, start, q_len, seq_len in zip(b_req_row.tolist(), b_q_start.tolist(), b_q_len.tolist(),
                                           b_seq_len.tolist()):
         slots = req_to_token[row, :seq_len].long()

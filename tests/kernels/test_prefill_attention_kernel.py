@@ -109,6 +109,34 @@ def test_prefill_attention_rejects_bad_arguments(device):
         prefill_attention(q, kv_layer, table, rows, starts, lens, seq_lens, scale, lens.max())
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_out_takes_the_result_in_place(device, splits):
+    """``out=``: a piecewise graph's static buffer (a slice of it) gets the result, rows past it untouched; the
+    reference writes it the same way."""
+    args = prefill_inputs([7, 1, 20], [40, 45, 0], 8, 2, HEAD_DIMS[-1], torch.float32, device)
+    q = args[0]
+    buffer = torch.full((q.shape[0] + 5, *q.shape[1:]), 7.0, dtype=q.dtype, device=q.device)
+    params = prefill_launch(q.shape[2], q.device, q.dtype)
+    result = launch(*args, params=params, splits=splits, out=buffer[: q.shape[0]])
+    assert result.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(buffer[: q.shape[0]], prefill_attention_ref(*args), atol=1e-4, rtol=1e-4)
+    assert (buffer[q.shape[0]:] == 7.0).all()
+    reference_buffer = torch.empty_like(buffer[: q.shape[0]])
+    assert prefill_attention_ref(*args, out=reference_buffer) is reference_buffer
+    torch.testing.assert_close(reference_buffer, buffer[: q.shape[0]], atol=1e-4, rtol=1e-4)
+
+
+def test_a_bad_out_is_refused(device):
+    args = prefill_inputs([3, 4], [0, 2], 4, 2, 16, torch.float16, device)
+    q = args[0]
+    with pytest.raises(ValueError, match=r"out has shape \(6, 4, 16\); expected \(7, 4, 16\)"):
+        prefill_attention(*args, out=torch.empty(6, 4, 16, dtype=q.dtype, device=q.device))
+    with pytest.raises(ValueError, match="out has dtype torch.float32"):
+        prefill_attention(*args, out=torch.empty(q.shape, dtype=torch.float32, device=q.device))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        prefill_attention(*args, out=torch.empty(4, 7, 16, dtype=q.dtype, device=q.device).transpose(0, 1))
+
+
 SHARED_PREFILL = {
     # new tokens, cached prefix per request, members, shared prefix length
     "chunks and decode rows behind one prefix": ([7, 1, 20, 3, 1], [40, 45, 31, 50, 12], [0, 1, 2, 3], 30),
