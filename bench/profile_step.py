@@ -19,8 +19,9 @@ On a CPU the timings are wall clock of the torch references (for a smoke run onl
 
 With --prompt-chunk N every measured step is a mixed step, as stall-free batching makes them: the B
 decode rows plus one N-token prompt chunk of another request, from position --context (the same
-positions each step: the timing, not the text, is measured). Mixed steps run eagerly (no CUDA graph),
-so gpu_ms is the eager forward between CUDA events and piped_ms - gpu_ms shows how far the host's
+positions each step: the timing, not the text, is measured). Mixed steps run through the piecewise CUDA
+graphs (``engine.worker.piecewise``: every layer but its attention replayed; eagerly with --cuda-graphs off or
+past the largest bucket), so gpu_ms is that forward between CUDA events and piped_ms - gpu_ms shows how far the host's
 launches fall behind the device:
 
     python -m bench.profile_step --model-dir /tmp/llama2-7b --batch-sizes 1,64,200 --prompt-chunk 704
@@ -107,7 +108,8 @@ def _wall_ms(fn, repeats: int) -> float:
 
 def _forward_call(worker: ModelWorker, step: Step):
     """What a step runs on the device, as a call: a decode step's graph replay (inputs put in place once),
-    else (a mixed step, or no graphs) the worker's eager forward with its inputs and logits."""
+    else (a mixed step, or no graphs) the worker's forward with its inputs and logits (``ModelWorker._forward``:
+    a mixed step's piecewise graphs)."""
     decoder = worker.decoder
     if decoder is None or any(row.input_ids[0] != FED_BACK for row in step.rows):
         return lambda: worker._forward(step, [])
@@ -222,7 +224,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--kv-cache-dtype", default=None, choices=sorted(KV_CACHE_DTYPES),
                         help="a quantized KV cache (the launcher's flag; default: the model's dtype)")
     parser.add_argument("--prompt-chunk", type=_non_negative, default=0,
-                        help="prompt tokens of another request in every measured step (mixed steps, eager); "
+                        help="prompt tokens of another request in every measured step (mixed steps); "
                              "default 0: decode steps")
     parser.add_argument("--table-dir", help="write torch.profiler kernel tables here")
     parser.add_argument("--json", help="also write the numbers to this file")
@@ -243,7 +245,7 @@ def main(argv=None) -> list[dict]:
     results = [profile_batch(worker, b, args.context, args.repeats, table_dir, args.prompt_chunk) for b in sizes]
     if args.prompt_chunk:
         print(f"\nmixed steps: each batch's decode rows plus a {args.prompt_chunk}-token prompt chunk from position "
-              f"{args.context} (eager)")
+              f"{args.context}")
     print(f"\n{'batch':>6} {'gpu ms':>8} {'step ms':>8} {'piped ms':>9} {'sample ms':>10} {'host ms':>8} "
           f"{'launch ms':>10} {'tokens/s (piped)':>17}")
     for r in results:

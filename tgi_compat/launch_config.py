@@ -110,8 +110,9 @@ class LaunchConfig:
     cuda_memory_fraction: float = _flag("fraction of the GPU memory this server may use (0 < x <= 1)", 1.0,
                                         above=0.0)
     cuda_graphs: tuple[int, ...] | None = _flag(
-        "comma-separated decode batch sizes captured as CUDA graphs, 0 disables them; default: the engine's "
-        "sizes (1,2,4,8,16,24,32,48,64,... up to the batch size)")
+        "comma-separated decode batch sizes captured as CUDA graphs, 0 disables them (and the piecewise graphs "
+        "of steps with prompt tokens); default: the engine's sizes (1,2,4,8,16,24,32,48,64,... up to the batch "
+        "size)")
     disable_custom_kernels: bool = _flag("run the torch reference ops instead of the Triton kernels", False)
     # ---- request limits ----
     max_concurrent_requests: int = _flag("requests served at once; more are answered 429 'Model is overloaded'",

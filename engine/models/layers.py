@@ -157,8 +157,11 @@ class Rotary:
         if not self.dynamic and not self.longrope:
             return self.table, batch.positions
         tokens = batch.positions.shape[0]
-        seq_len = batch.seq_len if batch.is_decode else torch.repeat_interleave(
-            batch.seq_len, batch.q_len, output_size=tokens)
+        if batch.token_seq_len is not None:
+            seq_len = batch.token_seq_len
+        else:
+            seq_len = batch.seq_len if batch.is_decode else torch.repeat_interleave(
+                batch.seq_len, batch.q_len, output_size=tokens)
         if self.longrope:
             long = seq_len > self.config.rope.original_max_position_embeddings
             return self.table, batch.positions + long.to(batch.positions.dtype) * self.max_positions
@@ -192,9 +195,9 @@ class Attention:
             out = ops.decode_attention(q, kv, req_to_token, batch.req_rows, batch.seq_len, self.sm_scale,
                                        shared=batch.shared_prefix, mods=self.mods)
         else:
-            out = ops.prefill_attention(q, kv, req_to_token, batch.req_rows, batch.q_start, batch.q_len,
-                                        batch.seq_len, self.sm_scale, batch.max_q_len, shared=batch.shared_prefix,
-                                        max_seq_len=batch.max_seq_len, mods=self.mods)
+            attend = batch.attention or ops.prefill_attention
+            out = attend(q, kv, req_to_token, batch.req_rows, batch.q_start, batch.q_len, batch.seq_len, self.sm_scale,
+                         batch.max_q_len, shared=batch.shared_prefix, max_seq_len=batch.max_seq_len, mods=self.mods)
         return self.o(ops, out.reshape(tokens, q_size))
 
     def head_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:

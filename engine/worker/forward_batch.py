@@ -9,8 +9,11 @@ in the KV cache (chunked prefill, decode).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
+
+from engine.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,40 @@ class ForwardBatch:
     # first P positions share their slots (kernels.shared_prefix, cascade attention)
     shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
     max_seq_len: int | None = None   # host copy of max(seq_len) where known (long contexts split their keys)
+    # [T] each token's row's seq_len, where a padded forward holds it (rotary scaling reads it; else it is
+    # formed from seq_len and q_len)
+    token_seq_len: torch.Tensor | None = None
+    # The layers' prefill attention, when not ``ops.prefill_attention``: piecewise CUDA graphs
+    # (``engine.worker.piecewise``) split their capture there and run it eagerly on the step's own rows. With
+    # it set, the per-row fields above are placeholders that nothing reads.
+    attention: Callable | None = None
+
+
+class RaggedInputs(NamedTuple):
+    """A step's rows as the host lists of a ``ForwardBatch`` (tokens row after row)."""
+    input_ids: list[int]      # [T]
+    positions: list[int]      # [T]
+    slots: list[int]          # [T]
+    token_rows: list[int]     # [T] the request row of each token (req_to_token writes)
+    req_rows: list[int]       # [B]
+    q_start: list[int]        # [B]
+    q_len: list[int]          # [B]
+    seq_len: list[int]        # [B]
+
+
+def ragged_inputs(rows) -> RaggedInputs:
+    inputs = RaggedInputs([], [], [], [], [], [], [], [])
+    for r in rows:
+        n = len(r.input_ids)
+        inputs.q_start.append(len(inputs.input_ids))
+        inputs.input_ids.extend(r.input_ids)
+        inputs.positions.extend(range(r.start_pos, r.start_pos + n))
+        inputs.slots.extend(r.slots)
+        inputs.token_rows.extend([r.row] * n)
+        inputs.req_rows.append(r.row)
+        inputs.q_len.append(n)
+        inputs.seq_len.append(r.start_pos + n)
+    return inputs
 
 
 SHARED_PREFIX_MIN_ROWS = 8    # smaller batches (and CUDA graph buckets) attend to every prefix per row
@@ -38,6 +75,15 @@ def shared_prefix_inputs(rows) -> tuple[list[int], list[int]]:
     lengths = [r.shared_prefix_len for r in rows]
     source = next((r for r in rows if r.shared_prefix_len), None)
     return lengths, ([source.row, source.shared_prefix_len] if source is not None else [0, 0])
+
+
+def shared_prefix_tensors(rows, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``ForwardBatch.shared_prefix`` of a step's rows (None below ``SHARED_PREFIX_MIN_ROWS`` rows or with no
+    shared prefix)."""
+    if len(rows) < SHARED_PREFIX_MIN_ROWS or not any(r.shared_prefix_len for r in rows):
+        return None
+    lengths, source = shared_prefix_inputs(rows)
+    return to_device(lengths, torch.int32, device), to_device(source, torch.int32, device)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,12 @@
 The worker keeps no request bookkeeping beyond what sampling needs (parameters, seed,
 token counts for penalties); the router owns slots and rows and tells it everything.
 
+On CUDA a step runs one of three ways: plain decode steps through the decoder's CUDA graphs
+(``cuda_graphs.PaddedDecoder``), verify steps through the verifier's, and any other step of up to
+``piecewise.PIECEWISE_BUCKETS[-1]`` tokens (prompt chunks, with or without decode rows) through the
+piecewise graphs, which run every layer's work from graphs but its attention
+(``piecewise.PiecewiseGraphs``). Larger steps, and every step on a CPU, run the ragged forward eagerly.
+
 Verify rows (``[FED_BACK, d1 .. dn]``, speculation) run as short prompt chunks through the
 prefill attention (causal among their own tokens), eagerly or through the verify CUDA graphs.
 Their logits at every position are sampled as n + 1 rows whose states assume the drafts before
@@ -46,8 +52,10 @@ from engine.sampling.sampler import RowSampling, Sampler
 from engine.sampling.watermark import WatermarkConfig
 from engine.transfer import start_to_host, to_device
 from engine.worker.cuda_graphs import HeadGraphs, PaddedDecoder, PaddedVerifier
-from engine.worker.forward_batch import SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs
+from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, ragged_inputs,
+                                        shared_prefix_tensors)
 from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
+from engine.worker.piecewise import PiecewiseGraphs
 from kernels.prefill_attention import MIN_SPLIT_KEYS
 from weights.checkpoint import open_checkpoint
 
@@ -140,6 +148,7 @@ class ModelWorker:
         self.decoder: PaddedDecoder | None = None      # the warm-up below runs eagerly
         self.verifier: PaddedVerifier | None = None    # verify steps' graphs (--speculate)
         self.head_graphs: HeadGraphs | None = None     # the Medusa heads' graphs
+        self.piecewise: PiecewiseGraphs | None = None  # steps with prompt tokens, but their attention, in graphs
         self._unfinished: LaunchedStep | None = None   # launched; its tokens not yet in the row states
         self._kept_all: dict[int, bool] = {}           # rank 0: per request, whether its row of the newest
                                                        # collected step kept every draft (chained rows)
@@ -159,11 +168,25 @@ class ModelWorker:
                 self.verifier = PaddedVerifier(self.model, self.ops, self.kv_cache, self.last_tokens,
                                                config.max_requests,
                                                config.speculate, use_graphs=capture)
+            self.piecewise = self._piecewise_graphs(capture)
             if self.draft_heads is not None:
                 self.head_graphs = HeadGraphs(self.draft_heads, self.ops, self.model_config.hidden_size,
                                               config.dtype, self.device, self.decoder.buckets, use_graphs=capture)
         if self.sampler.grammars is not None:
             self.sampler.grammars.wait_loaded()    # loaded beside the weights: ready before the first request
+
+    def _piecewise_graphs(self, capture: bool) -> PiecewiseGraphs | None:
+        """Steps of up to the prefill budget's tokens (at most ``PIECEWISE_BUCKETS[-1]``) padded and replayed
+        from graphs, but for their attention. If the memory the KV cache left cannot hold the captures, such
+        steps run eagerly, as before (one warning)."""
+        try:
+            return PiecewiseGraphs(self.model, self.ops, self.kv_cache, self.last_tokens, warmup_shape(self.config)[0],
+                                   use_graphs=capture)
+        except torch.cuda.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            log.warning("piecewise CUDA graphs not captured (%s): steps with prompt tokens run eagerly; a lower "
+                        "--cuda-memory-fraction leaves them room", str(e).splitlines()[0])
+            return None
 
     def _load_draft_heads(self) -> DraftHeads | None:
         cfg = self.config
@@ -343,8 +366,10 @@ class ModelWorker:
     def _forward(self, step: Step, results: list[RowResult]):
         """The eager forward of any step: (indices of the sampled rows, their logits, the final hidden
         states at the same positions)."""
-        batch = self._forward_batch(step)
-        hidden = self.model.forward(batch, self.kv_cache)
+        if self.piecewise is not None and self.piecewise.accepts(step):
+            hidden = self.piecewise.run(step)
+        else:
+            hidden = self.model.forward(self._forward_batch(step), self.kv_cache)
         offsets, offset = [], 0
         for r in step.rows:
             offsets.append(offset)
@@ -362,35 +387,20 @@ class ModelWorker:
         return sampled, self.model.compute_logits(hidden), hidden     # a collective: every rank computes
 
     def _forward_batch(self, step: Step) -> ForwardBatch:
-        ids, positions, slots, token_rows, q_start, q_len, seq_len = [], [], [], [], [], [], []
-        for r in step.rows:
-            n = len(r.input_ids)
-            q_start.append(len(ids))
-            ids.extend(r.input_ids)
-            positions.extend(range(r.start_pos, r.start_pos + n))
-            slots.extend(r.slots)
-            token_rows.extend([r.row] * n)
-            q_len.append(n)
-            seq_len.append(r.start_pos + n)
-        dev = self.device
-        positions_t = to_device(positions, torch.int64, dev)
-        slots_t = to_device(slots, torch.int64, dev)
-        token_rows_t = to_device(token_rows, torch.int64, dev)
+        x, dev = ragged_inputs(step.rows), self.device
+        positions_t = to_device(x.positions, torch.int64, dev)
+        slots_t = to_device(x.slots, torch.int64, dev)
+        token_rows_t = to_device(x.token_rows, torch.int64, dev)
         self.kv_cache.write_table(token_rows_t, positions_t, slots_t)
-        ids_t = to_device(ids, torch.int64, dev)
-        if FED_BACK in ids:
+        ids_t = to_device(x.input_ids, torch.int64, dev)
+        if FED_BACK in x.input_ids:
             ids_t = torch.where(ids_t == FED_BACK, self.last_tokens[token_rows_t], ids_t)
-        is_decode = max(q_len) == 1
-        shared = None
-        if len(step.rows) >= SHARED_PREFIX_MIN_ROWS and any(r.shared_prefix_len for r in step.rows):
-            lengths, source = shared_prefix_inputs(step.rows)
-            shared = (to_device(lengths, torch.int32, dev), to_device(source, torch.int32, dev))
         return ForwardBatch(
             input_ids=ids_t, positions=positions_t, out_slots=slots_t,
-            req_rows=to_device([r.row for r in step.rows], torch.int32, dev),
-            q_start=to_device(q_start, torch.int32, dev),
-            q_len=to_device(q_len, torch.int32, dev), seq_len=to_device(seq_len, torch.int32, dev),
-            max_q_len=max(q_len), is_decode=is_decode, shared_prefix=shared, max_seq_len=max(seq_len),
+            req_rows=to_device(x.req_rows, torch.int32, dev), q_start=to_device(x.q_start, torch.int32, dev),
+            q_len=to_device(x.q_len, torch.int32, dev), seq_len=to_device(x.seq_len, torch.int32, dev),
+            max_q_len=max(x.q_len), is_decode=max(x.q_len) == 1, shared_prefix=shared_prefix_tensors(step.rows, dev),
+            max_seq_len=max(x.seq_len),
         )
 
     def _decode_with_graphs(self, step: Step, graphs):
