@@ -364,8 +364,9 @@ class ModelWorker:
         return state
 
     def _forward(self, step: Step, results: list[RowResult]):
-        """The eager forward of any step: (indices of the sampled rows, their logits, the final hidden
-        states at the same positions)."""
+        """The forward of a step the decode and verify graphs do not take (through the piecewise graphs where
+        they take it, else eagerly): (indices of the sampled rows, their logits, the final hidden states at the
+        same positions)."""
         if self.piecewise is not None and self.piecewise.accepts(step):
             hidden = self.piecewise.run(step)
         else:

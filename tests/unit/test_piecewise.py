@@ -59,3 +59,19 @@ def test_every_per_row_input_of_the_attention_starts_16_byte_aligned(rows):
     assert inputs.req_rows.tolist() == list(range(rows)) and inputs.q_len.tolist() == [i + 1 for i in range(rows)]
     assert inputs.seq_len.tolist() == [i + 4 for i in range(rows)] and inputs.q_start.tolist() == x.q_start
     assert (inputs.max_q_len, inputs.max_seq_len, inputs.tokens) == (rows, rows + 3, len(x.input_ids))
+
+
+def test_captures_that_do_not_fit_leave_the_steps_eager_with_one_warning(tmp_path, monkeypatch, caplog):
+    from engine.worker import model_worker
+
+    worker = new_worker(save_tiny_model("llama", tmp_path / "llama"), "torch")
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(model_worker, "PiecewiseGraphs", out_of_memory)
+    with caplog.at_level("WARNING", logger=model_worker.__name__):
+        assert worker._piecewise_graphs(capture=True) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "piecewise CUDA graphs not captured (CUDA out of memory. Tried to allocate 2.00 GiB): steps with prompt "
+        "tokens run eagerly; a lower --cuda-memory-fraction leaves them room"]
