@@ -24,7 +24,9 @@ A step's time, from the model's shapes (``weights.random_checkpoint``'s config) 
   max(weights / 3.0 TB/s + 0.2 ms                          a decode step's weight reads and launches
       + per decode row: 10 us + its context's KV / 2.6 TB/s
       + per prompt chunk of n tokens from position p: n * tau * (1 + (p + n/2) / attention_span),
-      25 ms if the step has a prompt chunk)                the eager forward's launches (stop 37's note)
+      8 ms if the step has a prompt chunk)                 the piecewise graphs' launches (stop 44), or
+                                                           25 ms: the eager forward's (stop 37's note), in a
+                                                           tree without them or past 2,048 tokens
 
 with tau = 2 * (a token's weights) / 560 TFLOP/s (Llama-3.1-8B: 25 us, which gives the 1.63 s of one
 32,000-token prompt measured on the H100) and attention_span, the scheduler's own
@@ -40,6 +42,7 @@ replayed at 8.6 s / 55 ms and measured 11.5 s / 74 ms. On the 512-request load i
 1.4 s (all 512 at 0 s: the shortest prompts fill the first wave) and measured 8.7-8.8 s; the HTTP burst
 arrives over about a second (``--spread 1`` replays 7.3 s). Nor does the replay show what more,
 smaller prompt steps cost there: 6,781 against 6,773 tokens/s replayed, -2.9% measured.
+Stop 44: the piecewise floor is the graphs' measured launch; no HTTP run has been replayed against it yet.
 """
 from __future__ import annotations
 
@@ -59,6 +62,10 @@ MATMUL_FLOPS = 560e12
 STEP_OVERHEAD_S = 0.2e-3
 ROW_S = 10e-6
 EAGER_STEP_S = 25e-3
+# Steps of up to PIECEWISE_TOKENS tokens replay the piecewise CUDA graphs (engine.worker.piecewise): their launch
+# took 6.5-9.7 ms on the H100 host (stop 44: a 704-token chunk beside 1-200 decode rows, Llama-3.1-8B)
+PIECEWISE_STEP_S = 8e-3
+PIECEWISE_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -76,16 +83,20 @@ class StepModel:
     weights_s: float            # a decode step's weight reads + launches
     kv_s_per_token: float       # s per context token a decode row reads
 
-    def step_s(self, rows, fed_back: int) -> float:
-        gpu, prompt = self.weights_s, False
+    def step_s(self, rows, fed_back: int, piecewise: bool = True) -> float:
+        """``piecewise``: steps with prompt tokens launch through the piecewise graphs (trees since stop 44)."""
+        gpu, prompt, tokens = self.weights_s, False, 0
         for r in rows:
             n = len(r.input_ids)
+            tokens += n
             if r.input_ids[0] == fed_back:
                 gpu += ROW_S + self.kv_s_per_token * (r.start_pos + 1)
             else:
                 prompt = True
                 gpu += self.tau * n * (1 + (r.start_pos + n / 2) / self.attention_span)
-        return max(gpu, EAGER_STEP_S if prompt else 0.0)
+        if not prompt:
+            return gpu
+        return max(gpu, PIECEWISE_STEP_S if piecewise and tokens <= PIECEWISE_TOKENS else EAGER_STEP_S)
 
 
 def step_model(config_name: str) -> tuple[StepModel, int, int]:
@@ -162,6 +173,8 @@ def replay(load: Load, stall_free_tokens: int | None, max_prefill_tokens: int) -
     from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, StepResult
     from engine.router.allocator import SlotAllocator
     from engine.router.scheduler import Request, Scheduler, SchedulerConfig
+    import importlib.util
+    piecewise = importlib.util.find_spec("engine.worker.piecewise") is not None    # the tree's own worker
     model, span, kv_weight_tokens = step_model(load.config)
     config = SchedulerConfig(max_prefill_tokens=max_prefill_tokens, stall_free_tokens=stall_free_tokens,
                              attention_span=span, kv_weight_tokens=kv_weight_tokens, max_seq_len=load.max_seq_len)
@@ -177,7 +190,7 @@ def replay(load: Load, stall_free_tokens: int | None, max_prefill_tokens: int) -
             now = pending[0][0]
             continue
         step = scheduler.schedule()
-        now += model.step_s(step.rows, FED_BACK)
+        now += model.step_s(step.rows, FED_BACK, piecewise)
         steps += 1
         scheduler.process(step, StepResult([RowResult(r.request_id, token_id=7 if r.sample else None, logprob=-1.0)
                                             for r in step.rows]))

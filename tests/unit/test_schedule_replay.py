@@ -4,7 +4,9 @@ import json
 import pytest
 
 from bench import schedule_replay
-from bench.schedule_replay import EAGER_STEP_S, ROW_S, Load, arrivals_from_log, replay, step_model
+from bench.schedule_replay import (EAGER_STEP_S, PIECEWISE_STEP_S, ROW_S, Load, arrivals_from_log, replay,
+                                   step_model)
+from engine.protocol.messages import FED_BACK, StepRow
 
 
 def test_a_lone_prompt_and_its_decode_steps_take_the_modelled_times():
@@ -14,11 +16,22 @@ def test_a_lone_prompt_and_its_decode_steps_take_the_modelled_times():
     prompt = list(range(100, 1100))
     result = replay(Load("llama-2-7b", 4000, 2048, [(0.0, prompt, 3)]), stall_free_tokens=None,
                     max_prefill_tokens=4096)
-    prefill = max(model.weights_s + model.tau * 1000 * (1 + 500 / span), EAGER_STEP_S)
+    prefill = max(model.weights_s + model.tau * 1000 * (1 + 500 / span), PIECEWISE_STEP_S)
     assert result["ttft_s"]["p50"] == pytest.approx(prefill)
     decode = [model.weights_s + ROW_S + model.kv_s_per_token * (position + 1) for position in (1000, 1001)]
     assert result["itl_s"]["p50"] == pytest.approx(sum(decode) / 2)    # two gaps: their mean is the median
     assert result["steps"] == 3 and result["seconds"] == pytest.approx(prefill + sum(decode))
+
+
+def test_a_step_with_prompt_tokens_takes_at_least_its_launches():
+    """Through the piecewise graphs (a tree with ``engine.worker.piecewise``) or eagerly (a tree without); a
+    decode step replays its graph: no floor."""
+    model, _, _ = step_model("llama-2-7b")
+    chunk = StepRow(1, 0, 0, [5] * 16, list(range(16)), sample=True)
+    decode = StepRow(2, 1, 10, [FED_BACK], [99], sample=True)
+    assert model.step_s([chunk, decode], FED_BACK) == PIECEWISE_STEP_S
+    assert model.step_s([chunk, decode], FED_BACK, piecewise=False) == EAGER_STEP_S
+    assert model.step_s([decode], FED_BACK) == pytest.approx(model.weights_s + ROW_S + model.kv_s_per_token * 11)
 
 
 def test_arrivals_come_from_the_validated_lines_of_the_burst():
