@@ -141,11 +141,12 @@ def _prefill_attention_kernel(
         m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, seen_by_all, table_row, k_base, v_base, stride_kv_slot,
                                      d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2,
                                      alibi_log2, True, SOFTCAP, ALIBI, k_scale_base, v_scale_base,
-                                     stride_scale_slot, KV_SCALES)
+                                     stride_scale_slot, KV_SCALES, PREFETCH=True)
         lo = seen_by_all
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, hi, table_row, k_base, v_base, stride_kv_slot, d_mask,
                                  scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2, alibi_log2,
-                                 False, SOFTCAP, ALIBI, k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES)
+                                 False, SOFTCAP, ALIBI, k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES,
+                                 PREFETCH=True)
     if split == num_splits - 1:
         m_i, l_i, acc = _attend_diagonal(q, m_i, l_i, acc, diag_start, key_end, q_pos, table_row, k_base,
                                          v_base, stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP,
@@ -254,14 +255,15 @@ class PrefillLaunch(NamedTuple):
 # CUDA launches by head dim (rounded up to a power of two, at least 64; above 256 takes 256's). The
 # group does not enter: a tile's rows split into tokens x heads (tile_shape) and each K/V block serves
 # every row whatever the split, so one row count fits every group.
-# - 128 (Llama, Mistral, Qwen2): timed by bench.prefill_attention_bench on one H100 (bf16, Llama-3.1-8B
-#   heads): 128 rows, 64 keys, 4 warps, 2 stages was the best of 20 configs for the 32k-token prompt
-#   (343 TFLOP/s against 256 for the old 64-row tile) and for 2048-token chunks at 32k and 100k keys,
-#   although ptxas reports it spilling (8 warps do not spill but were slower in the same sweep).
+# - 128 (Llama, Mistral, Qwen2): 128 rows, 128 keys, 8 warps, 3 stages, with each block's slots loaded a block
+#   ahead (``attend_range``'s PREFETCH). One H200, bf16, Llama-3.1-8B heads, the 32k-token prompt: the launch
+#   before it (128 rows, 64 keys, 4 warps, 2 stages, no prefetch: the best of 20 configs in an earlier sweep on
+#   an H100, 343 TFLOP/s there) ran 326 TFLOP/s; 128 keys over 8 warps, 3 stages, 358 without the prefetch
+#   (a probe outside the repository). 4 stages does not fit in shared memory with the prefetch.
 #   float32 (IEEE dots: the parity tests) runs 64 rows: 128 made the GPU parity tests too slow to finish.
 # - 64 and 256: not timed yet; from ptxas's report for sm_90a (no spill: 8 warps, 64 / 32 keys a step;
 #   float32 smaller tiles).
-CUDA_LAUNCHES = {64: PrefillLaunch(128, 64, 8, 2), 128: PrefillLaunch(128, 64, 4, 2),
+CUDA_LAUNCHES = {64: PrefillLaunch(128, 64, 8, 2), 128: PrefillLaunch(128, 128, 8, 3),
                  256: PrefillLaunch(128, 32, 8, 2)}
 CUDA_LAUNCHES_FP32 = {64: PrefillLaunch(32, 32, 8, 1), 128: PrefillLaunch(64, 64, 4, 2),
                       256: PrefillLaunch(16, 16, 8, 1)}
