@@ -22,7 +22,7 @@ splits of its best). It prints the default's and the best few configs' TFLOP/s, 
 shape's best output against the default's, and ends with the config best over every swept
 shape (geometric mean of its time over the shape's best): the candidate for
 ``kernels.prefill_attention.CUDA_LAUNCHES``. A default run should take 2-3 minutes on one H100
-(an estimate, most of it compiling the 27 configs). CUDA only; none of it runs in CI (the
+(an estimate, most of it compiling the 36 configs). CUDA only; none of it runs in CI (the
 kernel's tests do).
 """
 from __future__ import annotations
@@ -75,9 +75,12 @@ def time_ms(fn, reps: int) -> float:
 
 def sweep_configs() -> list[PrefillLaunch]:
     """BLOCK_M 64/128 rows x BLOCK_N 32/64/128 x warps 4/8 x stages 2/3/4, less 64 rows over 8 warps
-    (64 rows are one warpgroup's MMA; left out to keep a run near 2-3 minutes, most of it compiling)."""
-    return [PrefillLaunch(*c) for c in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
-            if not (c[0] == 64 and c[2] == 8)]
+    (64 rows are one warpgroup's MMA; left out to keep a run near 2-3 minutes, most of it compiling), then
+    the 128-row 8-warp ones again with each block's slots loaded a block ahead (``prefetch``; over 4 warps
+    it ran at half speed in stop 45's probe)."""
+    plain = [PrefillLaunch(*c) for c in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+             if not (c[0] == 64 and c[2] == 8)]
+    return plain + [c._replace(prefetch=True) for c in plain if c.block_m == 128 and c.num_warps == 8]
 
 
 def time_configs(inputs: tuple, configs, reps: int, splits: int = 1) -> dict:

@@ -83,7 +83,7 @@ def _prefill_attention_kernel(
     b_first_ptr, mid_out_ptr, mid_lse_ptr, stride_mid_token, stride_mid_head, stride_lse_token, stride_lse_head,
     split_out_ptr, split_lse_ptr, stride_split_token, stride_split_head, stride_split_split, stride_slse_token,
     stride_slse_head, num_splits,
-    TOKENS: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOKENS: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr, SPLIT: tl.constexpr,
     window, softcap_log2, alibi_ptr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
@@ -141,12 +141,12 @@ def _prefill_attention_kernel(
         m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, seen_by_all, table_row, k_base, v_base, stride_kv_slot,
                                      d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2,
                                      alibi_log2, True, SOFTCAP, ALIBI, k_scale_base, v_scale_base,
-                                     stride_scale_slot, KV_SCALES, PREFETCH=True)
+                                     stride_scale_slot, KV_SCALES, PREFETCH)
         lo = seen_by_all
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, hi, table_row, k_base, v_base, stride_kv_slot, d_mask,
                                  scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2, alibi_log2,
                                  False, SOFTCAP, ALIBI, k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES,
-                                 PREFETCH=True)
+                                 PREFETCH)
     if split == num_splits - 1:
         m_i, l_i, acc = _attend_diagonal(q, m_i, l_i, acc, diag_start, key_end, q_pos, table_row, k_base,
                                          v_base, stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP,
@@ -250,24 +250,32 @@ class PrefillLaunch(NamedTuple):
     block_n: int        # key positions per step of its walk
     num_warps: int
     num_stages: int
+    prefetch: bool = False  # each full key block's slots loaded a block ahead (``attend_range``'s PREFETCH)
 
 
-# CUDA launches by head dim (rounded up to a power of two, at least 64; above 256 takes 256's). The
-# group does not enter: a tile's rows split into tokens x heads (tile_shape) and each K/V block serves
-# every row whatever the split, so one row count fits every group.
+# CUDA launches by head dim (rounded up to a power of two, at least 64; above 256 takes 256's). With GQA
+# the group size does not enter: a tile's rows split into tokens x heads (tile_shape) and each K/V block
+# serves every row whatever the split, so one row count fits every group.
 # - 128 (Llama, Mistral, Qwen2): 128 rows, 128 keys, 8 warps, 3 stages, with each block's slots loaded a block
 #   ahead (``attend_range``'s PREFETCH). One H200, bf16, Llama-3.1-8B heads, the 32k-token prompt: the launch
 #   before it (128 rows, 64 keys, 4 warps, 2 stages, no prefetch: the best of 20 configs in an earlier sweep on
 #   an H100, 343 TFLOP/s there) ran 326 TFLOP/s; 128 keys over 8 warps, 3 stages, 358 without the prefetch
-#   (a probe outside the repository). 4 stages does not fit in shared memory with the prefetch.
+#   (a probe outside the repository); this launch, in bench.prefill_attention_bench against the one before in
+#   the same run: whole 32k 326 -> 388 TFLOP/s, 100k 325 -> 382, 2,048-token chunks at 32k / 100k keys
+#   241 -> 338 / 298 -> 431, whole 4k 226 -> 220. 4 stages do not fit in shared memory with the prefetch.
 #   float32 (IEEE dots: the parity tests) runs 64 rows: 128 made the GPU parity tests too slow to finish.
 # - 64 and 256: not timed yet; from ptxas's report for sm_90a (no spill: 8 warps, 64 / 32 keys a step;
 #   float32 smaller tiles).
-CUDA_LAUNCHES = {64: PrefillLaunch(128, 64, 8, 2), 128: PrefillLaunch(128, 128, 8, 3),
+CUDA_LAUNCHES = {64: PrefillLaunch(128, 64, 8, 2), 128: PrefillLaunch(128, 128, 8, 3, prefetch=True),
                  256: PrefillLaunch(128, 32, 8, 2)}
+# Without GQA (group 1: Llama-2-7B) a tile's rows are all tokens, and the one-token decode rows of a mixed step
+# would waste most of 128 of them: 64 rows, with the launches these had before stop 45. The GQA launch above
+# with 64 rows cut the 512-request load on Llama-2-7B from 7,069 to 6,065 output tokens/s (one H200, HTTP).
+CUDA_LAUNCHES_NO_GQA = {64: PrefillLaunch(64, 64, 8, 2), 128: PrefillLaunch(64, 64, 4, 2),
+                        256: PrefillLaunch(64, 32, 8, 2)}
 CUDA_LAUNCHES_FP32 = {64: PrefillLaunch(32, 32, 8, 1), 128: PrefillLaunch(64, 64, 4, 2),
                       256: PrefillLaunch(16, 16, 8, 1)}
-CPU_LAUNCH = PrefillLaunch(32, 32, 4, 1)     # the interpreter: small tiles keep the tests fast
+CPU_LAUNCH = PrefillLaunch(32, 32, 4, 1, prefetch=True)   # the interpreter: small tiles keep the tests fast
 MAX_SPLITS = 32         # a multiple of 16 (the split lse rows' width: ``launch``)
 MIN_SPLIT_KEYS = 1024   # a split walks at least this many keys (its partial result costs a merge)
 MERGE_BLOCK_S = triton.next_power_of_2(MAX_SPLITS)   # one merge kernel for every split count
@@ -275,14 +283,15 @@ MERGE_BLOCK_S = triton.next_power_of_2(MAX_SPLITS)   # one merge kernel for ever
 
 def prefill_launch(head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                    group: int = 4) -> PrefillLaunch:
-    """The launch parameters ``prefill_attention`` uses for this head dim on ``device`` (the tables above).
-    Without GQA (``group`` 1) a tile's rows are all tokens, and the one-token decode rows of a mixed
-    step would waste most of 128 of them: at most 64, the launch this kernel had before GQA tiles."""
+    """The launch parameters ``prefill_attention`` uses for this head dim on ``device`` (the tables above):
+    ``CUDA_LAUNCHES_NO_GQA`` without GQA (``group`` 1) in bfloat16 / float16, float32 at most 64 rows then."""
     if device.type != "cuda":
         return CPU_LAUNCH
-    table = CUDA_LAUNCHES_FP32 if dtype == torch.float32 else CUDA_LAUNCHES
-    params = table[min(256, max(64, triton.next_power_of_2(head_dim)))]
-    return params._replace(block_m=min(params.block_m, 64)) if group == 1 else params
+    key = min(256, max(64, triton.next_power_of_2(head_dim)))
+    if dtype == torch.float32:
+        params = CUDA_LAUNCHES_FP32[key]
+        return params._replace(block_m=min(params.block_m, 64)) if group == 1 else params
+    return CUDA_LAUNCHES_NO_GQA[key] if group == 1 else CUDA_LAUNCHES[key]
 
 
 def tile_shape(params: PrefillLaunch, group: int) -> tuple[int, int]:
@@ -390,7 +399,8 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
         kv_heads, q_heads // kv_heads, head_dim,
         b_first, mid_out, mid_lse, *mid_strides,
         split_out, split_lse, *split_strides, splits,
-        TOKENS=block_tokens, HEADS=heads, BLOCK_N=params.block_n, BLOCK_D=block_d, UPCAST=upcast_dots(q),
+        TOKENS=block_tokens, HEADS=heads, BLOCK_N=params.block_n, PREFETCH=params.prefetch, BLOCK_D=block_d,
+        UPCAST=upcast_dots(q),
         WHILE_LOOP=not q.is_cuda, SHARED=shared is not None, SPLIT=splits > 1, **mod_args, **mod_flags,
         num_warps=params.num_warps, num_stages=params.num_stages, **launch_options(q),
         **scale_args(kv_layer, kv_scales),

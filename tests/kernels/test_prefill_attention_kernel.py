@@ -9,6 +9,7 @@ from kernels.prefill_attention import (
     CPU_LAUNCH,
     CUDA_LAUNCHES,
     CUDA_LAUNCHES_FP32,
+    CUDA_LAUNCHES_NO_GQA,
     MAX_SPLITS,
     PrefillLaunch,
     default_splits,
@@ -63,11 +64,12 @@ def test_prefill_attention_matches_reference(device, dtype, q_heads, kv_heads, l
 
 
 @pytest.mark.parametrize("params", [PrefillLaunch(16, 16, 4, 1), PrefillLaunch(64, 16, 4, 1),
-                                    PrefillLaunch(32, 64, 4, 1)])
+                                    PrefillLaunch(32, 64, 4, 1), PrefillLaunch(16, 16, 4, 1, prefetch=True)])
 @pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (6, 2)])
 def test_other_launch_parameters_give_the_same_result(device, params, q_heads, kv_heads):
     """Other tiles (as the bench sweeps): 16 rows (4 tokens x 4 heads, or 16 tokens of one head), key
-    blocks as long as, and longer than, the query block."""
+    blocks as long as, and longer than, the query block; with and without the slots loaded a block ahead
+    (CPU_LAUNCH, which the other tests take, has it)."""
     args = prefill_inputs([19, 1, 40], [37, 5, 0], q_heads, kv_heads, HEAD_DIMS[-1], torch.float32, device)
     out = launch(*args, params=params)
     torch.testing.assert_close(out, prefill_attention_ref(*args), atol=1e-4, rtol=1e-4)
@@ -239,13 +241,14 @@ def test_launch_parameters_on_cuda_are_the_tables():
     """Pure Python: what ``prefill_attention`` launches with on a CUDA device, and how a group splits a tile."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert prefill_launch(128, cuda) == CUDA_LAUNCHES[128] == prefill_launch(128, cuda, torch.float16)
-    assert prefill_launch(128, cuda, group=1) == CUDA_LAUNCHES[128]._replace(block_m=64)   # no GQA: 64 tokens
+    assert prefill_launch(128, cuda, group=1) == CUDA_LAUNCHES_NO_GQA[128] == (64, 64, 4, 2, False)   # no GQA
+    assert prefill_launch(128, cuda, torch.float32, group=1) == CUDA_LAUNCHES_FP32[128]._replace(block_m=64)
     assert prefill_launch(80, cuda) == CUDA_LAUNCHES[128]              # head dims round up to a power of two
     assert prefill_launch(64, cuda) == prefill_launch(32, cuda) == CUDA_LAUNCHES[64]
     assert prefill_launch(256, cuda) == prefill_launch(512, cuda) == CUDA_LAUNCHES[256]
     assert prefill_launch(128, cuda, torch.float32) == CUDA_LAUNCHES_FP32[128]
     assert prefill_launch(128, cpu) == prefill_launch(128, cpu, torch.float32) == CPU_LAUNCH
-    for table in (CUDA_LAUNCHES, CUDA_LAUNCHES_FP32):
+    for table in (CUDA_LAUNCHES, CUDA_LAUNCHES_NO_GQA, CUDA_LAUNCHES_FP32):
         for params in table.values():       # tl.dot shapes: powers of two, at least 16
             assert all(n >= 16 and n & (n - 1) == 0 for n in (params.block_m, params.block_n))
     rows = CUDA_LAUNCHES[128].block_m
