@@ -270,7 +270,8 @@ CUDA_LAUNCHES = {64: PrefillLaunch(128, 64, 8, 2), 128: PrefillLaunch(128, 128, 
                  256: PrefillLaunch(128, 32, 8, 2)}
 # Without GQA (group 1: Llama-2-7B) a tile's rows are all tokens, and the one-token decode rows of a mixed step
 # would waste most of 128 of them: 64 rows, with the launches these had before stop 45. The GQA launch above
-# with 64 rows cut the 512-request load on Llama-2-7B from 7,069 to 6,065 output tokens/s (one H200, HTTP).
+# with 64 rows gave the 512-request load on Llama-2-7B 6,065 output tokens/s against 7,069 before it (one H200,
+# HTTP, one pair of runs; the same load gave 5,844 before / 5,785 with this table on another machine).
 CUDA_LAUNCHES_NO_GQA = {64: PrefillLaunch(64, 64, 8, 2), 128: PrefillLaunch(64, 64, 4, 2),
                         256: PrefillLaunch(64, 32, 8, 2)}
 CUDA_LAUNCHES_FP32 = {64: PrefillLaunch(32, 32, 8, 1), 128: PrefillLaunch(64, 64, 4, 2),
