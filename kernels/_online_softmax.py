@@ -112,10 +112,12 @@ def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride
     (WINDOW: every block with the window mask; ``q_pos`` [rows] is read only by ALIBI and WINDOW).
 
     PREFETCH: each full block's slots are loaded one block ahead (carried through the loop), so its K/V
-    gathers do not wait on its own ``req_to_token`` load. The prefill kernel sets it: a minimal causal
-    kernel gathering through the table ran 414 TFLOP/s without it and 491 with it (Llama-3.1-8B heads,
-    32k tokens, one H200; 524 with contiguous K/V and no table). The decode and shared-prefix kernels,
-    bound by memory, were not timed with it and keep loading each block's slots in the block."""
+    gathers do not wait on its own ``req_to_token`` load. The prefill kernel's launch for GQA sets it
+    (``kernels.prefill_attention.CUDA_LAUNCHES``): on one H200, Llama-3.1-8B heads, a 32k-token prompt,
+    128 rows x 128 keys over 8 warps and 3 stages ran 358 TFLOP/s without it and 388 with it (two runs on
+    two machines; ``bench.prefill_attention_bench``'s sweep times both). Over 4 warps it halved the speed.
+    The decode and shared-prefix kernels, bound by memory, were not timed with it and keep loading each
+    block's slots in the block."""
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     slots = 0
