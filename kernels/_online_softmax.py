@@ -115,7 +115,8 @@ def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride
     gathers do not wait on its own ``req_to_token`` load. The prefill kernel's launch for GQA sets it
     (``kernels.prefill_attention.CUDA_LAUNCHES``): on one H200, Llama-3.1-8B heads, a 32k-token prompt,
     128 rows x 128 keys over 8 warps and 3 stages ran 358 TFLOP/s without it and 388 with it (two runs on
-    two machines; ``bench.prefill_attention_bench``'s sweep times both). Over 4 warps it halved the speed.
+    two machines; ``bench.prefill_attention_bench``'s sweep times both). Over 4 warps a stripped-down copy
+    of the walk ran at half the speed with it.
     The decode and shared-prefix kernels, bound by memory, were not timed with it and keep loading each
     block's slots in the block."""
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
