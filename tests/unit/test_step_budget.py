@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from engine.protocol.messages import FED_BACK, RowResult, StepResult
+from engine.protocol.messages import FED_BACK
 from engine.router.allocator import SlotAllocator
 from engine.router.scheduler import Scheduler, SchedulerConfig, StepBudget, chunk_cost
 from tests.unit.test_scheduler import fake_result, make_request
