@@ -12,6 +12,11 @@ slot (``stride_scale_slot`` apart) or one for the tensor. fp8 blocks come dequan
 come as float16 integers (the dots then take q in float16: ``dot_query``), and their per-slot
 scales multiply the block's column of scores (K) and of probabilities (V).
 
+A full block without a mask or score modification (the bulk of a long walk) leaves the scores
+unscaled and applies ``scale_log2`` in the exponent's multiply-add: one multiply less per score.
+One H200, the prefill kernel on a whole 32k / 100k-token prompt (Llama-3.1-8B heads): 465 -> 478 /
+453 -> 481 TFLOP/s in one run.
+
 Two masks, each compiled in only where needed:
 - ``BOUNDED``: the block may reach past ``key_end``; positions from there on are not read.
   ``attend_range`` walks its full blocks without it and only its last, partial block with it.
@@ -70,8 +75,9 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
         qk = qk * k_scale[None, :]
     if SOFTCAP:
         qk = softcap_log2 * tanh(qk * (scale_log2 / softcap_log2))
-    else:
+    elif CAUSAL or BOUNDED or WINDOW or ALIBI:
         qk = qk * scale_log2
+    # else (a full block of plain scores): the scale is applied below, in the exponent's multiply-add
     if ALIBI:
         qk += alibi_log2[:, None] * (pos[None, :] - q_pos[:, None]).to(tl.float32)
     if WINDOW:
@@ -83,11 +89,16 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
         qk = tl.where(visible, qk, float("-inf"))
     elif BOUNDED:
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_sub = m_new
-    if WINDOW:  # a row without a visible key so far: subtract 0, not -inf (the module's docstring)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk - m_sub[:, None])
+    if SOFTCAP or CAUSAL or BOUNDED or WINDOW or ALIBI:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_sub = m_new
+        if WINDOW:  # a row without a visible key so far: subtract 0, not -inf (the module's docstring)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_sub[:, None])
+    else:           # scale_log2 > 0: max(qk) * scale is max(qk * scale)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+        m_sub = m_new
+        p = tl.exp2(qk * scale_log2 - m_new[:, None])
     alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     v, v_scale = load_kv(v_base, slots, stride_kv_slot, kv_mask, v_scale_base, stride_scale_slot, n_mask, q.dtype,

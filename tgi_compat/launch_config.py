@@ -144,8 +144,9 @@ class LaunchConfig:
                                                "the weights and a warm-up holds", minimum=1)
     max_waiting_tokens: int = _flag("decode steps after which waiting requests are admitted regardless of "
                                     "--waiting-served-ratio", 20, minimum=0)
-    max_batch_size: int | None = _flag("largest running batch; default: --max-concurrent-requests x "
-                                       "--max-best-of, at most 1024", minimum=1)
+    max_batch_size: int | None = _flag("largest running batch, at most 65535 (the prefill attention's grid); "
+                                       "default: --max-concurrent-requests x --max-best-of, at most 1024",
+                                       minimum=1, maximum=65535)
     step_timeout: float = _flag("seconds the shards may take for one step before the server reports itself "
                                 "unhealthy (/health 503) and ends the requests in flight with an error; it is "
                                 "healthy again when the shards answer (this engine's; TGI has none). 60 s is far "

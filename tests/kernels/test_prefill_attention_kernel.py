@@ -10,6 +10,7 @@ from kernels.prefill_attention import (
     CUDA_LAUNCHES,
     CUDA_LAUNCHES_FP32,
     CUDA_LAUNCHES_NO_GQA,
+    MAX_GRID_REQUESTS,
     MAX_SPLITS,
     PrefillLaunch,
     default_splits,
@@ -109,6 +110,9 @@ def test_prefill_attention_rejects_bad_arguments(device):
         prefill_attention(q, kv_layer, table, rows, starts, lens[:1], seq_lens, scale, max_len)
     with pytest.raises(ValueError, match="max_q_len must be a host int"):
         prefill_attention(q, kv_layer, table, rows, starts, lens, seq_lens, scale, lens.max())
+    many = torch.zeros(MAX_GRID_REQUESTS + 1, dtype=torch.int32, device=device)    # the grid's z holds the requests
+    with pytest.raises(ValueError, match=f"{MAX_GRID_REQUESTS + 1} requests in one prefill attention call; at most"):
+        prefill_attention(q, kv_layer, table, many, many, many, many, scale, max_len)
 
 
 @pytest.mark.parametrize("splits", [1, 2])

@@ -192,6 +192,7 @@ def test_speculate_past_its_bound_is_refused_with_the_bound(capsys):
     (["--max-concurrent-requests", "-3"], "--max-concurrent-requests: must be >= 1, got -3"),
     (["--max-stop-sequences", "-1"], "--max-stop-sequences: must be >= 0, got -1"),
     (["--port", "70000"], "--port: must be <= 65535, got 70000"),
+    (["--max-batch-size", "70000"], "--max-batch-size: must be <= 65535, got 70000"),
     (["--port", "abc"], "argument -p/--port: expected an integer, got 'abc'"),
     (["--waiting-served-ratio", "x"], "expected a number, got 'x'"),
     (["--dtype", "int8"], "argument --dtype: expected one of float16, bfloat16, float32, got 'int8'"),
