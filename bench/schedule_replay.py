@@ -168,7 +168,7 @@ def arrivals_from_log(text: str, lengths: range, new_tokens: set[int]) -> list[t
     return sorted((t - start, n, new) for t, n, new in seen)
 
 
-def replay(load: Load, stall_free_tokens: int | None, max_prefill_tokens: int) -> dict:
+def replay(load: Load, stall_free_tokens: int | None, max_prefill_tokens: int, row_tokens: int = 0) -> dict:
     """Run the load through the scheduler; the clock advances by each step's modelled time."""
     from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, StepResult
     from engine.router.allocator import SlotAllocator
@@ -176,8 +176,10 @@ def replay(load: Load, stall_free_tokens: int | None, max_prefill_tokens: int) -
     import importlib.util
     piecewise = importlib.util.find_spec("engine.worker.piecewise") is not None    # the tree's own worker
     model, span, kv_weight_tokens = step_model(load.config)
+    per_row = {"stall_free_row_tokens": row_tokens} if row_tokens else {}     # a tree before it has no such field
     config = SchedulerConfig(max_prefill_tokens=max_prefill_tokens, stall_free_tokens=stall_free_tokens,
-                             attention_span=span, kv_weight_tokens=kv_weight_tokens, max_seq_len=load.max_seq_len)
+                             attention_span=span, kv_weight_tokens=kv_weight_tokens, max_seq_len=load.max_seq_len,
+                             **per_row)
     scheduler = Scheduler(SlotAllocator(num_slots=load.kv_slots, max_requests=1024), config)
     pending = sorted((t, i, ids, new) for i, (t, ids, new) in enumerate(load.requests))
     arrived, first, last, itls, now, steps = {}, {}, {}, [], 0.0, 0
@@ -242,6 +244,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tree", help="replay this checkout's scheduler (and launcher defaults) instead of ours")
     parser.add_argument("--stall-free-tokens", type=_positive,
                         help="the scheduler's stall_free_tokens (default: the tree's launcher default)")
+    parser.add_argument("--stall-free-row-tokens", type=_non_negative,
+                        help="the scheduler's stall_free_row_tokens (default: the tree's launcher default)")
     parser.add_argument("--max-prefill-tokens", type=_positive, help="the step budget (default: the launcher's)")
     parser.add_argument("--arrivals-log",
                         help="a server log of this load: requests arrive when it shows them validated")
@@ -260,6 +264,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(Path(args.tree).resolve()))
         for name in [m for m in sys.modules if m == "engine" or m.startswith(("engine.", "tgi_compat"))]:
             del sys.modules[name]
+    from tgi_compat import launch_config
     from tgi_compat.launch_config import STALL_FREE_TOKENS, STEP_TOKENS
     load = builtin_load(args.load)
     if args.arrivals_log:
@@ -273,10 +278,14 @@ def main(argv=None) -> int:
     if args.spread:
         load = spread_arrivals(load, args.spread)
     stall_free = args.stall_free_tokens if args.stall_free_tokens is not None else STALL_FREE_TOKENS
+    row_tokens = args.stall_free_row_tokens
+    if row_tokens is None:
+        row_tokens = getattr(launch_config, "STALL_FREE_ROW_TOKENS", 0)     # a tree before it has none
+    row_tokens = int(row_tokens)
     budget = args.max_prefill_tokens if args.max_prefill_tokens is not None else STEP_TOKENS
-    result = replay(load, stall_free, budget)
+    result = replay(load, stall_free, budget, row_tokens)
     ms = lambda s: s * 1000     # noqa: E731
-    print(f"{args.load} ({len(load.requests)} requests, stall_free_tokens {stall_free}): TTFT p50 "
+    print(f"{args.load} ({len(load.requests)} requests, stall_free_tokens {stall_free} + {row_tokens} a row): TTFT p50 "
           f"{result['ttft_s']['p50']:.2f} s p99 {result['ttft_s']['p99']:.2f} s; ITL p50 {ms(result['itl_s']['p50']):.0f} "
           f"ms p99 {ms(result['itl_s']['p99']):.0f} ms; {result['output_tokens_per_s']:.0f} output tokens/s; "
           f"{result['steps']} steps")

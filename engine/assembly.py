@@ -48,6 +48,7 @@ class EngineConfig:
     memory_fraction: float = 0.9          # of the memory free after the weights and the warm-up (CUDA)
     max_prefill_tokens: int = 4096        # tokens per step: decode rows, then prompt chunks (longer ones chunked)
     stall_free_tokens: int | None = None  # while requests decode, cap the prompt chunks' cost (scheduler); None: off
+    stall_free_row_tokens: int = 0        # with it: each decoding request adds this to the cap (scheduler)
     waiting_served_ratio: float = 0.0
     max_waiting_steps: int = 20
     admission: str = "peak"               # peak (LightLLM's rule) | reserve (TGI-style)
@@ -114,6 +115,7 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
     attention_span, kv_weight_tokens = step_cost_model(model_config)
     scheduler = SchedulerConfig(
         max_prefill_tokens=config.max_prefill_tokens, stall_free_tokens=config.stall_free_tokens,
+        stall_free_row_tokens=config.stall_free_row_tokens,
         attention_span=attention_span, kv_weight_tokens=kv_weight_tokens,
         waiting_served_ratio=config.waiting_served_ratio, max_waiting_steps=config.max_waiting_steps,
         max_seq_len=max_seq_len, admission=config.admission, prefix_caching=config.prefix_caching,

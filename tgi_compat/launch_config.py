@@ -339,11 +339,15 @@ ARRIVAL_WINDOW_S = 0.1    # a request came this recently: the router plans after
 #                           first tokens come a step sooner (one H100: the prompt steps of a 256-request
 #                           shared-prefix burst took 31-154 ms each). Not with --speculate: its verify rows keep
 #                           the step order they were tested with (stop 35's note)
-STALL_FREE_TOKENS = 704   # with the default budget: a decoding step's prompt chunk cost (engine.router.scheduler):
-#                           about 18 ms of matmuls on one H100, beside a batch-1 decode step of 5.6 ms; measured
-#                           through HTTP, Llama-3.1-8B, 64 prompts of 2k-16k tokens at once: ITL p99 60 ms at 512,
-#                           74 ms at 704 (TTFT p50 13.9 s, 11.5 s; 11.4 s before, when bursts lifted the cap); a
-#                           16k-token prompt beside a stream answered in 1.54 s at 384, 1.01 s at 704
+STALL_FREE_TOKENS = 192   # with the default budget, while requests decode, the prompt chunks' cost cap
+STALL_FREE_ROW_TOKENS = 64  # (engine.router.scheduler) is 192 (times 1 + decode context / kv_weight_tokens), plus
+#                           64 per decoding request. Stop 46, one H200 through HTTP, against a cap of 704 for every
+#                           batch (stop 43's) in the same run: Llama-2-7B, 512 prompts of 64-512 tokens at once,
+#                           5,754 -> 8,172 output tokens/s (TTFT p50 8.96 -> 2.06 s); Llama-3.1-8B, 64 prompts of 2k-16k
+#                           tokens at once: TTFT p50 8.49 -> 8.51 s, ITL p99 52.9 -> 51.9 ms, 312 -> 281 tokens/s; a
+#                           batch-1 stream beside a 100k-token prompt: ITL p50 21.1 -> 9.6 ms (idle 4.1 ms), p99 27.6 ->
+#                           25.9 ms, the prompt's TTFT 13.0 -> 23.2 s (those runs also cut chunks to 32-token multiples,
+#                           dropped since: in process that made the prompt take 26.0 s beside the stream, 22.1 s without)
 
 
 def resolve_limits(config: LaunchConfig, context_length: int, max_allocatable: int | None = None) -> Limits:

@@ -16,7 +16,8 @@ from engine.assembly import EngineConfig, EnginePlan, plan_engine
 from engine.processes import LogSetup, process_context, spawn_router, spawn_shards, start_process
 
 from .frontend_process import FrontendSpec, frontend_main
-from .launch_config import ARRIVAL_WINDOW_S, STALL_FREE_TOKENS, LaunchConfig, Limits, resolve_limits, resolve_num_shard
+from .launch_config import (ARRIVAL_WINDOW_S, STALL_FREE_ROW_TOKENS, STALL_FREE_TOKENS, LaunchConfig, Limits,
+                            resolve_limits, resolve_num_shard)
 
 log = logging.getLogger("launcher")
 
@@ -111,6 +112,7 @@ def engine_config(config: LaunchConfig, limits: Limits, model_dir: str, heads_di
         max_seq_len=limits.max_total_tokens, num_slots=limits.max_batch_total_tokens,
         memory_fraction=0.9 * config.cuda_memory_fraction, max_prefill_tokens=limits.max_batch_prefill_tokens,
         stall_free_tokens=STALL_FREE_TOKENS if config.max_batch_prefill_tokens is None else None,
+        stall_free_row_tokens=STALL_FREE_ROW_TOKENS if config.max_batch_prefill_tokens is None else 0,
         waiting_served_ratio=config.waiting_served_ratio, max_waiting_steps=config.max_waiting_tokens,
         admission=config.admission, cuda_graphs=config.cuda_graphs, prefix_caching=config.prefix_caching,
         num_shards=resolve_num_shard(config, _visible_gpus()), master_addr=config.master_addr,

@@ -20,7 +20,9 @@ rest. While requests decode, ``stall_free_tokens`` also caps the prompt chunks' 
 step stays close to a decode step's time: a chunk of n tokens from position p costs
 ``n * (1 + (p + n/2) / attention_span)`` (its matmuls, plus its attention over the context),
 against ``stall_free_tokens * (1 + decode context / kv_weight_tokens)`` (a decode step costs
-reading the weights plus the running requests' KV). Prompt chunks go shortest-remaining
+reading the weights plus the running requests' KV) ``+ stall_free_row_tokens * decoding requests``
+(a lone stream's steps stay near its decode step; a large batch lends the prompts more of each step,
+whose time its streams already share). Prompt chunks go shortest-remaining
 first, aged by the prompt tokens the others were given since admission
 (``_prefill_priority``), so short prompts pass a long one and no prompt waits forever;
 the first prompt in that order always gets at least
@@ -120,6 +122,7 @@ PRIOR_DRAFT_GAIN = 1.5   # accepted drafts per verify row expected of a request 
 class SchedulerConfig:
     max_prefill_tokens: int = 4096       # tokens of one step: decode rows first, prompt chunks fill the rest
     stall_free_tokens: int | None = None # while requests decode, the prompt chunks' cost cap (module docstring)
+    stall_free_row_tokens: int = 0       # with it: each decoding request adds this to the cap (module docstring)
     attention_span: int = 32768          # context at which a prompt token's attention costs its matmuls
     kv_weight_tokens: int = 32768        # context tokens whose KV weighs as much as the weights
     waiting_served_ratio: float = 0.0    # TGI: admit only when waiting >= ratio * running
@@ -145,6 +148,8 @@ class SchedulerConfig:
             raise ValueError(f"verify_step_cost must be >= 0, got {self.verify_step_cost}")
         if self.stall_free_tokens is not None and self.stall_free_tokens < 1:
             raise ValueError(f"stall_free_tokens must be >= 1 (or None: off), got {self.stall_free_tokens}")
+        if self.stall_free_row_tokens < 0:
+            raise ValueError(f"stall_free_row_tokens must be >= 0, got {self.stall_free_row_tokens}")
 
 
 @dataclass
@@ -719,11 +724,13 @@ class StepBudget:
         11.54 s (with ``_admission_key``'s order and a cap of 704); the cost, more prompt steps while a
         burst of short prompts is prefilled: 512 prompts of 64-512 tokens, Llama-2-7B, 6,682 -> 6,490
         output tokens/s (two runs each; ITL p99 110-127 -> 99-106 ms). A cap of 1,500 only while the
-        prompts outnumber the decoding requests lost 10% there."""
+        prompts outnumber the decoding requests lost 10% there. Stop 46: a smaller cap for a lone stream
+        and a share per decoding request instead (``STALL_FREE_ROW_TOKENS``; its numbers there)."""
         cost = None
         if config.stall_free_tokens is not None and decoding:
             context = sum(r.held_tokens for r in decoding)
-            cost = config.stall_free_tokens * (1 + context / config.kv_weight_tokens)
+            cost = (config.stall_free_tokens * (1 + context / config.kv_weight_tokens)
+                    + config.stall_free_row_tokens * len(decoding))
         return cls(config.max_prefill_tokens - len(decoding), cost)
 
     def fit(self, start: int, want: int, span: int) -> int:

@@ -50,10 +50,11 @@ def test_arrivals_come_from_the_validated_lines_of_the_burst():
 
 def test_the_command_replays_a_load_and_writes_its_json(tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert schedule_replay.main(["--load", "shared", "--stall-free-tokens", "384", "--json", str(out)]) == 0
+    assert schedule_replay.main(["--load", "shared", "--stall-free-tokens", "384", "--stall-free-row-tokens", "32",
+                                 "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["requests"] == 256 and result["ttft_s"]["p50"] <= result["ttft_s"]["p99"]
-    assert "shared (256 requests, stall_free_tokens 384)" in capsys.readouterr().out
+    assert "shared (256 requests, stall_free_tokens 384 + 32 a row)" in capsys.readouterr().out
     assert schedule_replay.main(["--load", "beside"]) == 0
     by_request = capsys.readouterr().out.splitlines()[-1]
     assert by_request.startswith("TTFT by request (s): 0: ") and by_request.count(":") == 5
@@ -70,11 +71,12 @@ def test_another_trees_scheduler_replays_through_tree(tmp_path):
     for package in ("engine", "tgi_compat", "kernels", "weights"):
         shutil.copytree(root / package, tree / package, ignore=shutil.ignore_patterns("demo", "__pycache__"))
     config = tree / "tgi_compat" / "launch_config.py"
-    config.write_text(config.read_text().replace("\nSTALL_FREE_TOKENS = ", "\nSTALL_FREE_TOKENS = 111  # ", 1))
+    text = config.read_text().replace("\nSTALL_FREE_TOKENS = ", "\nSTALL_FREE_TOKENS = 111  # ", 1)
+    config.write_text(text.replace("\nSTALL_FREE_ROW_TOKENS = ", "\nSTALL_FREE_ROW_TOKENS = 5  # ", 1))
     run = subprocess.run([sys.executable, "-m", "bench.schedule_replay", "--load", "shared", "--tree", str(tree)],
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert "stall_free_tokens 111)" in run.stdout
+    assert "stall_free_tokens 111 + 5 a row)" in run.stdout
 
 
 @pytest.mark.parametrize("args,message", [

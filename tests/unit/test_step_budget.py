@@ -7,7 +7,7 @@ import pytest
 
 from engine.protocol.messages import FED_BACK
 from engine.router.allocator import SlotAllocator
-from engine.router.scheduler import Scheduler, SchedulerConfig, StepBudget, chunk_cost
+from engine.router.scheduler import MIN_PROMPT_CHUNK, Scheduler, SchedulerConfig, StepBudget, chunk_cost
 from tests.unit.test_scheduler import fake_result, make_request
 
 
@@ -79,6 +79,49 @@ def test_a_chunks_cost_stays_within_the_stall_free_budget():
         tokens = budget.fit(start, 100_000, config.attention_span)
         assert 0 < tokens and chunk_cost(start, tokens, 1000) <= budget.cost < chunk_cost(start, tokens + 1, 1000)
     assert StepBudget.for_step(config, []).cost is None         # nothing decodes: the token budget only
+
+
+def test_each_decoding_request_adds_its_share_to_the_cap():
+    config = SchedulerConfig(max_prefill_tokens=10_000, stall_free_tokens=100, stall_free_row_tokens=30,
+                             attention_span=1000, kv_weight_tokens=2000)
+    for batch in (1, 3, 40):
+        decoding = [make_request(i, 500, 10) for i in range(batch)]
+        expected = 100 * (1 + 500 * batch / 2000) + 30 * batch
+        assert StepBudget.for_step(config, decoding).cost == pytest.approx(expected)
+    with pytest.raises(ValueError, match="stall_free_row_tokens must be >= 0"):
+        SchedulerConfig(stall_free_tokens=100, stall_free_row_tokens=-1)
+
+
+def test_a_larger_decode_batch_lets_a_long_prompt_take_larger_chunks():
+    """The same prompt beside one decoding request and beside eight: with the per-request share its chunks
+    grow with the batch (without it they would shrink a little: the batch's context only); every step keeps
+    its decode rows and stays within the cap."""
+    def chunks_beside(batch: int) -> list[int]:
+        config = SchedulerConfig(max_prefill_tokens=4096, max_seq_len=4000, stall_free_tokens=24,
+                                 stall_free_row_tokens=16, attention_span=300, kv_weight_tokens=500,
+                                 prefix_caching=False)
+        sched = Scheduler(SlotAllocator(num_slots=20_000, max_requests=16), config)
+        for rid in range(batch):
+            sched.add(make_request(rid, 10, 600))
+        drive(sched, 2)
+        sched.add(make_request(99, 1200, 2))
+        sizes = []
+
+        def check(i, step, decoding):
+            rows = {r.request_id for r in step.rows if r.input_ids[0] == FED_BACK}
+            assert decoding <= rows
+            context = sum(r.held_tokens for r in sched.running if r.request_id in decoding)
+            cap = 24 * (1 + context / 500) + 16 * len(decoding)
+            cost = sum(chunk_cost(r.start_pos, len(r.input_ids), 300) for r in prompt_rows(step))
+            assert cost <= cap + 1e-9 or sum(len(r.input_ids) for r in prompt_rows(step)) <= MIN_PROMPT_CHUNK
+            sizes.extend(len(r.input_ids) for r in prompt_rows(step))
+
+        drive(sched, 2000, check)
+        assert not sched.has_work()
+        return sizes
+    one, eight = chunks_beside(1), chunks_beside(8)
+    assert sum(one) == sum(eight) == 1200
+    assert len(eight) < len(one) / 2 and max(eight) > 2 * max(one)
 
 
 def test_a_burst_of_prompts_beside_one_decoding_request_is_capped_too():
