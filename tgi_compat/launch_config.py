@@ -347,7 +347,8 @@ STALL_FREE_ROW_TOKENS = 64  # (engine.router.scheduler) is 192 (times 1 + decode
 #                           tokens at once: TTFT p50 8.49 -> 8.51 s, ITL p99 52.9 -> 51.9 ms, 312 -> 281 tokens/s; a
 #                           batch-1 stream beside a 100k-token prompt: ITL p50 21.1 -> 9.6 ms (idle 4.1 ms), p99 27.6 ->
 #                           25.9 ms, the prompt's TTFT 13.0 -> 23.2 s (those runs also cut chunks to 32-token multiples,
-#                           dropped since: in process that made the prompt take 26.0 s beside the stream, 22.1 s without)
+#                           dropped since: in process, by the script that became bench.beside_steps, the prompt took
+#                           26.0 s with it, 22.1 s without). The landed code, another run: the 512-request load 8,126
 
 
 def resolve_limits(config: LaunchConfig, context_length: int, max_allocatable: int | None = None) -> Limits:
