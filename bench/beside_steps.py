@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.load import percentile
 from engine.assembly import EngineConfig, plan_engine
 from engine.processes import tune_collector_for_serving
 from engine.protocol.messages import SamplingParams
@@ -108,11 +109,6 @@ def summarise(steps: list[StepTime], prompt_tokens: int) -> dict:
     return {"steps": len(steps), "total_s": sum(times) / 1e3, "ms_p50": statistics.median(times),
             "ms_p99": percentile(times, 99), "ms_max": max(times), "by_tenth": by_tenth,
             "slowest": [dataclasses.asdict(s) for s in sorted(steps, key=lambda s: -s.ms)[:10]]}
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def format_summary(policy: tuple[int, int], s: dict) -> str:
