@@ -85,7 +85,7 @@ async def _beside(url: str, stream: load.PromptRequest, long: load.PromptRequest
     idle = [b - a for a, b in zip(times, times[1:]) if b <= idle_end][8:]     # past the first tokens
     during = [b - a for a, b in zip(times, times[1:]) if result.send_time < b <= first_token]
     return {"long_ttft_s": result.ttft, "idle_itl_s": load.describe(idle), "during_itl_s": load.describe(during),
-            "during_tokens": len(during)}
+            "during_tokens": len(during), "during_gaps_ms": [round(gap * 1000, 2) for gap in during]}
 
 
 def beside(url: str, stream: load.PromptRequest, long: load.PromptRequest, idle_tokens: int = 64) -> dict:
@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> dict:
               f"{b['idle_itl_s']['p99'] * 1000:.1f} ms; beside a {args.beside_tokens}-token prefill "
               f"({b['long_ttft_s']:.2f} s to its first token, {b['during_tokens']} stream tokens meanwhile): ITL "
               f"p50 {b['during_itl_s']['p50'] * 1000:.1f} ms p99 {b['during_itl_s']['p99'] * 1000:.1f} ms, "
-              f"mean {b['during_itl_s']['mean'] * 1000:.1f} ms", flush=True)
+              f"mean {b['during_itl_s']['mean'] * 1000:.1f} ms; {sum(g < 1 for g in b['during_gaps_ms'])} gaps "
+              f"under 1 ms (tokens delivered together)", flush=True)
         lengths = load.sample_lengths(args.mixed_requests, load.parse_length_range(args.mixed_prompt),
                                       (args.mixed_new, args.mixed_new), seed=args.seed)
         results["mixed"] = timed(url, load.build_requests(tokenizer, lengths, seed=300))

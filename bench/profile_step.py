@@ -49,9 +49,11 @@ PREFILL_CHUNK_TOKENS = 8192
 class DecodeFixture:
     """B requests prefilled to ``context`` tokens; ``next_step`` makes their next decode step, with
     ``prompt_chunk`` > 0 also a chunk of that many prompt tokens of one more request (prefilled to
-    ``context`` too), at positions ``context..context + prompt_chunk - 1`` every step."""
+    ``chunk_context`` tokens, default ``context``), at positions ``chunk_context..chunk_context + prompt_chunk - 1``
+    every step."""
 
-    def __init__(self, worker: ModelWorker, batch_size: int, context: int, first_id: int, prompt_chunk: int = 0):
+    def __init__(self, worker: ModelWorker, batch_size: int, context: int, first_id: int, prompt_chunk: int = 0,
+                 chunk_context: int | None = None):
         self.worker = worker
         self.allocator = SlotAllocator(worker.num_slots, worker.config.max_requests)
         self.ids = [first_id + i for i in range(batch_size)]
@@ -59,17 +61,21 @@ class DecodeFixture:
         self.chunk_row = None
         prompter = first_id + batch_size
         rows = []
-        for request_id in self.ids + ([prompter] if prompt_chunk else []):
+        chunk_context = context if chunk_context is None else chunk_context
+        held = {request_id: context for request_id in self.ids}
+        if prompt_chunk:
+            held[prompter] = chunk_context
+        for request_id, length in held.items():
             self.allocator.open_request(request_id)
-            prompt = [(request_id * 7919 + j) % 1000 + 10 for j in range(context)]
+            prompt = [(request_id * 7919 + j) % 1000 + 10 for j in range(length)]
             rows.append(StepRow(request_id, self.allocator.row(request_id), 0, prompt,
-                                self.allocator.allocate(request_id, context), sample=True, params=SamplingParams()))
-            self.positions[request_id] = context
+                                self.allocator.allocate(request_id, length), sample=True, params=SamplingParams()))
+            self.positions[request_id] = length
         for chunk in _chunks(rows, PREFILL_CHUNK_TOKENS):
             worker.execute(Step(rows=chunk))
         if prompt_chunk:
             tokens = [(prompter * 31 + j) % 1000 + 10 for j in range(prompt_chunk)]
-            self.chunk_row = StepRow(prompter, self.allocator.row(prompter), context, tokens,
+            self.chunk_row = StepRow(prompter, self.allocator.row(prompter), chunk_context, tokens,
                                      self.allocator.allocate(prompter, prompt_chunk), sample=False)
 
     def next_step(self) -> Step:
@@ -181,8 +187,9 @@ def _kernel_table(worker: ModelWorker, step: Step, path: Path) -> None:
 
 
 def profile_batch(worker: ModelWorker, batch_size: int, context: int, repeats: int, table_dir: Path | None,
-                  prompt_chunk: int = 0) -> dict:
-    fixture = DecodeFixture(worker, batch_size, context, first_id=batch_size * 100_000, prompt_chunk=prompt_chunk)
+                  prompt_chunk: int = 0, chunk_context: int | None = None) -> dict:
+    fixture = DecodeFixture(worker, batch_size, context, first_id=batch_size * 100_000, prompt_chunk=prompt_chunk,
+                            chunk_context=chunk_context)
     try:
         for _ in range(3):
             worker.execute(fixture.next_step())            # warm-up
@@ -226,26 +233,31 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompt-chunk", type=_non_negative, default=0,
                         help="prompt tokens of another request in every measured step (mixed steps); "
                              "default 0: decode steps")
+    parser.add_argument("--chunk-context", type=_non_negative, default=None,
+                        help="tokens the prompt chunk's request holds before its chunk (default: --context): "
+                             "a short-context stream beside a chunk late in a long prompt")
     parser.add_argument("--table-dir", help="write torch.profiler kernel tables here")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
+    chunk_context = args.context if args.chunk_context is None else args.chunk_context
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = load_model_config(args.model_dir)
     worker = ModelWorker(WorkerConfig(
         model_dir=args.model_dir, dtype=resolve_dtype(args.dtype, config, device), device=device,
         kernel_backend="triton" if device.type == "cuda" else "torch",
         max_requests=max(sizes) + (1 if args.prompt_chunk else 0),
-        max_seq_len=args.context + max(4 * args.repeats, args.prompt_chunk) + 64,
+        max_seq_len=max(args.context + 4 * args.repeats, chunk_context + args.prompt_chunk) + 64,
         cuda_graphs=None if args.cuda_graphs == "on" else (),
         kv_cache_dtype=args.kv_cache_dtype))
     table_dir = Path(args.table_dir) if args.table_dir else None
     if table_dir:
         table_dir.mkdir(parents=True, exist_ok=True)
-    results = [profile_batch(worker, b, args.context, args.repeats, table_dir, args.prompt_chunk) for b in sizes]
+    results = [profile_batch(worker, b, args.context, args.repeats, table_dir, args.prompt_chunk, chunk_context)
+               for b in sizes]
     if args.prompt_chunk:
         print(f"\nmixed steps: each batch's decode rows plus a {args.prompt_chunk}-token prompt chunk from position "
-              f"{args.context}")
+              f"{chunk_context}")
     print(f"\n{'batch':>6} {'gpu ms':>8} {'step ms':>8} {'piped ms':>9} {'sample ms':>10} {'host ms':>8} "
           f"{'launch ms':>10} {'tokens/s (piped)':>17}")
     for r in results:

@@ -29,9 +29,11 @@ def test_profile_step_serves_the_kv_cache_dtype_it_is_given(monkeypatch):
     assert built[0].kv_dtype == torch.int8 and built[0].kv_cache.kv_buffer.dtype == torch.int8
 
 
-def test_mixed_steps_carry_the_prompt_chunk_beside_the_decode_rows(monkeypatch):
+@pytest.mark.parametrize("chunk_context", [None, 12])
+def test_mixed_steps_carry_the_prompt_chunk_beside_the_decode_rows(monkeypatch, chunk_context):
     """--prompt-chunk: every measured step is the decode rows plus the other request's chunk, at the same
-    positions each time (after the prompts' own prefill, which goes first)."""
+    positions each time (after the prompts' own prefill, which goes first); --chunk-context: that request's
+    own length before its chunk."""
     forwards, sampled = [], []
     real = profile_step.ModelWorker
 
@@ -49,13 +51,15 @@ def test_mixed_steps_carry_the_prompt_chunk_beside_the_decode_rows(monkeypatch):
         return worker
 
     monkeypatch.setattr(profile_step, "ModelWorker", build)
+    extra = [] if chunk_context is None else ["--chunk-context", str(chunk_context)]
     results = profile_step.main(["--model-dir", "weights/demo", "--batch-sizes", "2", "--context", "8",
-                                 "--repeats", "2", "--prompt-chunk", "5"])
+                                 "--repeats", "2", "--prompt-chunk", "5", *extra])
+    held = chunk_context or 8
     assert results[0]["prompt_chunk"] == 5 and results[0]["launch_ms"] > 0 and results[0]["gpu_ms"] > 0
-    assert forwards[0] == [(8, 0, True)] * 3                          # the three prompts
+    assert forwards[0] == [(8, 0, True)] * 2 + [(held, 0, True)]        # the three prompts
     measured = forwards[1:]
     assert len(measured) > 10
-    assert all(rows[:2] == [(1, rows[0][1], True)] * 2 and rows[2] == (5, 8, False) for rows in measured)
+    assert all(rows[:2] == [(1, rows[0][1], True)] * 2 and rows[2] == (5, held, False) for rows in measured)
     assert sampled[0] == (3, 3) and all(pair == (2, 2) for pair in sampled[1:])   # the prompts, then 2 rows each
 
 
