@@ -15,7 +15,8 @@ unlocks them only after ``release``, and a locked node is never evicted, so they
 tree's while the request maps them. A burst behind a long cached prefix thus costs no
 per-slot work here (256 requests behind 3,000 tokens took about 190 ms of counting).
 
-Invariants (checked by ``check_integrity``):
+Invariants (checked by ``check_integrity``; ``check_idle``, the router's when it goes idle, checks the
+counts in O(1)):
   * free + counted + cached-only == num_slots, where counted = held by at least one request
     (borrowing aside) and cached-only = held by the tree alone; no slot is free twice or
     free and held;
@@ -190,6 +191,24 @@ class SlotAllocator:
         problems = self._slot_problems() + self._row_problems()
         if self._cache is not None:
             problems += self._cache.check_integrity(self.is_cached)
+        if problems:
+            raise AllocatorError("; ".join(problems))
+
+    def check_idle(self) -> None:
+        """With no request open, what ``check_integrity`` would find wrong with the counts, in O(1) and one C
+        loop over the cache marks: every slot is free or cached (a leak or a double free breaks the sum), no row
+        or slot is held, and the marks agree with the tree's count. The router runs it each time it goes idle,
+        where a newcomer waits for it. On this project's 2-core development machine, with 860,543 slots (the
+        8B's KV on an H200) and 36,000 of them cached, the whole check took 207 ms and this one 0.5 ms."""
+        problems = self._row_problems()
+        if self._slots_of or self._borrowed or self._used:
+            problems.append(f"{len(self._slots_of)} requests and {self._used} slots are held with no request open")
+        marked = self._cached.count(1)
+        if self._cache is not None and marked != self._cache.cached_slots:
+            problems.append(f"{marked} slots are marked cached but the tree holds {self._cache.cached_slots}")
+        if len(self._free_slots) + marked != self.num_slots:
+            problems.append(f"free {len(self._free_slots)} + cached {marked} != capacity {self.num_slots} with no "
+                            f"request open (a slot leaked or was freed twice)")
         if problems:
             raise AllocatorError("; ".join(problems))
 

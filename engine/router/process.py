@@ -160,7 +160,7 @@ class RouterLoop:
             elif self.healthy:
                 self._watch_idle_shards()
                 if not checked:
-                    self.router.scheduler.check_integrity()      # once each time the router goes idle
+                    self.router.scheduler.check_idle()      # once each time the router goes idle
                     checked = True
             self._send_status()
 

@@ -99,7 +99,7 @@ from dataclasses import dataclass, field
 
 from engine.protocol.messages import (FED_BACK, NO_PREFIX, PrefixSlots, RowResult, SamplingParams, Step, StepResult,
                                       StepRow)
-from engine.router.allocator import SlotAllocator
+from engine.router.allocator import AllocatorError, SlotAllocator
 from engine.router.drafter import HeadDrafter, NgramDrafter
 from engine.router.prefix_cache import Match, PrefixCache, TreeNode, common_prefix_length
 from engine.router.shared_prefix import SharedPrefixes
@@ -647,6 +647,18 @@ class Scheduler:
             self.cache.insert(tokens, slots)
         self.cache.unlock_node(request.lock_node)
         request.lock_node = None
+
+    def check_idle(self) -> None:
+        """With nothing running or waiting: the allocator's counts (``SlotAllocator.check_idle``), no tree node
+        locked, no shared-prefix group left (cheap enough for the router to run whenever it goes idle)."""
+        if self.has_work():
+            raise RuntimeError("check_idle with requests running or waiting: use check_integrity")
+        self.allocator.check_idle()
+        if self.cache is not None:
+            self.shared.check(set())
+            if self.cache.evictable_slots != self.cache.cached_slots:
+                raise AllocatorError(f"{self.cache.cached_slots - self.cache.evictable_slots} cached slots stay "
+                                     f"locked with no request running")
 
     def check_integrity(self) -> None:
         """The allocator's checks, plus: every lock count equals the running requests whose lock

@@ -53,6 +53,20 @@ def test_check_integrity_detects_corruption():
         alloc.check_integrity()
 
 
+def test_the_idle_check_wants_every_slot_free_and_no_request_open():
+    alloc = SlotAllocator(num_slots=8, max_requests=2)
+    alloc.check_idle()
+    alloc.open_request(1)
+    alloc.allocate(1, 3)
+    with pytest.raises(AllocatorError, match="1 requests and 3 slots are held with no request open"):
+        alloc.check_idle()
+    alloc.release(1)
+    alloc.check_idle()
+    alloc._free_slots.pop()
+    with pytest.raises(AllocatorError, match=r"free 7 \+ cached 0 != capacity 8"):
+        alloc.check_idle()
+
+
 def test_dummy_slot_and_row_sit_past_the_usable_ones():
     alloc = SlotAllocator(num_slots=10, max_requests=3)
     assert alloc.dummy_slot == 10 and alloc.dummy_row == 3

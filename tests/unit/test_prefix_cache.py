@@ -265,6 +265,7 @@ def test_random_traffic_with_eviction_keeps_every_slot_and_every_token_right(see
     assert cache.stats.hit_tokens > 0.2 * cache.stats.lookup_tokens
     assert cache.stats.evicted_tokens > 0
     assert sim.alloc.used_slots == 0
+    sim.scheduler.check_idle()                   # the router's check when it goes idle agrees
     cache.evict(sim.alloc.num_slots)
     assert sim.alloc.free_slots == sim.alloc.num_slots
     sim.alloc.check_integrity()
@@ -408,3 +409,32 @@ def test_admission_counts_a_shared_prefix_once():
         uncached.add(request(rid))
     uncached.schedule()
     assert len(uncached.running) == 2      # without the cache each needs 422 slots
+
+
+def test_the_idle_check_catches_a_leak_a_double_free_and_a_lock_left_behind():
+    """``Scheduler.check_idle`` (the router's, each time it goes idle): the counts alone, after real traffic."""
+    def drained():
+        sim = Simulation(3, num_slots=160)
+        sim.run(200)
+        sim.scheduler.check_idle()
+        assert sim.scheduler.cache.cached_slots > 0
+        return sim
+    sim = drained()
+    sim.alloc._free_slots.pop()                                    # a slot neither free nor cached
+    with pytest.raises(AllocatorError, match="a slot leaked or was freed twice"):
+        sim.scheduler.check_idle()
+    sim = drained()
+    sim.alloc._free_slots.append(sim.alloc._free_slots[0])          # freed twice
+    with pytest.raises(AllocatorError, match="a slot leaked or was freed twice"):
+        sim.scheduler.check_idle()
+    sim = drained()
+    sim.scheduler.cache.lock_node(next(sim.scheduler.cache.nodes()))   # a lock nobody will release
+    with pytest.raises(AllocatorError, match="stay locked with no request running"):
+        sim.scheduler.check_idle()
+    sim = drained()
+    sim.alloc._cached[sim.alloc._free_slots[-1]] = 1               # a mark the tree does not hold
+    with pytest.raises(AllocatorError, match="marked cached but the tree holds"):
+        sim.scheduler.check_idle()
+    sim.submit()
+    with pytest.raises(RuntimeError, match="use check_integrity"):
+        sim.scheduler.check_idle()
