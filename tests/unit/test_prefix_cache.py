@@ -438,3 +438,35 @@ def test_the_idle_check_catches_a_leak_a_double_free_and_a_lock_left_behind():
     sim.submit()
     with pytest.raises(RuntimeError, match="use check_integrity"):
         sim.scheduler.check_idle()
+
+
+def test_the_router_loop_checks_the_counts_once_each_time_it_goes_idle(monkeypatch):
+    """``RouterLoop.run``: after its work drains it runs ``check_idle`` once (not the whole ``check_integrity``,
+    which a request arriving meanwhile would wait for), and not again while it stays idle."""
+    import multiprocessing
+    import threading
+    import time
+
+    from engine.protocol.codec import encode
+    from engine.router.process import RouterLoop
+
+    sim = Simulation(4, num_slots=160)
+    sim.router.shards.check_idle = lambda: None          # LocalShards: no processes to watch
+    checks = []
+    monkeypatch.setattr(sim.scheduler, "check_idle", lambda: checks.append("idle"))
+    monkeypatch.setattr(sim.scheduler, "check_integrity", lambda: checks.append("whole"))
+    front_end, router_end = multiprocessing.Pipe()
+    loop = RouterLoop(sim.router, router_end)
+    running = threading.Thread(target=loop.run, daemon=True)
+    running.start()
+    front_end.send_bytes(encode(GenerationRequest(1, [5, 6, 7, 8], 4, SamplingParams(), stop_token_ids=[])))
+    deadline = time.monotonic() + 10
+    while not checks and time.monotonic() < deadline:
+        while front_end.poll(0.05):
+            front_end.recv_bytes()                       # events and status
+    time.sleep(0.6)                                      # idle past two status intervals
+    while front_end.poll(0):
+        front_end.recv_bytes()
+    front_end.close()
+    running.join(5)
+    assert not running.is_alive() and checks == ["idle"] and not sim.router.has_work()
