@@ -31,6 +31,7 @@ from engine.router.router import Router
 from engine.router.scheduler import SchedulerConfig, Scheduler
 from engine.worker.kv_cache import kv_cache_dtype
 from engine.worker.model_worker import WorkerConfig, resolve_dtype
+from kernels.prefill_attention import prefill_launch, tile_shape
 from weights.checkpoint import MEDUSA_FILE
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         max_prefill_tokens=config.max_prefill_tokens, stall_free_tokens=config.stall_free_tokens,
         stall_free_row_tokens=config.stall_free_row_tokens,
         attention_span=attention_span, kv_weight_tokens=kv_weight_tokens,
+        attention_tile=attention_tile(model_config, worker),
         waiting_served_ratio=config.waiting_served_ratio, max_waiting_steps=config.max_waiting_steps,
         max_seq_len=max_seq_len, admission=config.admission, prefix_caching=config.prefix_caching,
         speculate=config.speculate, draft_heads=config.draft_heads is not None)
@@ -151,6 +153,16 @@ def step_cost_model(model_config: ModelConfig) -> tuple[int, int]:
     attention_span = int(ATTENTION_EFFICIENCY * token_weights / (2 * c.num_layers * c.num_heads * c.head_dim))
     kv_weight_tokens = int((layer_weights + head) // (2 * c.num_layers * c.num_kv_heads * c.head_dim))
     return max(attention_span, 1), max(kv_weight_tokens, 1)
+
+
+def attention_tile(model_config: ModelConfig, worker: WorkerConfig) -> int:
+    """New tokens one program of the prefill attention takes on the worker's device and dtype
+    (``kernels.prefill_attention.tile_shape``): 1 with the torch references, which have no tiles."""
+    if worker.kernel_backend != "triton":
+        return 1
+    group = model_config.num_heads // model_config.num_kv_heads
+    params = prefill_launch(model_config.head_dim, worker.device, worker.dtype, group)
+    return tile_shape(params, group)[1]
 
 
 def resolve_shards(requested: int | None, device: torch.device) -> int:

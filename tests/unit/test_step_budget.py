@@ -224,3 +224,50 @@ def test_random_arrivals_never_run_out_of_slots():
     assert drive(sched, 20_000) < 20_000
     assert added > 500 and finished == added and alloc.used_slots == 0
 
+
+def test_a_partial_attention_tile_costs_a_whole_one():
+    """A program of the prefill attention takes ``attention_tile`` new tokens and walks the whole context for
+    them: 33 tokens late in a long prompt cost two walks, so the budget takes one whole tile instead."""
+    span, tile = 16_000, 32
+    assert chunk_cost(90_000, 33, span, tile) - chunk_cost(90_000, 32, span, tile) > 32 * 90_000 / span
+    assert chunk_cost(90_000, 32, span, tile) == pytest.approx(chunk_cost(90_000, 32, span))
+    budget = StepBudget(tokens=4095, cost=256)
+    assert budget.fit(90_000, 10_000, span) > 32                  # without tiles: a second, almost empty one
+    assert budget.fit(90_000, 10_000, span, tile) == 32
+    assert 0 <= budget.fit(0, 10_000, span) - budget.fit(0, 10_000, span, tile) <= 1   # early: about no difference
+
+
+def a_prompt_beside_a_stream(prompt: int, stream_new: int, **config) -> Scheduler:
+    """A stream (10-token prompt) decoding, then a ``prompt``-token request added beside it; 32-token tiles."""
+    config = SchedulerConfig(max_prefill_tokens=4096, max_seq_len=8000, attention_tile=32, prefix_caching=False,
+                             **config)
+    sched = Scheduler(SlotAllocator(num_slots=20_000, max_requests=4), config)
+    sched.add(make_request(0, 10, stream_new))
+    drive(sched, 2)
+    sched.add(make_request(1, prompt, 2))
+    return sched
+
+
+def test_the_first_prompt_moves_by_a_whole_tile_at_least():
+    sched = a_prompt_beside_a_stream(3000, 300, stall_free_tokens=8, attention_span=300, kv_weight_tokens=500)
+    sizes = []
+    drive(sched, 400, lambda i, step, decoding: sizes.extend(len(r.input_ids) for r in prompt_rows(step)))
+    assert sum(sizes) == 3000 and min(sizes[:-1]) >= 32
+    with pytest.raises(ValueError, match="attention_tile must be >= 1"):
+        SchedulerConfig(attention_tile=0)
+
+
+def test_every_chunk_beside_a_stream_costs_its_whole_tiles_within_the_cap():
+    sched = a_prompt_beside_a_stream(5000, 2000, stall_free_tokens=200, attention_span=1000, kv_weight_tokens=50_000)
+    chunks = []
+
+    def check(i, step, decoding):
+        cap = 200 * (1 + sum(r.held_tokens for r in sched.running if r.request_id in decoding) / 50_000)
+        for r in prompt_rows(step):
+            chunks.append(len(r.input_ids))
+            n, tiles = len(r.input_ids), -(-len(r.input_ids) // 32) * 32
+            cost = n + tiles * (r.start_pos + (n - 1) / 2) / 1000              # its attention's whole tiles
+            assert cost <= cap + 1e-9 or len(r.input_ids) <= 32, f"step {i}: {len(r.input_ids)} tokens cost {cost}"
+
+    drive(sched, 2000, check)
+    assert sum(chunks) == 5000 and len(chunks) > 50

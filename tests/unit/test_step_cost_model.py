@@ -73,3 +73,12 @@ def test_a_moe_tokens_matmuls_count_its_chosen_experts_only():
     assert abs(span - int(ATTENTION_EFFICIENCY * per_layer_used / (2 * 32 * 128))) <= 1
     per_layer_all = per_layer_used + 6 * 3 * 14336 * 4096
     assert kv == (32 * per_layer_all + 32000 * 4096) // (2 * 32 * 8 * 128)   # all experts' bytes, 8 KV heads
+
+
+def test_the_scheduler_knows_the_attention_tile_of_the_kernels_it_runs():
+    """The prefill attention's tokens per program (``tile_shape``) reach the scheduler: the demo model (group 3:
+    one head a program) on the interpreter's 32-row tiles takes 32 tokens; the torch references have no tiles."""
+    from engine.assembly import EngineConfig, plan_engine
+    tiles = {backend: plan_engine(EngineConfig(model_dir="weights/demo", max_requests=2, kernel_backend=backend))
+             .scheduler.attention_tile for backend in ("triton", "torch")}
+    assert tiles == {"triton": 32, "torch": 1}
