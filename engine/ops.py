@@ -61,6 +61,15 @@ class TritonOps(KernelOps):
                                                    sm_scale, max_q_len, shared=shared, max_seq_len=max_seq_len,
                                                    mods=mods, kv_scales=kv.scales, out=out)
 
+    def prefill_attention_call(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
+                               max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None, out=None):
+        """``prefill_attention`` of these rows checked and planned once: a callable of any layer's q and ``KVLayer``
+        shaped as these that writes ``out`` (the piecewise graphs' eager attention, one call a layer)."""
+        call = prefill_attention.PrefillCall(q, kv.data, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
+                                             max_q_len, shared=shared, max_seq_len=max_seq_len, mods=mods,
+                                             kv_scales=kv.scales, out=out)
+        return lambda layer_q, layer: call(layer_q, layer.data, layer.scales)
+
     def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None, mods=None):
         """``shared``: a prefix several rows share (``ForwardBatch.shared_prefix``), attended to once for them."""
         return decode_attention.decode_attention(q, kv.data, req_to_token, req_rows, seq_len, sm_scale, shared=shared,
@@ -126,6 +135,12 @@ class TorchOps(KernelOps):
         return prefill_attention.prefill_attention_ref(q, kv.data, req_to_token, req_rows, q_start, q_len,
                                                        seq_len, sm_scale, max_q_len, mods=mods, kv_scales=kv.scales,
                                                        out=out)
+
+    def prefill_attention_call(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
+                               max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None, out=None):
+        return lambda layer_q, layer: self.prefill_attention(layer_q, layer, req_to_token, req_rows, q_start, q_len,
+                                                             seq_len, sm_scale, max_q_len, shared, max_seq_len, mods,
+                                                             out)
 
     def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None, mods=None):
         return decode_attention.decode_attention_ref(q, kv.data, req_to_token, req_rows, seq_len, sm_scale,

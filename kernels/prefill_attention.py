@@ -345,20 +345,57 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: tor
     ``mods``: the layer's sliding window, soft-cap, ALiBi (``kernels.score_mods``); with a window or
     ALiBi the shared prefix is not used (its kernel knows no row positions). ``kv_scales``: a quantized
     cache's scales (``kernels._kv_quant``)."""
-    _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, max_q_len, kv_scales)
-    check_out(out, q)
-    score_mods.check(mods, q.shape[1], q.device)
-    if mods is not None and mods.needs_positions:
-        shared = None
-    if mods is not None and mods.window is not None and max_seq_len:
-        max_seq_len = min(max_seq_len, mods.window + max_q_len)     # the most keys a query block walks
-    if shared is not None:
-        shared_prefix.check(shared, b_req_row.shape[0], q.device)
-    params = prefill_launch(q.shape[2], q.device, q.dtype, q.shape[1] // (kv_layer.shape[1] // 2))
-    splits = default_splits(b_req_row.shape[0], q.shape[1], kv_layer.shape[1] // 2, max_q_len, max_seq_len, params,
-                            q.device)
-    return launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale, max_q_len,
-                  params, splits, shared, mods, kv_scales, out)
+    call = PrefillCall(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale, max_q_len,
+                       shared, max_seq_len, mods, kv_scales, out)
+    return call(q, kv_layer, kv_scales)
+
+
+class PrefillCall:
+    """``prefill_attention`` of one step's rows, checked and planned once and then run on any layer of the same
+    shapes (``call(q, kv_layer, kv_scales)``, each writing ``call.out``). The piecewise CUDA graphs
+    (``engine.worker.piecewise``) run every layer's attention eagerly between two replays: on one H200 the
+    checks, the launch plan and the split buffers were about a third of that call's host time (cProfile of
+    mixed steps, a 32-token chunk at 90,000 keys beside one stream, Llama-3.1-8B)."""
+
+    def __init__(self, q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
+                 b_req_row: torch.Tensor, b_q_start: torch.Tensor, b_q_len: torch.Tensor,
+                 b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int,
+                 shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 max_seq_len: int | None = None, mods: ScoreMods | None = None,
+                 kv_scales: torch.Tensor | None = None, out: torch.Tensor | None = None):
+        _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, max_q_len, kv_scales)
+        check_out(out, q)
+        score_mods.check(mods, q.shape[1], q.device)
+        if mods is not None and mods.needs_positions:
+            shared = None
+        if mods is not None and mods.window is not None and max_seq_len:
+            max_seq_len = min(max_seq_len, mods.window + max_q_len)     # the most keys a query block walks
+        if shared is not None:
+            shared_prefix.check(shared, b_req_row.shape[0], q.device)
+        kv_heads = kv_layer.shape[1] // 2
+        self.params = prefill_launch(q.shape[2], q.device, q.dtype, q.shape[1] // kv_heads)
+        self.splits = default_splits(b_req_row.shape[0], q.shape[1], kv_heads, max_q_len, max_seq_len, self.params,
+                                     q.device)
+        self.sm_scale, self.max_q_len, self.shared, self.mods = sm_scale, max_q_len, shared, mods
+        self.rows = (req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len)
+        self.out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+        self.split_out, self.split_lse = split_buffers(q, self.splits)
+        self.layer = _layer_shapes(q, kv_layer, kv_scales)
+
+    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """This layer's attention into ``self.out`` (returned): q and ``kv_layer`` shaped as the planned ones."""
+        if _layer_shapes(q, kv_layer, kv_scales) != self.layer:
+            raise ValueError(f"q {tuple(q.shape)} {q.dtype}, kv_layer {tuple(kv_layer.shape)} {kv_layer.dtype} (scales: "
+                             f"{kv_scales is not None}) is not the layer this call was planned for")
+        check_kv(kv_layer, kv_scales, q.dtype)
+        return _run(q, kv_layer, *self.rows, self.sm_scale, self.max_q_len, self.params, self.splits,
+                    self.shared, self.mods, kv_scales, self.out, self.split_out, self.split_lse)
+
+
+def _layer_shapes(q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple:
+    """What a planned ``PrefillCall`` holds fixed of a layer's tensors."""
+    return (q.shape, q.stride(), q.dtype, q.device, kv_layer.shape, kv_layer.stride(), kv_layer.dtype,
+            kv_scales is None)
 
 
 def check_out(out: torch.Tensor | None, q: torch.Tensor) -> None:
@@ -375,11 +412,33 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
            params: PrefillLaunch, splits: int = 1, shared=None, mods: ScoreMods | None = None,
            kv_scales=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernels with explicit launch parameters (``prefill_attention`` picks them; benchmarks sweep them)."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    split_out, split_lse = split_buffers(q, splits)
+    return _run(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale, max_q_len, params,
+                splits, shared, mods, kv_scales, out, split_out, split_lse)
+
+
+def split_buffers(q: torch.Tensor, splits: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The splits' partial outputs and log2-sum-exps (None with one split)."""
+    if splits <= 1:
+        return None, None
+    tokens, q_heads, head_dim = q.shape
+    # lse rows MAX_SPLITS wide whatever the count: Triton compiles one kernel per class of each integer
+    # argument (1, a multiple of 16, other), and rows ``splits`` wide put 16 and 32 splits (a short
+    # chunk at a long context) in another class than the warm-up's 2: both kernels compiled mid-serving,
+    # a 1.25 s stall of a stream beside a 16k-token prompt on one H100 (stop 43's note)
+    return (torch.empty((tokens, q_heads, splits, head_dim), dtype=torch.float32, device=q.device),
+            torch.empty((tokens, q_heads, MAX_SPLITS), dtype=torch.float32, device=q.device))
+
+
+def _run(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale: float, max_q_len: int,
+         params: PrefillLaunch, splits: int, shared, mods: ScoreMods | None, kv_scales, out: torch.Tensor,
+         split_out: torch.Tensor | None, split_lse: torch.Tensor | None) -> torch.Tensor:
+    """The kernels (and the splits' merge) into ``out``, with the split buffers given."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     batch = b_req_row.shape[0]
-    if out is None:
-        out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0 or batch == 0 or max_q_len == 0:
         return out
     scale_log2 = float(sm_scale) * math.log2(math.e)
@@ -390,16 +449,11 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
         mid_out, mid_lse = _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2, mods,
                                                 kv_scales)
         mid_strides = (mid_out.stride(0), mid_out.stride(1), mid_lse.stride(0), mid_lse.stride(1))
-    split_out = split_lse = out                         # unwritten with one split
     split_strides = (0, 0, 0, 0, 0)
     if splits > 1:
-        split_out = torch.empty((tokens, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        # lse rows MAX_SPLITS wide whatever the count: Triton compiles one kernel per class of each integer
-        # argument (1, a multiple of 16, other), and rows ``splits`` wide put 16 and 32 splits (a short
-        # chunk at a long context) in another class than the warm-up's 2: both kernels compiled mid-serving,
-        # a 1.25 s stall of a stream beside a 16k-token prompt on one H100 (stop 43's note)
-        split_lse = torch.empty((tokens, q_heads, MAX_SPLITS), dtype=torch.float32, device=q.device)
         split_strides = (*split_out.stride()[:3], *split_lse.stride()[:2])
+    else:
+        split_out = split_lse = out                     # unwritten with one split
     block_d = max(16, triton.next_power_of_2(head_dim))
     heads, block_tokens = tile_shape(params, q_heads // kv_heads)
     mod_args, mod_flags = score_mods.kernel_args(mods, unread=b_seq_len)

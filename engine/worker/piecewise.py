@@ -141,9 +141,10 @@ class PiecewiseGraphs:
         pieces = self.graphs.get(size)
         if pieces is None:
             return self._forward(size, _Inline(self, inputs))[:count]
+        calls = {}
         for graph, site in zip(pieces.graphs, pieces.sites):
             graph.replay()
-            self._attend(site, inputs)
+            self._attend(site, inputs, calls)
         pieces.graphs[-1].replay()
         return pieces.hidden[:count]
 
@@ -185,12 +186,20 @@ class PiecewiseGraphs:
             buffers[key] = torch.zeros((self.buckets[-1], *key[:2]), dtype=q.dtype, device=q.device)
         return buffers[key]
 
-    def _attend(self, site: Site, rows: RowInputs) -> torch.Tensor:
-        """One layer's attention over the step's own tokens, into the output buffer (returned whole)."""
+    def _attend(self, site: Site, rows: RowInputs, calls: dict) -> torch.Tensor:
+        """One layer's attention over the step's own tokens, into the output buffer (returned whole). The step's
+        rows are checked and the launch planned once for every layer alike (``ops.prefill_attention_call``;
+        ``calls``: the step's, by what a layer's call depends on)."""
         out, n = self.out(site.q), rows.tokens
-        self.ops.prefill_attention(site.q[:n], site.kv, site.req_to_token, rows.req_rows, rows.q_start, rows.q_len,
-                                   rows.seq_len, site.sm_scale, rows.max_q_len, shared=rows.shared,
-                                   max_seq_len=rows.max_seq_len, mods=site.mods, out=out[:n])
+        key = (site.q.shape, site.q.stride(), site.q.dtype, id(site.req_to_token), site.sm_scale,
+               _mods_key(site.mods), site.kv.data.shape, site.kv.data.dtype)
+        call = calls.get(key)
+        if call is None:
+            call = calls[key] = self.ops.prefill_attention_call(
+                site.q[:n], site.kv, site.req_to_token, rows.req_rows, rows.q_start, rows.q_len, rows.seq_len,
+                site.sm_scale, rows.max_q_len, shared=rows.shared, max_seq_len=rows.max_seq_len, mods=site.mods,
+                out=out[:n])
+        call(site.q[:n], site.kv)
         return out
 
     @torch.inference_mode()
@@ -217,6 +226,11 @@ class PiecewiseGraphs:
                  (free - torch.cuda.mem_get_info()[0]) / 2**20)
 
 
+def _mods_key(mods) -> tuple | None:
+    """A layer's score modifications as a key (layers build their own ``ScoreMods``, equal or not)."""
+    return None if mods is None else (mods.window, mods.softcap, id(mods.alibi_slopes))
+
+
 class _Hook:
     """A ``ForwardBatch.attention``: called as ``ops.prefill_attention`` is, on the padded step's q; the per-row
     arguments are the batch's placeholders (unread). ``site`` gives the layer's attention output."""
@@ -238,9 +252,10 @@ class _Inline(_Hook):
     def __init__(self, graphs: PiecewiseGraphs, rows: RowInputs):
         super().__init__(graphs)
         self.rows = rows
+        self.calls: dict = {}
 
     def site(self, site: Site) -> torch.Tensor:
-        return self.graphs._attend(site, self.rows)
+        return self.graphs._attend(site, self.rows, self.calls)
 
 
 class _Skip(_Hook):

@@ -12,6 +12,7 @@ from kernels.prefill_attention import (
     CUDA_LAUNCHES_NO_GQA,
     MAX_GRID_REQUESTS,
     MAX_SPLITS,
+    PrefillCall,
     PrefillLaunch,
     default_splits,
     launch,
@@ -191,6 +192,33 @@ def test_split_keys_give_the_same_prefill_attention(device, splits, layout):
     out = launch(*args, params=prefill_launch(args[0].shape[2], args[0].device, args[0].dtype), splits=splits)
     assert out.isfinite().all()
     torch.testing.assert_close(out, prefill_attention_ref(*args), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_planned_call_runs_each_layer_as_prefill_attention_does(device, monkeypatch, splits):
+    """``PrefillCall``: checked and planned on one layer (split buffers included), then run on other layers' q
+    and K/V of those shapes, each result the reference's on that layer, into the one ``out``; a layer of another
+    shape or dtype is refused."""
+    import kernels.prefill_attention as module
+    monkeypatch.setattr(module, "default_splits", lambda *a, **k: splits)
+    args = prefill_inputs(*SPLIT_LAYOUTS["late chunks"], 8, 2, HEAD_DIMS[-1], torch.float32, device)
+    q, first = args[0], args[1]
+    layers = [first, torch.randn_like(first), torch.randn_like(first)]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    call = PrefillCall(*args, max_seq_len=300, out=out)
+    assert call.splits == splits and (call.split_out is None) == (splits == 1)
+    for layer in layers:
+        width = q.shape[1] * q.shape[2]                 # another view of a fused qkv projection, as q is
+        layer_q = torch.randn(q.shape[0], q.stride(0), device=q.device).to(q.dtype)[:, :width].view(q.shape)
+        assert call(layer_q, layer) is out
+        expected = prefill_attention_ref(layer_q, layer, *args[2:])
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="is not the layer this call was planned for"):
+        call(q, first[:, :2])
+    with pytest.raises(ValueError, match="is not the layer this call was planned for"):
+        call(q, first.half())
+    with pytest.raises(ValueError, match="is not the layer this call was planned for"):
+        call(q[:-1], first)
 
 
 def specialisation(kernel, unspecialised, args) -> list:

@@ -37,15 +37,29 @@ def test_piecewise_steps_give_the_eager_steps_tokens_and_logprobs(tmp_path, fami
     assert used == [14, 9, 9, 16, 25, 7, 7, 7]
 
 
-def test_the_kernels_write_the_attention_into_the_buffer_the_next_piece_reads(tmp_path):
-    """Under the Triton interpreter the kernels themselves take ``out=`` (the graphs' attention output)."""
-    path = save_tiny_model("llama3", tmp_path / "llama3")
+@pytest.mark.parametrize("family,plans", [("llama3", 1), ("gemma2", 2)])
+def test_the_kernels_write_the_attention_into_the_buffer_the_next_piece_reads(tmp_path, monkeypatch, family, plans):
+    """Under the Triton interpreter the kernels themselves take ``out=`` (the graphs' attention output). A step
+    checks and plans its attention once for the layers alike (gemma2: its sliding-window layers and its global
+    ones), then runs it on every layer."""
+    import kernels.prefill_attention as module
+    path = save_tiny_model(family, tmp_path / family)
     steps = scenario()[:4]
     eager = run_steps(new_worker(path, "torch"), steps)
     worker = new_worker(path, "triton")
     worker.piecewise = PiecewiseGraphs(worker.model, worker.ops, worker.kv_cache, worker.last_tokens, max_tokens=32,
                                        use_graphs=False)
+    counts = []
+    original_init, original_call = module.PrefillCall.__init__, module.PrefillCall.__call__
+    monkeypatch.setattr(module.PrefillCall, "__init__",
+                        lambda self, *a, **k: counts[-1].__setitem__(0, counts[-1][0] + 1) or original_init(self, *a, **k))
+    monkeypatch.setattr(module.PrefillCall, "__call__",
+                        lambda self, *a, **k: counts[-1].__setitem__(1, counts[-1][1] + 1) or original_call(self, *a, **k))
+    run = worker.piecewise.run
+    worker.piecewise.run = lambda step: counts.append([0, 0]) or run(step)
     assert_same(run_steps(worker, steps), eager, LOGPROB_TOL)
+    layers = worker.model_config.num_layers
+    assert counts and all(c == [plans, layers] for c in counts), counts
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
