@@ -56,6 +56,30 @@ def run_steps(worker: ModelWorker, steps: list[Step]) -> list[list[tuple]]:
     return out
 
 
+def run_pipelined(worker: ModelWorker, steps: list[Step]) -> tuple[list[list[tuple]], list[int]]:
+    """``run_steps``' rows, each step launched before the previous one's result is taken; that result taken
+    between the pieces of the next launch once it is ready, as the shard process does
+    (``engine.worker.process``), else after it. And per step, how often the launch called back."""
+    results, calls, previous = [], [], None
+
+    def meanwhile():
+        nonlocal previous
+        calls[-1] += 1
+        if previous is not None and previous.ready():
+            results.append(previous.result())
+            previous = None
+
+    for step in steps:
+        calls.append(0)
+        launched = worker.launch(step, meanwhile=meanwhile)
+        if previous is not None:
+            results.append(previous.result())
+        previous = launched
+    results.append(previous.result())
+    rows = [[(r.token_id, r.logprob, r.top_ids, r.top_logprobs, r.prompt_logprobs) for r in res.rows] for res in results]
+    return rows, calls
+
+
 def assert_same(a: list[list[tuple]], b: list[list[tuple]], tol: float) -> None:
     """Equal tokens and top ids, logprobs within ``tol``."""
     for step_a, step_b in zip(a, b, strict=True):

@@ -36,6 +36,7 @@ from CUDA graphs of their own on a GPU (``cuda_graphs.HeadGraphs``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -307,13 +308,16 @@ class ModelWorker:
         return self.launch(step).result()
 
     @torch.inference_mode()
-    def launch(self, step: Step) -> "LaunchedStep":
+    def launch(self, step: Step, meanwhile: Callable[[], None] | None = None) -> "LaunchedStep":
         """Queue the step's device work and return without waiting for it.
 
         The previous step's tokens reach the host here, after this step's forward is
         queued and before its sampling (which needs them for penalties, grammars and
         seeds): the device runs the forward meanwhile. Decode rows read their input
         token from ``last_tokens``, written on the device by the previous sampling.
+        ``meanwhile``: called between the pieces of a forward through the piecewise graphs
+        (after each layer's attention), whose launch can take longer than the previous step
+        runs: the caller may take that step's result there (``engine.worker.process``).
         """
         for request_id in step.released:
             state = self._sampling.pop(request_id, None)
@@ -329,7 +333,7 @@ class ModelWorker:
         elif self.verifier is not None and self.verifier.accepts(step):
             sampled, logits, hidden, picks = self._decode_with_graphs(step, self.verifier)
         else:
-            sampled, logits, hidden = self._forward(step, results)
+            sampled, logits, hidden = self._forward(step, results, meanwhile)
         self._finish_previous()
         self._track_rows(step)
         if not sampled:
@@ -363,12 +367,12 @@ class ModelWorker:
             state.grammar = grammars.matcher(row.params.grammar_type, row.params.grammar)
         return state
 
-    def _forward(self, step: Step, results: list[RowResult]):
+    def _forward(self, step: Step, results: list[RowResult], meanwhile: Callable[[], None] | None = None):
         """The forward of a step the decode and verify graphs do not take (through the piecewise graphs where
         they take it, else eagerly): (indices of the sampled rows, their logits, the final hidden states at the
         same positions)."""
         if self.piecewise is not None and self.piecewise.accepts(step):
-            hidden = self.piecewise.run(step)
+            hidden = self.piecewise.run(step, meanwhile)
         else:
             hidden = self.model.forward(self._forward_batch(step), self.kv_cache)
         offsets, offset = [], 0

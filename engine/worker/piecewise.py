@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -120,9 +121,9 @@ class PiecewiseGraphs:
     def accepts(self, step: Step) -> bool:
         return sum(len(r.input_ids) for r in step.rows) <= self.buckets[-1]
 
-    def run(self, step: Step) -> torch.Tensor:
+    def run(self, step: Step, meanwhile: Callable[[], None] | None = None) -> torch.Tensor:
         """The step's final hidden states [its tokens, hidden] (a view of a static buffer, valid until the
-        next step's forward)."""
+        next step's forward). ``meanwhile``: called after each layer's attention is queued."""
         x = ragged_inputs(step.rows)
         count = len(x.input_ids)
         size = next(b for b in self.buckets if b >= count)
@@ -140,11 +141,13 @@ class PiecewiseGraphs:
         inputs = row_inputs(x, shared_prefix_tensors(step.rows, self.inputs.device), self.inputs.device)
         pieces = self.graphs.get(size)
         if pieces is None:
-            return self._forward(size, _Inline(self, inputs))[:count]
+            return self._forward(size, _Inline(self, inputs, meanwhile))[:count]
         calls = {}
         for graph, site in zip(pieces.graphs, pieces.sites):
             graph.replay()
             self._attend(site, inputs, calls)
+            if meanwhile is not None:
+                meanwhile()
         pieces.graphs[-1].replay()
         return pieces.hidden[:count]
 
@@ -249,13 +252,16 @@ class _Hook:
 class _Inline(_Hook):
     """Graphs off: each layer's attention runs at once on the step's own rows."""
 
-    def __init__(self, graphs: PiecewiseGraphs, rows: RowInputs):
+    def __init__(self, graphs: PiecewiseGraphs, rows: RowInputs, meanwhile: Callable[[], None] | None = None):
         super().__init__(graphs)
-        self.rows = rows
+        self.rows, self.meanwhile = rows, meanwhile
         self.calls: dict = {}
 
     def site(self, site: Site) -> torch.Tensor:
-        return self.graphs._attend(site, self.rows, self.calls)
+        out = self.graphs._attend(site, self.rows, self.calls)
+        if self.meanwhile is not None:
+            self.meanwhile()
+        return out
 
 
 class _Skip(_Hook):

@@ -63,14 +63,17 @@ def shard_main(spec: ShardSpec, conn, log_level="INFO") -> None:
 def serve_steps(worker, conn, reply: bool) -> None:
     """Run Steps until Shutdown; one StepResult per Step, in order (rank 0 only).
 
-    A step's result goes out as soon as the next Step has been launched behind it (the
-    device never waits for the router), or as soon as it is done if no Step came first.
+    A step's result goes out as soon as the device finished it: while the next Step is
+    being launched behind it (the worker looks between the pieces of that launch, see
+    ``ModelWorker.launch``), else once that launch is queued, or at once if no Step came
+    first. The device never waits for the router, and a launch that takes longer than the
+    step before it ran does not hold that step's tokens back: before, they went out with the
+    next step's (one H200, debug log: 23 of a stream's 2,075 steps beside a 100k-token prompt).
     """
-    launched = None                 # the newest launched step whose result is not sent yet
+    replies = _Replies(conn, reply)
     while True:
-        if launched is not None and not _next_step_first(conn, launched):
-            _reply(conn, launched, reply)
-            launched = None
+        if replies.pending is not None and not _next_step_first(conn, replies.pending):
+            replies.send()
             continue
         data = conn.recv_bytes()
         received = time.perf_counter()
@@ -78,12 +81,28 @@ def serve_steps(worker, conn, reply: bool) -> None:
         if isinstance(message, Shutdown):
             return
         decoded = time.perf_counter()
-        newer = worker.launch(message)
+        newer = worker.launch(message, meanwhile=replies.send_if_ready)
         log.debug("shard step of %d rows (%d bytes): decoded in %.1f ms, launched in %.1f ms", len(message.rows),
                   len(data), 1000 * (decoded - received), 1000 * (time.perf_counter() - decoded))
-        if launched is not None:
-            _reply(conn, launched, reply)
-        launched = newer
+        replies.send()
+        replies.pending = newer
+
+
+class _Replies:
+    """The launched step whose result is not sent yet (``pending``), and its sending."""
+
+    def __init__(self, conn, reply: bool):
+        self.conn, self.reply = conn, reply
+        self.pending = None
+
+    def send_if_ready(self) -> None:
+        if self.pending is not None and self.pending.ready():
+            self.send()
+
+    def send(self) -> None:
+        if self.pending is not None:
+            _reply(self.conn, self.pending, self.reply)
+            self.pending = None
 
 
 def _next_step_first(conn, launched) -> bool:

@@ -4,7 +4,7 @@ eagerly (``--cuda-graphs 0``: the same kernels on the same shapes) and of the ra
 import torch
 
 from engine.worker.model_worker import ModelWorker, WorkerConfig
-from tests.step_scenarios import assert_same, run_steps, scenario
+from tests.step_scenarios import assert_same, run_pipelined, run_steps, scenario
 from tests.tiny_models import save_tiny_model
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -24,7 +24,7 @@ def test_piecewise_graph_steps_equal_the_padded_eager_steps_and_the_ragged_forwa
     captured = new_worker(path, None)
     assert captured.piecewise is not None and sorted(captured.piecewise.graphs) == [16, 32, 64]
     replays, original = [], captured.piecewise.run
-    captured.piecewise.run = lambda step: replays.append(len(step.rows)) or original(step)
+    captured.piecewise.run = lambda step, meanwhile=None: replays.append(len(step.rows)) or original(step, meanwhile)
     with_graphs = run_steps(captured, steps)
     assert len(replays) == 5          # the steps with prompt tokens, but the one over 64 tokens
     padded_eager = new_worker(path, ())
@@ -33,3 +33,14 @@ def test_piecewise_graph_steps_equal_the_padded_eager_steps_and_the_ragged_forwa
     ragged = new_worker(path, ())
     ragged.piecewise = None
     assert_same(with_graphs, run_steps(ragged, steps), 1e-3)
+
+
+def test_results_taken_between_the_replayed_pieces_of_the_next_step_are_the_same(tmp_path):
+    """The shard process takes a step's result between the pieces of the next step's launch once the device
+    finished it (``engine.worker.process``): the same tokens and logprobs as steps run one at a time."""
+    path = save_tiny_model("llama3", tmp_path / "llama3", **SHAPE)
+    steps = scenario()
+    worker = new_worker(path, None)
+    rows, calls = run_pipelined(worker, steps)
+    assert_same(rows, run_steps(new_worker(path, None), steps), 1e-5)
+    assert sorted(set(calls)) == [0, SHAPE["num_hidden_layers"]] and calls.count(SHAPE["num_hidden_layers"]) == 5

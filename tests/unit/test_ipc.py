@@ -1,4 +1,5 @@
 import math
+import time
 
 import msgpack
 import pytest
@@ -161,7 +162,7 @@ def test_a_shard_answers_each_step_and_logs_its_decode_launch_and_result_times(c
             return self._result
 
     class EchoWorker:
-        def launch(self, step):
+        def launch(self, step, meanwhile=None):
             return Done(StepResult([RowResult(r.request_id, 5) for r in step.rows]))
 
     router_end, shard_end = multiprocessing.Pipe()
@@ -177,3 +178,58 @@ def test_a_shard_answers_each_step_and_logs_its_decode_launch_and_result_times(c
     assert any(line.startswith("shard step of 1 rows (") and "decoded in" in line and "launched in" in line
                for line in lines)
     assert any(line.startswith("shard step result of 1 rows: ready and sent after") for line in lines)
+
+
+def test_a_shard_sends_a_result_as_soon_as_its_step_is_done_while_it_launches_the_next():
+    """The previous step finishes on the device while the next one is being launched (a launch that takes
+    longer than that step ran): its result goes out from between the launch's pieces, not after the launch."""
+    import multiprocessing
+    import threading
+
+    from engine.protocol.messages import Shutdown
+    from engine.worker.process import serve_steps
+
+    router_end, shard_end = multiprocessing.Pipe()
+
+    class Handle:
+        def __init__(self, token):
+            self.token, self.done = token, False
+
+        def ready(self):
+            return self.done
+
+        def result(self):
+            return StepResult([RowResult(1, self.token)])
+
+    class SlowLaunches:
+        def __init__(self):
+            self.handles, self.sent_during = [], []
+
+        def launch(self, step, meanwhile=None):
+            if self.handles:
+                meanwhile()                                     # a piece queued; the previous step still runs
+                nothing_yet = not router_end.poll(0.2)
+                self.handles[-1].done = True
+                meanwhile()                                     # the next piece: it has finished
+                arrived = router_end.poll(5) and decode(router_end.recv_bytes()).rows[0].token_id
+                meanwhile()                                     # already sent: not again
+                self.sent_during.append((nothing_yet, arrived))
+            self.handles.append(Handle(10 + len(self.handles)))
+            return self.handles[-1]
+
+    worker = SlowLaunches()
+    shard = threading.Thread(target=serve_steps, args=(worker, shard_end, True))
+    shard.start()
+    row = StepRow(1, 0, 0, [5], [10], True)
+    for _ in range(3):
+        router_end.send_bytes(encode(Step(rows=[row])))
+        time.sleep(0.05)                        # each Step arrives while the one before is still running
+    deadline = time.monotonic() + 5
+    while len(worker.handles) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.handles[-1].done = True
+    last = decode(router_end.recv_bytes()).rows[0].token_id
+    router_end.send_bytes(encode(Shutdown()))
+    shard.join(5)
+    assert not shard.is_alive() and not router_end.poll(0)
+    assert worker.sent_during == [(True, 10), (True, 11)] and last == 12

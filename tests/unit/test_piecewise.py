@@ -8,7 +8,7 @@ from engine.protocol.messages import StepRow
 from engine.worker.forward_batch import ragged_inputs
 from engine.worker.model_worker import ModelWorker, WorkerConfig
 from engine.worker.piecewise import PiecewiseGraphs, row_inputs
-from tests.step_scenarios import assert_same, run_steps, scenario
+from tests.step_scenarios import assert_same, run_pipelined, run_steps, scenario
 from tests.tiny_models import save_tiny_model
 
 LOGPROB_TOL = 1e-4
@@ -30,7 +30,8 @@ def test_piecewise_steps_give_the_eager_steps_tokens_and_logprobs(tmp_path, fami
     worker.piecewise = PiecewiseGraphs(worker.model, worker.ops, worker.kv_cache, worker.last_tokens, max_tokens=64,
                                        use_graphs=False)
     used, original = [], worker.piecewise.run
-    worker.piecewise.run = lambda step: used.append(sum(len(r.input_ids) for r in step.rows)) or original(step)
+    worker.piecewise.run = lambda step, meanwhile=None: (used.append(sum(len(r.input_ids) for r in step.rows))
+                                                         or original(step, meanwhile))
     assert worker.piecewise.buckets == [16, 32, 64]
     assert_same(run_steps(worker, steps), eager, LOGPROB_TOL)
     # every step but the 76-token one (no decoder on a CPU: its decode steps come here too)
@@ -56,10 +57,26 @@ def test_the_kernels_write_the_attention_into_the_buffer_the_next_piece_reads(tm
     monkeypatch.setattr(module.PrefillCall, "__call__",
                         lambda self, *a, **k: counts[-1].__setitem__(1, counts[-1][1] + 1) or original_call(self, *a, **k))
     run = worker.piecewise.run
-    worker.piecewise.run = lambda step: counts.append([0, 0]) or run(step)
+    worker.piecewise.run = lambda step, meanwhile=None: counts.append([0, 0]) or run(step, meanwhile)
     assert_same(run_steps(worker, steps), eager, LOGPROB_TOL)
     layers = worker.model_config.num_layers
     assert counts and all(c == [plans, layers] for c in counts), counts
+
+
+def test_the_previous_steps_result_taken_between_the_layers_of_the_next_launch_is_the_same(tmp_path):
+    """``launch(step, meanwhile)``: the shard process sends the previous step's result from between the layers of
+    the next step's launch once the device finished it (``engine.worker.process``). Taken there, every step's
+    tokens and logprobs are those of steps run one at a time; ``meanwhile`` runs after each layer's attention."""
+    path = save_tiny_model("llama3", tmp_path / "llama3")
+    steps = scenario()
+    eager = run_steps(new_worker(path, "torch"), steps)
+    worker = new_worker(path, "torch")
+    worker.piecewise = PiecewiseGraphs(worker.model, worker.ops, worker.kv_cache, worker.last_tokens, max_tokens=64,
+                                       use_graphs=False)
+    rows, calls = run_pipelined(worker, steps)
+    assert_same(rows, eager, LOGPROB_TOL)
+    layers = worker.model_config.num_layers
+    assert calls == [layers, layers, layers, layers, layers, 0, layers, layers, layers]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])

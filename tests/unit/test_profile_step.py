@@ -41,9 +41,9 @@ def test_mixed_steps_carry_the_prompt_chunk_beside_the_decode_rows(monkeypatch, 
         worker = real(config)
         eager = worker._forward
 
-        def recording(step, results):
+        def recording(step, results, meanwhile=None):
             forwards.append([(len(r.input_ids), r.start_pos, r.sample) for r in step.rows])
-            return eager(step, results)
+            return eager(step, results, meanwhile)
         worker._forward = recording
         launch = worker.sampler.launch
         worker.sampler.launch = lambda logits, rows, **kw: sampled.append((logits.shape[0], len(rows))) or launch(
