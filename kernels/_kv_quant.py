@@ -50,6 +50,18 @@ def scale_args(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None) -> dict:
     return dict(zip(names, args))
 
 
+def wide_slots(kv_layer: torch.Tensor) -> bool:
+    """Whether a slot's offset into ``kv_layer`` (slot * its stride, in elements) can pass int32's range: the
+    prefill kernel then computes the offsets in int64 (``WIDE_SLOTS``), else in int32, which takes the loop over
+    128-key blocks (Llama-3.1-8B heads) from 603 to 540 SASS instructions (sm_90, Triton 3.6). One H200, one
+    call, two runs each: ``bench.prefill_attention_bench`` whole 32k-token prompt 481-483 -> 489-490 TFLOP/s,
+    100k 482-483 -> 486-488, a 4,096-token chunk at 32k 403-412 -> 412-422 but at 100k 478-483 -> 466-470; one
+    prompt prefilled alone in 4,096-token chunks 1.332-1.333 -> 1.322-1.325 s (32k), 7.825-7.852 -> 7.785-7.800 s
+    (100k); in another call, a step of one stream row beside a 32-token chunk at 90,000 keys 9.67 -> 9.50 ms.
+    The decode and shared-prefix kernels (bound by memory, not timed with it) keep int64."""
+    return kv_layer.shape[0] * kv_layer.stride(0) > 2 ** 31 - 1
+
+
 def check_kv(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, dtype: torch.dtype) -> None:
     """``kv_layer`` holds ``dtype`` values unquantized, or a quantized dtype with its matching scales."""
     if kv_layer.dtype not in QUANTIZED_DTYPES:

@@ -45,25 +45,35 @@ from ._math import tanh
 
 
 @triton.jit
+def widen(slots, WIDE_SLOTS: tl.constexpr):
+    """Slots (int32) as their offsets' type: int64 when WIDE_SLOTS."""
+    if WIDE_SLOTS:
+        slots = slots.to(tl.int64)
+    return slots
+
+
+@triton.jit
 def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v_base, stride_kv_slot,
                  d_mask, scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, CAUSAL: tl.constexpr,
                  BOUNDED: tl.constexpr, window, softcap_log2, alibi_log2, WINDOW: tl.constexpr,
                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, k_scale_base=None, v_scale_base=None,
-                 stride_scale_slot=0, KV_SCALES: tl.constexpr = 0, given_slots=0, GIVEN: tl.constexpr = False):
+                 stride_scale_slot=0, KV_SCALES: tl.constexpr = 0, given_slots=0, GIVEN: tl.constexpr = False,
+                 WIDE_SLOTS: tl.constexpr = True):
     """Online-softmax update of (m_i, l_i, acc) with the keys at positions [start_n, start_n + BLOCK_N),
     cut at ``key_end`` when BOUNDED (without it every position of the block must be a key). GIVEN (with
-    BOUNDED off): the block's slots are ``given_slots`` [BLOCK_N], loaded by the caller, not here."""
+    BOUNDED off): the block's slots are ``given_slots`` [BLOCK_N], loaded by the caller, not here.
+    WIDE_SLOTS: the slots' offsets in int64 (``kernels._kv_quant.wide_slots``), else int32."""
     pos = start_n + tl.arange(0, BLOCK_N)
     if BOUNDED:
         n_mask = pos < key_end
-        slots = tl.load(table_row + pos, mask=n_mask, other=0).to(tl.int64)
+        slots = widen(tl.load(table_row + pos, mask=n_mask, other=0), WIDE_SLOTS)
         kv_mask = n_mask[:, None] & d_mask[None, :]
     else:
         n_mask = start_n      # unread
         if GIVEN:
-            slots = given_slots.to(tl.int64)
+            slots = widen(given_slots, WIDE_SLOTS)
         else:
-            slots = tl.load(table_row + pos).to(tl.int64)
+            slots = widen(tl.load(table_row + pos), WIDE_SLOTS)
         kv_mask = d_mask[None, :]
     k, k_scale = load_kv(k_base, slots, stride_kv_slot, kv_mask, k_scale_base, stride_scale_slot, n_mask, q.dtype,
                          KV_SCALES, BOUNDED)
@@ -117,7 +127,8 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
 def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask, scale_log2,
                  BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, q_pos, window, softcap_log2,
                  alibi_log2, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, k_scale_base=None,
-                 v_scale_base=None, stride_scale_slot=0, KV_SCALES: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
+                 v_scale_base=None, stride_scale_slot=0, KV_SCALES: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
+                 WIDE_SLOTS: tl.constexpr = True):
     """``attend_block`` over the key positions [start, end), every one visible to every query row:
     the full blocks without a mask, then the partial block left at the end (if any) with the bounds mask
     (WINDOW: every block with the window mask; ``q_pos`` [rows] is read only by ALIBI and WINDOW).
@@ -147,7 +158,7 @@ def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride
                                          alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
                                          k_scale_base=k_scale_base, v_scale_base=v_scale_base,
                                          stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES,
-                                         given_slots=slots, GIVEN=PREFETCH)
+                                         given_slots=slots, GIVEN=PREFETCH, WIDE_SLOTS=WIDE_SLOTS)
             if PREFETCH:
                 slots = ahead
             start_n += BLOCK_N
@@ -162,7 +173,7 @@ def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride
                                          alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
                                          k_scale_base=k_scale_base, v_scale_base=v_scale_base,
                                          stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES,
-                                         given_slots=slots, GIVEN=PREFETCH)
+                                         given_slots=slots, GIVEN=PREFETCH, WIDE_SLOTS=WIDE_SLOTS)
             if PREFETCH:
                 slots = ahead
     if full_end < end:
@@ -171,5 +182,5 @@ def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride
                                      window=window, softcap_log2=softcap_log2, alibi_log2=alibi_log2,
                                      WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI, k_scale_base=k_scale_base,
                                      v_scale_base=v_scale_base, stride_scale_slot=stride_scale_slot,
-                                     KV_SCALES=KV_SCALES)
+                                     KV_SCALES=KV_SCALES, WIDE_SLOTS=WIDE_SLOTS)
     return m_i, l_i, acc

@@ -66,7 +66,7 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
-from ._kv_quant import KV_DTYPES, check_kv, dot_query, gather_kv_ref, scale_args
+from ._kv_quant import KV_DTYPES, check_kv, dot_query, gather_kv_ref, scale_args, wide_slots
 from ._online_softmax import attend_block, attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
@@ -95,6 +95,7 @@ def _prefill_attention_kernel(
     UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr, SPLIT: tl.constexpr,
     window, softcap_log2, alibi_ptr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
+    WIDE_SLOTS: tl.constexpr,
 ):
     """One program: TOKENS new tokens x HEADS q heads of one kv head (the module's tile table)."""
     wait_for_prior_kernel(PDL)
@@ -143,24 +144,27 @@ def _prefill_attention_kernel(
         first = tl.maximum(first, tl.minimum(prefix + block_m * TOKENS - window + 1, diag_start))
     q_pos = prefix + offs_m
     alibi_log2 = tl.load(alibi_ptr + heads) * 1.4426950408889634 if ALIBI else 0.0
-    lo, hi = _split_part(first, diag_start, split, num_splits, BLOCK_N)
+    if SPLIT:
+        lo, hi = _split_part(first, diag_start, split, num_splits, BLOCK_N)
+    else:           # one split: the walk starts at `first` (0 unless SHARED or WINDOW: a constant start)
+        lo, hi = first, diag_start
     if WINDOW:      # blocks before `seen_by_all` straddle some row's window start: masked; the rest are not
         last_row = prefix + tl.minimum(q_len, (block_m + 1) * TOKENS) - 1
         seen_by_all = tl.minimum(lo + tl.cdiv(tl.maximum(last_row - window + 1 - lo, 0), BLOCK_N) * BLOCK_N, hi)
         m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, seen_by_all, table_row, k_base, v_base, stride_kv_slot,
                                      d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2,
                                      alibi_log2, True, SOFTCAP, ALIBI, k_scale_base, v_scale_base,
-                                     stride_scale_slot, KV_SCALES, PREFETCH)
+                                     stride_scale_slot, KV_SCALES, PREFETCH, WIDE_SLOTS)
         lo = seen_by_all
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, hi, table_row, k_base, v_base, stride_kv_slot, d_mask,
                                  scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2, alibi_log2,
                                  False, SOFTCAP, ALIBI, k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES,
-                                 PREFETCH)
+                                 PREFETCH, WIDE_SLOTS)
     if split == num_splits - 1:
         m_i, l_i, acc = _attend_diagonal(q, m_i, l_i, acc, diag_start, key_end, q_pos, table_row, k_base,
                                          v_base, stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, WHILE_LOOP,
                                          window, softcap_log2, alibi_log2, WINDOW, SOFTCAP, ALIBI,
-                                         k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES)
+                                         k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES, WIDE_SLOTS)
     if SPLIT:       # a partial result for the merge kernel
         _store_split(m_i, l_i, acc, split, tokens, heads, m_mask, offs_d, d_mask, split_out_ptr, split_lse_ptr,
                      stride_split_token, stride_split_head, stride_split_split, stride_slse_token, stride_slse_head)
@@ -196,7 +200,8 @@ def _split_part(start, end, split, num_splits, BLOCK_N: tl.constexpr):
 def _attend_diagonal(q, m_i, l_i, acc, start, end, q_pos, table_row, k_base, v_base, stride_kv_slot, d_mask,
                      scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, window,
                      softcap_log2, alibi_log2, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                     k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES: tl.constexpr):
+                     k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES: tl.constexpr,
+                     WIDE_SLOTS: tl.constexpr):
     """``attend_block`` with the causal and bounds masks over the key positions [start, end)."""
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
         start_n = start
@@ -206,7 +211,8 @@ def _attend_diagonal(q, m_i, l_i, acc, start, end, q_pos, table_row, k_base, v_b
                                          BOUNDED=True, window=window, softcap_log2=softcap_log2,
                                          alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
                                          k_scale_base=k_scale_base, v_scale_base=v_scale_base,
-                                         stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES)
+                                         stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES,
+                                         WIDE_SLOTS=WIDE_SLOTS)
             start_n += BLOCK_N
     else:
         for start_n in range(start, end, BLOCK_N):
@@ -215,7 +221,8 @@ def _attend_diagonal(q, m_i, l_i, acc, start, end, q_pos, table_row, k_base, v_b
                                          BOUNDED=True, window=window, softcap_log2=softcap_log2,
                                          alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
                                          k_scale_base=k_scale_base, v_scale_base=v_scale_base,
-                                         stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES)
+                                         stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES,
+                                         WIDE_SLOTS=WIDE_SLOTS)
     return m_i, l_i, acc
 
 
@@ -471,7 +478,7 @@ def _run(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm
         UPCAST=upcast_dots(q),
         WHILE_LOOP=not q.is_cuda, SHARED=shared is not None, SPLIT=splits > 1, **mod_args, **mod_flags,
         num_warps=params.num_warps, num_stages=params.num_stages, **launch_options(q),
-        **scale_args(kv_layer, kv_scales),
+        **scale_args(kv_layer, kv_scales), WIDE_SLOTS=wide_slots(kv_layer),
     )
     if splits > 1:
         _decode_merge_kernel[(tokens, q_heads)](

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from kernel_inputs import ATTENTION_TOL, ON_GPU, build_kv_cache
 
+from kernels._kv_quant import wide_slots
 from kernels.prefill_attention import (
     CPU_LAUNCH,
     CUDA_LAUNCHES,
@@ -192,6 +193,31 @@ def test_split_keys_give_the_same_prefill_attention(device, splits, layout):
     out = launch(*args, params=prefill_launch(args[0].shape[2], args[0].device, args[0].dtype), splits=splits)
     assert out.isfinite().all()
     torch.testing.assert_close(out, prefill_attention_ref(*args), atol=1e-4, rtol=1e-4)
+
+
+def test_slots_whose_offsets_pass_int32_are_read_right(device):
+    """A cache layer of 2**31 elements or more: offsets of slots near its end pass int32's range, so the kernel
+    computes them in int64 there (``wide_slots``; int32 below). The requests' K/V moved to the last slots of such
+    a layer (left unwritten elsewhere: its untouched pages take no memory) give the small layer's result."""
+    args = prefill_inputs(*LAYOUTS["long prefix"], 2, 1, 32, torch.float16, device)
+    q, small, table = args[0], args[1], args[2]
+    slots = 2 ** 31 // (small.shape[1] * small.shape[2]) + 64
+    big = torch.empty((slots, *small.shape[1:]), dtype=small.dtype, device=device)
+    assert wide_slots(big) and not wide_slots(small)
+    moved = torch.where(table > 0, slots - table, 0)                # slot s -> slots - s, past 2**31 / stride
+    used = table[table > 0].long()
+    big[slots - used] = small[used]
+    expected = prefill_attention(*args)
+    out = prefill_attention(q, big, moved, *args[3:])
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_wide_slots_from_the_largest_slot_offset():
+    """int32 holds every slot's offset (slot * stride) while slots * stride <= 2**31 - 1."""
+    per_slot = 2 * 8 * 128
+    assert not wide_slots(torch.empty((2 ** 31 // per_slot - 1, 16, 128), device="meta"))
+    assert wide_slots(torch.empty((2 ** 31 // per_slot, 16, 128), device="meta"))
+    assert wide_slots(torch.empty((2 ** 30, 16, 128), device="meta")[:2 ** 20:2])     # a view: its stride counts
 
 
 @pytest.mark.parametrize("splits", [1, 4])
