@@ -489,7 +489,7 @@ class ModelWorker:
         if chained:
             kept = torch.where(kept == VOID, self.last_tokens[rows_t], kept)
         self.last_tokens.index_copy_(0, rows_t, kept)
-        if self.config.speculate:
+        if kept_at is not None:     # verify rows: a row chained behind one reads its shift (plain rows: none does)
             self._note_shifts(rows, rows_t, kept_at)
         drafts = self._draft_heads(hidden, kept_at)
         if sample is None:
@@ -540,12 +540,10 @@ class ModelWorker:
             return self.head_graphs.run(hidden, kept_at)
         return self.draft_heads(self.ops, hidden if kept_at is None else hidden[kept_at])
 
-    def _note_shifts(self, rows: list[StepRow], rows_t: torch.Tensor, kept_at: torch.Tensor | None) -> None:
+    def _note_shifts(self, rows: list[StepRow], rows_t: torch.Tensor, kept_at: torch.Tensor) -> None:
         """``shift`` of the sampled rows' request rows, on the device: a verify row's drafts past the last one it
-        kept (``kept_at``: that token's index; its last position is ``start + drafts``), 0 for a plain row."""
-        if kept_at is None:
-            self.shift.index_fill_(0, rows_t, 0)
-            return
+        kept (``kept_at``: that token's index; its last position is ``start + drafts``), 0 for a plain row. Steps
+        without verify rows write nothing: only a verify row's request can have a row chained behind it."""
         last, end = [], 0
         for r in rows:
             end += logit_positions(r)
