@@ -34,8 +34,8 @@ engine's). Per --speculate N: verify rows, drafted, accepted, acceptance rate, o
 forward step of the request (plain decoding = 1.0), the steps that wait (the request runs but has
 no row to plan: its verify row's result decides the next position and no row could go out chained
 behind it; plain rows are pipelined and never wait) per forward step, and tokens per (step + wait),
-the speed-up if a wait cost a whole step; and the chained rows that moved back behind a verify row that
-kept fewer drafts (``engine.router.scheduler``).
+the speed-up if a wait cost a whole step. Rows counts void chained rows (``engine.router.scheduler``)
+too: a step they ride costs what a wait would.
 batch: the same replay with whole workloads at once (64 noise requests of --new-tokens / 2; the rename
 prompts; the rename prompts beside 52 noise requests), with the scheduler's step gate and without it
 (``verify_step_cost`` 0): decode steps, those that carry verify rows (every row padded to 1 + N tokens),
@@ -478,14 +478,13 @@ def references(args) -> dict[str, list[tuple[list[int], list[int]]]]:
 class ReferenceShards:
     """A shard that 'decodes' a known greedy output: a prompt's last chunk samples its first token, a
     decode row the token after its fed one, and a verify row accepts its drafts while they equal the
-    output (exactly the worker's greedy verification); a chained row moves back by the drafts the row
-    before it did not keep (the worker's ``shift_chained``). Results come back in order, like the worker's."""
+    output (exactly the worker's greedy verification). Results come back in order, like the worker's."""
 
     def __init__(self):
         self.outputs: dict[int, tuple[int, list[int]]] = {}    # request id -> (prompt length, output)
         self.results = []
-        self.shift: dict[int, int] = {}         # request id -> drafts its newest row did not keep
-        self.moved_rows = 0                     # chained rows behind a verify row that kept fewer
+        self.kept_all: dict[int, bool] = {}     # request id -> whether its newest row kept every draft
+        self.void_rows = 0                      # chained rows behind a verify row that kept fewer
 
     def submit(self, step: Step) -> None:
         rows = []
@@ -493,19 +492,18 @@ class ReferenceShards:
             if not row.sample:
                 rows.append(RowResult(row.request_id))
                 continue
-            prompt_len, output = self.outputs[row.request_id]
-            shift = self.shift.get(row.request_id, 0) if row.chained else 0
-            self.moved_rows += shift > 0
-            first = row.start_pos + len(row.input_ids) - prompt_len if row.input_ids[0] != FED_BACK \
-                else row.start_pos - shift + 1 - prompt_len
-            if first >= len(output):
-                rows.append(RowResult(row.request_id))     # behind the row that ended the request: ignored
+            if row.chained and not self.kept_all.get(row.request_id, False):
+                rows.append(RowResult(row.request_id))     # void: no token, as the worker
+                self.void_rows += 1
                 continue
+            prompt_len, output = self.outputs[row.request_id]
+            first = row.start_pos + len(row.input_ids) - prompt_len if row.input_ids[0] != FED_BACK \
+                else row.start_pos + 1 - prompt_len
             drafts = row.input_ids[1:] if row.input_ids[0] == FED_BACK else []
             kept = 0
-            while kept < len(drafts) and first + kept < len(output) and drafts[kept] == output[first + kept]:
+            while kept < len(drafts) and drafts[kept] == output[first + kept]:
                 kept += 1
-            self.shift[row.request_id] = len(drafts) - kept
+            self.kept_all[row.request_id] = kept == len(drafts)
             tokens = [RowResult(row.request_id, token_id=t, logprob=0.0) for t in output[first : first + kept + 1]]
             tokens[0].following = tokens[1:]
             rows.append(tokens[0])
@@ -551,7 +549,7 @@ def run_pipelined(scheduler, pairs: list[tuple[list[int], list[int]]]) -> dict:
             generated[request.request_id].append(res.token_id)
     if any(generated[rid] != output for rid, (_, output) in enumerate(pairs)):
         raise AssertionError("the replay changed an output: speculation must not")
-    counts["moved_rows"] = shards.moved_rows
+    counts["void_rows"] = shards.void_rows
     return counts
 
 
@@ -561,13 +559,13 @@ def replay(pairs: list[tuple[list[int], list[int]]], speculate: int) -> dict:
     from engine.router.allocator import SlotAllocator
     from engine.router.scheduler import Scheduler
 
-    totals = {"tokens": 0, "rows": 0, "verify_rows": 0, "moved_rows": 0, "waits": 0, "drafted": 0, "accepted": 0}
+    totals = {"tokens": 0, "rows": 0, "verify_rows": 0, "void_rows": 0, "waits": 0, "drafted": 0, "accepted": 0}
     for prompt, output in pairs:
         longest = len(prompt) + len(output)
         scheduler = Scheduler(SlotAllocator(num_slots=longest + 64, max_requests=2),
                               SchedulerConfig(max_seq_len=longest, speculate=speculate))
         counts = run_pipelined(scheduler, [(prompt, output)])
-        for key in ("rows", "verify_rows", "moved_rows", "waits"):
+        for key in ("rows", "verify_rows", "void_rows", "waits"):
             totals[key] += counts[key]
         totals["tokens"] += len(output) - 1
         totals["drafted"] += scheduler.speculation.drafted_tokens
@@ -622,7 +620,7 @@ def steps(args) -> dict:
     for name, pairs in workloads.items():
         for speculate in [0] + [int(n) for n in (args.speculate or "2,4,6,8").split(",")]:
             t = replay(pairs, speculate)
-            summary = {"verify_rows": t["verify_rows"], "moved_rows": t["moved_rows"], "drafted": t["drafted"],
+            summary = {"verify_rows": t["verify_rows"], "void_rows": t["void_rows"], "drafted": t["drafted"],
                        "accepted": t["accepted"],
                        "acceptance_rate": round(t["accepted"] / max(t["drafted"], 1), 3),
                        "tokens_per_step": round(t["tokens"] / t["rows"], 3),
@@ -630,7 +628,7 @@ def steps(args) -> dict:
                        "tokens_per_step_and_wait": round(t["tokens"] / (t["rows"] + t["waits"]), 3)}
             results[f"{name}/speculate{speculate}"] = summary
             print(f"{name:6} speculate {speculate}: {t['rows']} rows ({t['verify_rows']} verify, "
-                  f"{t['moved_rows']} chained rows moved back), drafted "
+                  f"{t['void_rows']} void), drafted "
                   f"{t['drafted']}, accepted {t['accepted']} ({summary['acceptance_rate']}), tokens/step "
                   f"{summary['tokens_per_step']}, waits/step {summary['waiting_steps']}, tokens/(step + wait) "
                   f"{summary['tokens_per_step_and_wait']}")

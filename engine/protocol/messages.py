@@ -101,8 +101,7 @@ class StepRow:
     # hold the same slots in every member's req_to_token row (engine.router.shared_prefix, cascade attention)
     shared_prefix_len: int = 0
     # A decode row planned behind its request's verify row in flight, as if every draft of it were accepted:
-    # where that row keeps fewer the worker moves it back by as many on the device (forward_batch.shift_chained);
-    # void only where that row ended the request (engine.router.scheduler)
+    # void where that row kept fewer (the worker does not sample it; engine.router.scheduler)
     chained: bool = False
 
 

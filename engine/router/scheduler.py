@@ -59,21 +59,14 @@ order (never a token past ``max_new_tokens``: n <= remaining - 1). A verify row'
 the next row's position (1 to n + 1 tokens come back), so a request is not planned while a verify
 row of it is in flight (``verifying``): it skips a step (the pipeline's depth), unless the step would
 be empty without it (every running request verifying, as at batch 1): then its next row goes out
-chained behind the verify row (``StepRow.chained``), planned as if every draft were accepted. Where the
-verify row keeps fewer, the shard moves the chained row back by the drafts it did not keep, on the
-device before its forward (``engine.worker.forward_batch.shift_chained``: no host sync between the two
-steps), onto the rejected drafts' slots, which the router keeps for it (the truncate after a verify
-result keeps the request's held tokens, the chained row's among them); its first token is then the
-next one of plain decoding. A chained row carries drafts (following the copied text past the verify
-row's) only when the request's verify row before it kept every draft (``CHAIN_AFTER``), else it is a
-plain row: behind a verify row that keeps fewer its drafts follow the wrong text, and a row chained
-behind it inherits the miss. The replay of ``bench.spec_bench steps`` (the demo model's rename prompts,
-exact counts), 4 drafts: 2.022 tokens per forward step and 0.225 waiting steps per step (1.65 tokens
-per step and wait) when such chained rows were void and rows chained only behind a verify row whose
-predecessor kept every draft -> 1.889 tokens per step, no wait; 8 drafts: 2.311 and 0.261 (1.833) ->
-2.047, no wait; chained rows always carrying drafts: 1.286 (4 drafts). Only a verify row that ends its
-request voids the row chained behind it: its slots and pending tokens are dropped with the rejected
-drafts' and its result is ignored.
+chained behind the verify row (``StepRow.chained``), planned as if every draft were accepted (its
+drafts follow the copied text past them), once the request's verify row before kept every draft
+(``CHAIN_AFTER``: the replay of ``bench.spec_bench steps`` on the rename prompts, 4 drafts, cut the
+waits per step 0.532 -> 0.225 with 60 void rows in 1513; chaining behind every verify row left no
+wait but voided 331 rows in 1777). If the verify row keeps fewer, or ends the request, the
+chained row is void: its slots and pending tokens are dropped with the rejected drafts' and its
+result is ignored (the worker, which sees the same verify result before sampling it, samples
+nothing for it). A miss wastes a row of a step that would not have run; a hit saves the wait.
 Behind a plain row
 in flight (or its prompt's last chunk) it drafts without waiting: the drafter guesses the unknown
 token from where it copies (``NgramDrafter.propose``'s ``ahead``) and a wrong guess only gets the
@@ -120,7 +113,7 @@ DEFER_MIN_TOKENS = 128   # wait for a running prefill that will cache at least t
 MIN_PROMPT_CHUNK = 16    # prompt tokens a step always carries while prompts wait (progress beside any decode batch)
 MAX_DRAFT_PAUSE = 32     # plain (pipelined) decode rows, at most, between draft attempts after misses
 RESUME_STREAK = 2        # tokens in a row the drafter foresaw that end a draft pause
-CHAIN_AFTER = 1         # verify rows in a row that kept every draft before a chained row carries drafts
+CHAIN_AFTER = 1         # verify rows in a row that kept every draft before a row may chain behind the next one
 VERIFY_STEP_COST = 0.15  # a verify step's cost over a decode step's, in decode rows per row (H100: 1.163x at
                          # batch 1, 1.119x at 32, Llama-2-7B, 4 drafts: bench.spec_bench verify)
 PRIOR_DRAFT_GAIN = 1.5   # accepted drafts per verify row expected of a request with no results yet
@@ -224,7 +217,7 @@ class Request:
     @property
     def can_chain(self) -> bool:
         """Whether a row may go out chained behind its verify row in flight (module docstring)."""
-        return self.verifying and self.chained is None and self.remaining > 0
+        return self.verifying and self.chained is None and self.remaining > 0 and self.kept_all >= CHAIN_AFTER
 
     def draft_missed(self, max_pause: int) -> None:
         """A verify row had nothing accepted: the second such row in a row starts a pause of 2 plain
@@ -328,8 +321,7 @@ class Scheduler:
             elif request.can_decode:
                 rows.append(self._decode_row(request, spare, request.request_id in drafters))
             elif request.request_id in chaining:
-                rows.append(self._decode_row(request, spare, draft=request.kept_all >= CHAIN_AFTER,
-                                             chained=True))
+                rows.append(self._decode_row(request, spare, draft=True, chained=True))
         if self.shared is not None and rows:
             self.shared.mark(rows)
         released, self._released = self._released, []
@@ -603,7 +595,7 @@ class Scheduler:
             kept_all = len(res.following) == len(row.input_ids) - 1
             request.kept_all = request.kept_all + 1 if kept_all else 0
             if request.chained is not None:
-                self._settle_chained(request, stands=not reason)
+                self._settle_chained(request, kept_all=kept_all and not reason)
         if request.speculates:
             request.drafter.extend(request.generated[len(request.drafter.tokens) - len(request.prompt_ids) :],
                                    score=True)
@@ -616,13 +608,12 @@ class Scheduler:
                 self.allocator.truncate(request.request_id, request.held_tokens - 1)
         return reason
 
-    def _settle_chained(self, request: Request, stands: bool) -> None:
-        """Its verify row's result settles the chained row behind it: it stands (moved back on the shard by the
-        drafts the verify row did not keep, onto their slots; a verify row in flight in turn, if it carries drafts),
-        or is void where the verify row ended the request (its pending tokens go; the caller frees its slots)."""
+    def _settle_chained(self, request: Request, kept_all: bool) -> None:
+        """Its verify row's result decides the chained row behind it: it stands (a verify row in flight in
+        turn, if it carries drafts) or is void (its pending tokens go; the caller's truncate frees its slots)."""
         chained, request.chained = request.chained, None
         drafts = len(chained.input_ids) - 1
-        if stands:
+        if kept_all:
             request.verifying = drafts > 0
             self.speculation.drafted_tokens += drafts
         else:

@@ -38,8 +38,7 @@ import torch
 
 from engine.protocol.messages import FED_BACK, Step
 from engine.transfer import to_device
-from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, chained_moves, shared_prefix_inputs,
-                                        shift_chained, verify_batch,
+from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, shared_prefix_inputs, verify_batch,
                                         verify_layout)
 
 log = logging.getLogger(__name__)
@@ -74,9 +73,8 @@ class PaddedDecoder:
             self._capture_all()
 
     def accepts(self, step: Step) -> bool:
-        """One-token rows that fit a bucket, none chained (their positions move: the verifier's)."""
         return len(step.rows) <= self.buckets[-1] and all(
-            len(r.input_ids) == 1 and r.logprob_targets is None and not r.chained for r in step.rows)
+            len(r.input_ids) == 1 and r.logprob_targets is None for r in step.rows)
 
     def run(self, step: Step, hidden_states: bool = False) -> GraphOutputs:
         """A decode step's float32 logits [len(step.rows), vocab], with ``hidden_states`` the final hidden states
@@ -145,28 +143,22 @@ class PaddedDecoder:
         self.inputs[:, :size].copy_(self.host[:, :size])
 
 
-VERIFY_INPUT_ROWS = 7
-
-
 class PaddedVerifier:
     """Verify steps on CUDA: ``rows`` rows of ``width`` tokens (``verify_layout``), replayed from
-    graphs captured per row bucket. Inputs travel as one pinned host buffer [7, tokens] (ids,
-    positions, slots, token rows; row 4 holds the rows' request rows then their sequence lengths;
-    rows 5 and 6 mark the tokens of chained rows and their own tokens: ``ChainedMoves``). The graphs
-    move chained rows back by ``shift`` (``forward_batch.shift_chained``): no launch outside them."""
+    graphs captured per row bucket. Inputs travel as one pinned host buffer [5, tokens] (ids,
+    positions, slots, token rows; row 4 holds the rows' request rows then their sequence lengths)."""
 
     def __init__(self, model, ops, kv_cache, last_tokens: torch.Tensor, max_requests: int, drafts: int,
-                 use_graphs: bool, shift: torch.Tensor | None = None):
+                 use_graphs: bool):
         self.model, self.ops, self.kv_cache, self.last_tokens = model, ops, kv_cache, last_tokens
-        self.shift = shift      # per request row: the drafts its newest verify row did not keep (chained rows)
         self.width = 1 + drafts
         self.buckets = sorted({b for b in VERIFY_BUCKETS if b <= max_requests} | {min(max_requests, 64)})
         size = self.buckets[-1] * self.width
         device = kv_cache.req_to_token.device
         on_gpu = device.type == "cuda"        # on a CPU it runs eagerly (tests)
-        self.host = torch.empty((VERIFY_INPUT_ROWS, size), dtype=torch.int64, pin_memory=on_gpu)
+        self.host = torch.empty((5, size), dtype=torch.int64, pin_memory=on_gpu)
         self.copied = torch.cuda.Event() if on_gpu else None
-        self.inputs = torch.empty((VERIFY_INPUT_ROWS, size), dtype=torch.int64, device=device)
+        self.inputs = torch.empty((5, size), dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         if use_graphs:
             self._capture_all()
@@ -189,11 +181,6 @@ class PaddedVerifier:
         host = self.host                  # one tensor built from the lists (each build costs ~4 us + its length)
         host[:4, :tokens] = torch.tensor([layout.input_ids, layout.positions, layout.slots, layout.token_rows])
         host[4, : 2 * rows] = torch.tensor(layout.req_rows + layout.seq_len)
-        moves = chained_moves(step.rows, self.width, rows)
-        if moves is None:
-            host[5:, :tokens] = 0
-        else:
-            host[5:, :tokens] = torch.tensor([moves.tokens, moves.real])
         self.inputs[:, :tokens].copy_(host[:, :tokens], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
@@ -212,12 +199,7 @@ class PaddedVerifier:
         x, tokens = self.inputs, rows * self.width
         token_rows = x[3, :tokens]
         input_ids = torch.where(x[0, :tokens] == FED_BACK, self.last_tokens[token_rows], x[0, :tokens])
-        positions, slots, seq_len = x[1, :tokens], x[2, :tokens], x[4, rows : 2 * rows]
-        if self.shift is not None:
-            positions, slots, seq_len = shift_chained(self.kv_cache.req_to_token, self.shift, token_rows, positions,
-                                                      slots, x[4, :rows], seq_len, x[5, :tokens], x[6, :tokens],
-                                                      x[5, :tokens : self.width])
-        batch = verify_batch(input_ids, positions, slots, x[4, :rows], seq_len, self.width)
+        batch = verify_batch(input_ids, x[1, :tokens], x[2, :tokens], x[4, :rows], x[4, rows : 2 * rows], self.width)
         return forward_outputs(self.model, self.ops, batch, self.kv_cache)
 
     @torch.inference_mode()
@@ -230,7 +212,6 @@ class PaddedVerifier:
         tokens = rows * self.width
         for i, values in enumerate((layout.input_ids, layout.positions, layout.slots, layout.token_rows)):
             self.inputs[i, :tokens] = torch.tensor(values)
-        self.inputs[5:, :tokens] = 0
         self.inputs[4, :rows], self.inputs[4, rows : 2 * rows] = (torch.tensor(layout.req_rows),
                                                                   torch.tensor(layout.seq_len))
 

@@ -67,50 +67,6 @@ def ragged_inputs(rows) -> RaggedInputs:
     return inputs
 
 
-class ChainedMoves(NamedTuple):
-    """Where a step's chained rows (``StepRow.chained``) sit among its tokens and rows (host lists of 0/1):
-    ``tokens`` every token of theirs (padding too), ``real`` their own tokens, ``rows`` the rows."""
-    tokens: list[int]
-    real: list[int]
-    rows: list[int]
-
-
-def chained_moves(step_rows, width: int | None = None, rows: int = 0) -> ChainedMoves | None:
-    """The ``ChainedMoves`` of rows laid out ragged (``width`` None) or padded to ``width`` tokens each and to
-    ``rows`` rows (``verify_layout``; its padding rows are never chained); None when no row is chained."""
-    if not any(r.chained for r in step_rows):
-        return None
-    moves = ChainedMoves([], [], [])
-    for r in step_rows:
-        n = len(r.input_ids)
-        span = n if width is None else width
-        moves.tokens.extend([int(r.chained)] * span)
-        moves.real.extend([int(r.chained)] * n + [0] * (span - n))
-        moves.rows.append(int(r.chained))
-    padding = max(rows - len(step_rows), 0)
-    moves.tokens.extend([0] * (padding * (width or 0)))
-    moves.real.extend([0] * (padding * (width or 0)))
-    moves.rows.extend([0] * padding)
-    return moves
-
-
-def shift_chained(req_to_token: torch.Tensor, shift: torch.Tensor, token_rows: torch.Tensor, positions: torch.Tensor,
-                  slots: torch.Tensor, req_rows: torch.Tensor, seq_len: torch.Tensor, moved_tokens: torch.Tensor,
-                  real_tokens: torch.Tensor, moved_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(positions, slots, seq_len) of a step whose chained rows move back, on the device (no host sync: the
-    verifier's CUDA graphs run it). A chained row was planned behind its request's verify row of the step before
-    as if that row kept every draft; it moves back by ``shift[its request row]``, the drafts that row did not keep
-    (``ModelWorker`` writes them as it samples), and its own tokens take the slots the table holds at the positions
-    they land on (the rejected drafts' first, then its own: the table already holds the row's planned slots).
-    ``moved_tokens`` / ``real_tokens`` [tokens] and ``moved_rows`` [rows] are 0/1 int64 (``ChainedMoves``)."""
-    moved = shift[token_rows.long()] * moved_tokens
-    positions = positions - moved.to(positions.dtype)
-    landed = req_to_token[token_rows.long(), positions.long()].to(slots.dtype)
-    slots = torch.where(real_tokens.bool(), landed, slots)
-    seq_len = seq_len - (shift[req_rows.long()] * moved_rows).to(seq_len.dtype)
-    return positions, slots, seq_len
-
-
 SHARED_PREFIX_MIN_ROWS = 8    # smaller batches (and CUDA graph buckets) attend to every prefix per row
 
 

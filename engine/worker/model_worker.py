@@ -21,15 +21,11 @@ very tokens of the same seed: the draft is accepted with probability p(d), and a
 draws from p without d, renormalised (rejection sampling with a point-mass draft).
 
 A chained row (``StepRow.chained``) was planned behind its request's verify row of the step
-before, as if every draft of that row were accepted. Where that row kept fewer, the chained row moves
-back on the device before its forward (``forward_batch.shift_chained``): sampling the verify row wrote,
-per request row, the drafts it did not keep (``shift``), so no host sync stands between the two steps.
-It then feeds the verify row's last kept token (``last_tokens``) at the position after it, over the
-rejected drafts' slots first, and its own drafts (planned for the positions past them) are verified
-there like any others: mostly rejected, but its first token is the next one of plain decoding. By the
-time the worker samples it the verify row's tokens are on the host, so its states (token index,
-counts, grammar) are those of its real position. A chained row behind a row that gave no token (an
-error ended its request) is void: not sampled, its result carries no token.
+before, as if every draft of that row were accepted. By the time the worker samples it, the
+verify row's tokens are on the host: if it kept fewer, the chained row stands on the wrong
+positions and is void. It is not sampled (no state, penalty count, grammar or seed moves), its
+``last_tokens`` entry keeps the verify row's last kept token, and its result carries no token;
+the router, which sees the same verify result first, has already dropped its slots.
 
 With Medusa heads (``WorkerConfig.draft_heads``, ``engine.models.medusa``) every sampled row's
 result also carries the heads' drafts for the positions after its last kept token: the heads read
@@ -57,8 +53,8 @@ from engine.sampling.sampler import RowSampling, Sampler
 from engine.sampling.watermark import WatermarkConfig
 from engine.transfer import start_to_host, to_device
 from engine.worker.cuda_graphs import HeadGraphs, PaddedDecoder, PaddedVerifier
-from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, chained_moves, ragged_inputs,
-                                        shared_prefix_tensors, shift_chained)
+from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, ragged_inputs,
+                                        shared_prefix_tensors)
 from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
 from engine.worker.piecewise import PiecewiseGraphs
 from kernels.prefill_attention import MIN_SPLIT_KEYS
@@ -155,13 +151,10 @@ class ModelWorker:
         self.head_graphs: HeadGraphs | None = None     # the Medusa heads' graphs
         self.piecewise: PiecewiseGraphs | None = None  # steps with prompt tokens, but their attention, in graphs
         self._unfinished: LaunchedStep | None = None   # launched; its tokens not yet in the row states
-        self._stands: dict[int, bool] = {}             # rank 0: per request, whether its row of the newest
-                                                       # collected step gave tokens (chained rows)
+        self._kept_all: dict[int, bool] = {}           # rank 0: per request, whether its row of the newest
+                                                       # collected step kept every draft (chained rows)
         # The newest token sampled for each request row (and the dummy row): decode inputs.
         self.last_tokens = torch.zeros(config.max_requests + 1, dtype=torch.int64, device=config.device)
-        # Per request row (and the dummy row, always 0), the drafts its newest sampled row did not keep: a row
-        # chained behind it moves back by that many (module docstring, ``forward_batch.shift_chained``).
-        self.shift = torch.zeros(config.max_requests + 1, dtype=torch.int64, device=config.device)
         num_slots = self._size_slots()
         self.kv_cache = self._new_cache(num_slots)
         if self.device.type == "cuda" and self.ops.backend == "triton":
@@ -174,8 +167,8 @@ class ModelWorker:
                                          graphs or None, use_graphs=capture)
             if config.speculate:
                 self.verifier = PaddedVerifier(self.model, self.ops, self.kv_cache, self.last_tokens,
-                                               config.max_requests, config.speculate, use_graphs=capture,
-                                               shift=self.shift)
+                                               config.max_requests,
+                                               config.speculate, use_graphs=capture)
             self.piecewise = self._piecewise_graphs(capture)
             if self.draft_heads is not None:
                 self.head_graphs = HeadGraphs(self.draft_heads, self.ops, self.model_config.hidden_size,
@@ -404,19 +397,13 @@ class ModelWorker:
         slots_t = to_device(x.slots, torch.int64, dev)
         token_rows_t = to_device(x.token_rows, torch.int64, dev)
         self.kv_cache.write_table(token_rows_t, positions_t, slots_t)
-        req_rows_t, seq_len_t = to_device(x.req_rows, torch.int32, dev), to_device(x.seq_len, torch.int32, dev)
-        moves = chained_moves(step.rows)
-        if moves is not None:
-            positions_t, slots_t, seq_len_t = shift_chained(
-                self.kv_cache.req_to_token, self.shift, token_rows_t, positions_t, slots_t, req_rows_t, seq_len_t,
-                *(to_device(m, torch.int64, dev) for m in moves))
         ids_t = to_device(x.input_ids, torch.int64, dev)
         if FED_BACK in x.input_ids:
             ids_t = torch.where(ids_t == FED_BACK, self.last_tokens[token_rows_t], ids_t)
         return ForwardBatch(
             input_ids=ids_t, positions=positions_t, out_slots=slots_t,
-            req_rows=req_rows_t, q_start=to_device(x.q_start, torch.int32, dev),
-            q_len=to_device(x.q_len, torch.int32, dev), seq_len=seq_len_t,
+            req_rows=to_device(x.req_rows, torch.int32, dev), q_start=to_device(x.q_start, torch.int32, dev),
+            q_len=to_device(x.q_len, torch.int32, dev), seq_len=to_device(x.seq_len, torch.int32, dev),
             max_q_len=max(x.q_len), is_decode=max(x.q_len) == 1, shared_prefix=shared_prefix_tensors(step.rows, dev),
             max_seq_len=max(x.seq_len),
         )
@@ -489,8 +476,6 @@ class ModelWorker:
         if chained:
             kept = torch.where(kept == VOID, self.last_tokens[rows_t], kept)
         self.last_tokens.index_copy_(0, rows_t, kept)
-        if kept_at is not None:     # verify rows: a row chained behind one reads its shift (plain rows: none does)
-            self._note_shifts(rows, rows_t, kept_at)
         drafts = self._draft_heads(hidden, kept_at)
         if sample is None:
             return LaunchedStep.done(StepResult(results))      # only rank 0 replies (or nothing was live)
@@ -507,7 +492,9 @@ class ModelWorker:
                 draft_lists = drafts_host.tolist()
                 for j in live:
                     results[sampled[j]].drafts = draft_lists[j]
-            self._stands = {r.request_id: results[i].error is None for r, i in zip(live_rows, live_sampled)}
+            self._kept_all = {r.request_id: results[i].error is None
+                              and len(results[i].following) == logit_positions(r) - 1
+                              for r, i in zip(live_rows, live_sampled)}
             return StepResult(results)
 
         self._unfinished = LaunchedStep(finish, event)
@@ -540,20 +527,10 @@ class ModelWorker:
             return self.head_graphs.run(hidden, kept_at)
         return self.draft_heads(self.ops, hidden if kept_at is None else hidden[kept_at])
 
-    def _note_shifts(self, rows: list[StepRow], rows_t: torch.Tensor, kept_at: torch.Tensor) -> None:
-        """``shift`` of the sampled rows' request rows, on the device: a verify row's drafts past the last one it
-        kept (``kept_at``: that token's index; its last position is ``start + drafts``), 0 for a plain row. Steps
-        without verify rows write nothing: only a verify row's request can have a row chained behind it."""
-        last, end = [], 0
-        for r in rows:
-            end += logit_positions(r)
-            last.append(end - 1)
-        self.shift.index_copy_(0, rows_t, to_device(last, torch.int64, self.device) - kept_at)
-
     def _live_rows(self, rows: list[StepRow]) -> list[int]:
         """Indices of the rows to sample: all but the chained rows whose verify row (in the step collected
-        last) gave no token (an error ended its request)."""
-        return [j for j, r in enumerate(rows) if not r.chained or self._stands.get(r.request_id, False)]
+        last) kept fewer than all its drafts."""
+        return [j for j, r in enumerate(rows) if not r.chained or self._kept_all.get(r.request_id, False)]
 
     def _last_kept(self, rows: list[StepRow], tokens: torch.Tensor) -> torch.Tensor:
         """Per row, the index in ``tokens`` of the last token it keeps (the first choice that differs

@@ -119,9 +119,7 @@ class PiecewiseGraphs:
             self._capture_all()
 
     def accepts(self, step: Step) -> bool:
-        """Steps of up to the largest bucket's tokens without chained rows (whose positions move on the device:
-        the verifier's graphs and the eager forward take those, ``forward_batch.shift_chained``)."""
-        return sum(len(r.input_ids) for r in step.rows) <= self.buckets[-1] and not any(r.chained for r in step.rows)
+        return sum(len(r.input_ids) for r in step.rows) <= self.buckets[-1]
 
     def run(self, step: Step, meanwhile: Callable[[], None] | None = None) -> torch.Tensor:
         """The step's final hidden states [its tokens, hidden] (a view of a static buffer, valid until the

@@ -115,8 +115,7 @@ def test_medusa_greedy_tokens_equal_plain_decoding(models, heads, speculate):
         lone = make_engine(models["base"], speculate, draft_heads=str(models[heads]))
         assert run(lone, {0: arrivals()[0][:1]}) == {0: plain[0]}
         stats = lone.router.scheduler.speculation
-        # every verify row is followed by a plain row chained behind it (the heads draft only after a result)
-        assert stats.accepted_tokens == stats.drafted_tokens >= 6, stats
+        assert stats.accepted_tokens == stats.drafted_tokens >= 8
 
 
 def test_medusa_seeded_sampling_equals_plain_decoding(models):

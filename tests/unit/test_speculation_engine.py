@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.protocol.messages import FED_BACK, SamplingParams
+from engine.protocol.messages import SamplingParams
 from engine.router.drafter import NgramDrafter
 from tests.tiny_models import save_tiny_model
 
@@ -125,19 +125,16 @@ def with_oracle_drafts(engine: Engine, plain: dict[int, list[tuple]], wrong_ever
 
 
 def count_chained_rows(engine: Engine) -> dict[str, int]:
-    """Counts, as the engine runs, the chained rows whose result came back with tokens ("stood") and the
-    verify rows that kept fewer drafts with a row chained behind them, which moved back ("moved")."""
-    counts = {"stood": 0, "moved": 0}
+    """Counts, as the engine runs, the chained rows whose result came back with tokens ("stood") and
+    without ("void")."""
+    counts = {"stood": 0, "void": 0}
     scheduler = engine.router.scheduler
     process = scheduler.process
 
     def counting_process(step, result):
-        running = {r.request_id: r for r in scheduler.running}
         for row, res in zip(step.rows, result.rows):
-            counts["stood"] += row.chained and res.token_id is not None
-            request, drafts = running.get(row.request_id), len(row.input_ids) - 1
-            if row.input_ids[0] == FED_BACK and drafts and request is not None and request.chained is not None:
-                counts["moved"] += res.token_id is not None and len(res.following) < drafts
+            if row.chained:
+                counts["void" if res.token_id is None else "stood"] += 1
         return process(step, result)
     scheduler.process = counting_process
     return counts
@@ -148,16 +145,16 @@ def count_chained_rows(engine: Engine) -> dict[str, int]:
     SamplingParams(seed=3, do_sample=True, temperature=0.9, top_k=40, top_p=0.95),
     SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3)])
 def test_rows_chained_behind_verify_rows_give_plain_decodings_tokens(tiny_models, params):
-    """A lone request's next row goes out behind its verify row as if every draft were accepted: where fewer
-    were, it moves back on the device onto the rejected drafts' slots and is sampled at its real position (seed
-    step, penalty counts and grammar of that position); greedy, seeded and penalised tokens stay plain
+    """A lone request's next row goes out behind its verify row as if every draft were accepted: where they
+    all were it stands, else the worker samples nothing for it (no seed step, penalty count or
+    ``last_tokens`` change) and the router drops its slots; greedy, seeded and penalised tokens stay plain
     decoding's, and the allocator is checked after every step."""
     arrivals = {0: [GenerationRequest(0, [5, 6, 7, 8, 9], 40, params, stop_token_ids=[])]}
     plain = run(make_engine(tiny_models["llama"], 0), arrivals)
     engine = with_oracle_drafts(make_engine(tiny_models["llama"], 4), plain, wrong_every=11)
     counts = count_chained_rows(engine)
     assert run(engine, arrivals) == plain
-    assert counts["stood"] > 0 and counts["moved"] > 0, counts
+    assert counts["stood"] > 0 and counts["void"] > 0, counts
 
 
 def _accepts_drafts(model_dir, prompt: list[int]) -> bool:
@@ -249,13 +246,13 @@ def test_grammar_constrained_rows_verify_with_matchers_advanced_over_the_drafts(
     stats = engine.router.scheduler.speculation
     assert stats.drafted_tokens > stats.accepted_tokens > 10
     assert all(events[-1][2] == "eos_token" for events in plain.values())      # the grammars completed
-    counts = {"stood": 0, "moved": 0}
-    for request in arrivals[0]:        # alone, rows chain behind verify rows: a moved one takes its real matcher
-        engine = with_oracle_drafts(make_engine(DEMO, 4, num_slots=2048), plain, wrong_every=7)
+    counts = {"stood": 0, "void": 0}
+    for request in arrivals[0]:        # alone, rows chain behind verify rows: a void one leaves its matcher as it was
+        engine = with_oracle_drafts(make_engine(DEMO, 4, num_slots=2048), plain, wrong_every=11)
         chained = count_chained_rows(engine)
         assert run(engine, {0: [request]}) == {request.request_id: plain[request.request_id]}
         counts = {k: counts[k] + chained[k] for k in counts}
-    assert counts["stood"] > 0 and counts["moved"] > 0, counts
+    assert counts["stood"] > 0 and counts["void"] > 0, counts
 
 
 def test_demo_model_sampled_frequencies_match_plain_decoding(demo_engines, demo_tokens):
@@ -314,25 +311,6 @@ def _chi_square_survival(x: float, dof: int) -> float:
     return max(0.0, 1.0 - lower)
 
 
-def prefilled_verify_rows(worker, prompts: list[list[int]], drafts) -> tuple[list, int]:
-    """Each prompt prefilled by ``worker`` in request row i (slots from 0 on), then (a verify row per prompt
-    feeding its first token and ``drafts[i]``, not run; the next free slot)."""
-    from engine.protocol.messages import FED_BACK, Step, StepRow
-
-    slot, rows = 0, []
-    for i, p in enumerate(prompts):
-        rows.append(StepRow(request_id=i, row=i, start_pos=0, input_ids=p, slots=list(range(slot, slot + len(p))),
-                            sample=True, params=SamplingParams()))
-        slot += len(p)
-    worker.execute(Step(rows=rows))
-    verify = []
-    for i, (p, d) in enumerate(zip(prompts, drafts)):
-        verify.append(StepRow(request_id=i, row=i, start_pos=len(p), input_ids=[FED_BACK, *d],
-                              slots=list(range(slot, slot + 1 + len(d))), sample=True))
-        slot += 1 + len(d)
-    return verify, slot
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_the_verify_graphs_padded_layout_gives_the_eager_logits(tiny_models, backend):
     """The CUDA graphs' form of a verify step (``verify_layout``: rows padded to 1 + drafts tokens,
@@ -340,13 +318,25 @@ def test_the_verify_graphs_padded_layout_gives_the_eager_logits(tiny_models, bac
     beside two verify rows."""
     import torch
 
-    from engine.protocol.messages import FED_BACK, RowResult, Step
+    from engine.protocol.messages import FED_BACK, RowResult, Step, StepRow
     from engine.worker.cuda_graphs import PaddedVerifier
     from engine.worker.forward_batch import verify_batch, verify_layout
 
     engine = make_engine(tiny_models["llama"], 0, backend=backend)
     worker = engine.worker
-    verify, _ = prefilled_verify_rows(worker, [[5, 9, 13, 17, 5, 9], [3, 4, 5], [7] * 11], ([13, 17, 2], [], [7, 7]))
+    prompts = [[5, 9, 13, 17, 5, 9], [3, 4, 5], [7] * 11]
+    slot = 0
+    rows = []
+    for i, p in enumerate(prompts):
+        rows.append(StepRow(request_id=i, row=i, start_pos=0, input_ids=p, slots=list(range(slot, slot + len(p))),
+                            sample=True, params=SamplingParams()))
+        slot += len(p)
+    worker.execute(Step(rows=rows))
+    verify = []
+    for i, (p, drafts) in enumerate(zip(prompts, ([13, 17, 2], [], [7, 7]))):
+        verify.append(StepRow(request_id=i, row=i, start_pos=len(p), input_ids=[FED_BACK, *drafts],
+                              slots=list(range(slot, slot + 1 + len(drafts))), sample=True))
+        slot += 1 + len(drafts)
     _, eager, eager_hidden = worker._forward(Step(rows=verify), [RowResult(r.request_id) for r in verify])
     cache = worker.kv_cache
     layout = verify_layout(verify, rows=4, width=4, dummy_row=cache.max_requests, dummy_slot=cache.num_slots)
@@ -370,42 +360,6 @@ def test_the_verify_graphs_padded_layout_gives_the_eager_logits(tiny_models, bac
     assert verifier.run(Step(rows=verify)).hidden is None        # no draft heads: no gather of hidden states
     too_many = replace(verify[0], input_ids=[FED_BACK] + [1] * 4, slots=list(range(5)))
     assert not verifier.accepts(Step(rows=[too_many]))
-
-
-def test_a_chained_row_moves_back_alike_in_the_verify_graphs_layout_and_the_eager_forward(tiny_models):
-    """Rows chained behind verify rows that kept fewer drafts, planned as if they kept all: sampling the verify
-    rows wrote each request row's ``shift`` (the drafts not kept) on the device; the verify graphs' padded form
-    (``PaddedVerifier``, eager on a CPU) and the eager forward move the chained rows back alike, and give the
-    logits of the same rows planned at their real positions over the slots the table holds there."""
-    import torch
-
-    from engine.protocol.messages import FED_BACK, RowResult, Step, StepRow
-    from engine.worker.cuda_graphs import PaddedVerifier
-
-    worker = make_engine(tiny_models["llama"], 3).worker
-    prompts = [[5, 9, 13, 17, 5, 9], [3, 4, 5]]
-    verify, slot = prefilled_verify_rows(worker, prompts, ([2, 2, 2], [11, 12, 13]))
-    kept = [len(r.following) for r in worker.execute(Step(rows=verify)).rows]
-    assert max(kept) < 3 and worker.shift[:2].tolist() == [3 - k for k in kept]
-    chained = []
-    for i, p in enumerate(prompts):                  # as if all 3 drafts were kept: from len(p) + 4
-        chained.append(StepRow(request_id=i, row=i, start_pos=len(p) + 4, input_ids=[FED_BACK, 7, 7],
-                               slots=list(range(slot, slot + 3)), sample=True, chained=True))
-        slot += 3
-    step = Step(rows=chained)
-    _, eager, _ = worker._forward(step, [RowResult(r.request_id) for r in chained])
-    verifier = PaddedVerifier(worker.model, worker.ops, worker.kv_cache, worker.last_tokens, max_requests=6,
-                              drafts=3, use_graphs=False, shift=worker.shift)
-    assert verifier.accepts(step)
-    padded = verifier.run(step).logits
-    torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
-    table = worker.kv_cache.req_to_token
-    real = [replace(r, chained=False, start_pos=len(p) + k + 1, slots=table[i, len(p) + k + 1 : len(p) + k + 4].tolist())
-            for i, (r, p, k) in enumerate(zip(chained, prompts, kept))]     # after the k kept drafts
-    assert [r.slots[0] for r in real] == [verify[i].slots[k + 1] if k < 3 else chained[i].slots[0]
-                                          for i, k in enumerate(kept)]      # the first rejected draft's
-    _, moved_to, _ = worker._forward(Step(rows=real), [RowResult(r.request_id) for r in real])
-    torch.testing.assert_close(eager, moved_to, atol=1e-4, rtol=1e-4)
 
 
 def test_the_warm_up_runs_a_verify_step_after_its_prompts(tiny_models):
@@ -444,10 +398,10 @@ def test_two_shards_verify_like_one(tiny_models):
     with engine:
         assert run(engine, arrivals) == plain
         assert engine.router.scheduler.speculation.accepted_tokens > 5
-    lone = {0: arrivals[0][:1]}           # alone, its rows chain behind its verify rows: every rank moves them
+    lone = {0: arrivals[0][:1]}           # alone, its rows chain behind its verify rows: void ones broadcast VOID
     engine = with_oracle_drafts(make_engine(tiny_models["llama"], 3, num_shards=2, master_port=free_port()), plain,
-                                wrong_every=7)
+                                wrong_every=9)
     counts = count_chained_rows(engine)
     with engine:
         assert run(engine, lone) == {0: plain[0]}
-    assert counts["stood"] > 0 and counts["moved"] > 0, counts
+    assert counts["stood"] > 0 and counts["void"] > 0, counts
