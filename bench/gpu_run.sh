@@ -6,12 +6,10 @@
 #                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8),
 #                                         moe_routing (the MoE launch work, step by step),
 #                                         wquant_families (quantized Phi-3 / StarCoder2), spec (speculative
-#                                         decoding), spec_chain (its chained rows on / off), spec_medusa (the
-#                                         demo's Medusa heads against n-gram lookup), verify_attn (the
-#                                         attention launches of verify rows), spec_profile (a
-#                                         verify step's kernels), spec_lengths (its
-#                                         draft lengths), frontend, quant_gemm
-#                                         (the 4-bit and FP8 GEMMs' config sweep)
+#                                         decoding), spec_medusa (the demo's Medusa heads against n-gram
+#                                         lookup), verify_attn (the attention launches of verify rows),
+#                                         spec_profile (a verify step's kernels), spec_lengths (its draft
+#                                         lengths), frontend, quant_gemm (the 4-bit and FP8 GEMMs' config sweep)
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -325,13 +323,6 @@ for stage in $stages; do
         tests/gpu/test_speculation.py -k "not with_4_and_8_drafts" 2>&1 | tee "$OUT/spec.log" \
         | grep -v -E "it/s|s/it" | tail -20
       rc=${PIPESTATUS[0]} ;;
-    spec_chain)
-      # rows chained behind verify rows (engine.router.scheduler), on and off: the demo's batch-1 speed-up each way,
-      # one run after the other on this machine
-      for flag in "" "--no-chain"; do
-        timeout 200 python3 -m bench.spec_bench demo $flag --json "$OUT/spec_chain${flag:+_off}.json" 2>&1 \
-          | grep -v -E "it/s|s/it" | tee "$OUT/spec_chain${flag:+_off}.log" | grep -E "speculate|speed-up"
-      done; rc=0 ;;
     spec_medusa)
       # the demo's bundled Medusa heads (weights/demo/medusa) against n-gram lookup, on rename and write prompts:
       # tokens/s, tokens per step and acceptance at batch 1, one run after the other on this machine

@@ -31,11 +31,10 @@ outputs (nothing to draft: what trying costs). The real Scheduler, pipelined as 
 it, then replays each request alone against a shard that verifies drafts greedily against that
 output (greedy verification is exact, so the rows, drafts and accepted counts are the real
 engine's). Per --speculate N: verify rows, drafted, accepted, acceptance rate, output tokens per
-forward step of the request (plain decoding = 1.0), the steps that wait (the request runs but has
-no row to plan: its verify row's result decides the next position and no row could go out chained
-behind it; plain rows are pipelined and never wait) per forward step, and tokens per (step + wait),
-the speed-up if a wait cost a whole step. Rows counts void chained rows (``engine.router.scheduler``)
-too: a step they ride costs what a wait would.
+forward step of the request (plain decoding = 1.0) and the steps that wait (the request runs but has
+no row to plan: its verify row's result decides the next position; plain rows are pipelined and never
+wait) per forward step. A wait costs the host's turnaround between a result and the next launch, not a
+step (``engine.router.scheduler``): the demo's speed-up on a GPU tells what it costs there.
 batch: the same replay with whole workloads at once (64 noise requests of --new-tokens / 2; the rename
 prompts; the rename prompts beside 52 noise requests), with the scheduler's step gate and without it
 (``verify_step_cost`` 0): decode steps, those that carry verify rows (every row padded to 1 + N tokens),
@@ -50,7 +49,6 @@ import inspect
 import json
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -169,7 +167,7 @@ def demo(args) -> dict:
     prompts = [PROMPT_TASKS[task](tokenizer, f) for f in stdlib_functions()][: getattr(args, "prompts", None)]
     lengths = [int(n) for n in str(getattr(args, "speculate", None) or "4").split(",")]
     engines = demo_engines([0, *lengths], getattr(args, "kernel_backend", None),
-                           chain=not getattr(args, "no_chain", False), draft_heads=getattr(args, "draft_heads", None))
+                           draft_heads=getattr(args, "draft_heads", None))
     try:
         results, outputs, tops = _timed_passes(engines, prompts, args.new_tokens)
     finally:
@@ -205,16 +203,12 @@ def demo(args) -> dict:
             "by_speculate": {str(n): results[n] for n in lengths}}
 
 
-def demo_engines(lengths: list[int], kernel_backend: str | None, chain: bool = True,
-                 draft_heads: str | None = None) -> dict[int, Engine]:
-    """One demo-model engine per --speculate length; ``chain`` False: no rows chained behind verify rows
-    (``engine.router.scheduler``, the A/B of ``--no-chain``); ``draft_heads``: the speculating engines
-    draft with these Medusa heads."""
+def demo_engines(lengths: list[int], kernel_backend: str | None, draft_heads: str | None = None) -> dict[int, Engine]:
+    """One demo-model engine per --speculate length; ``draft_heads``: the speculating engines draft with these
+    Medusa heads."""
     engines = {n: Engine(EngineConfig(model_dir=str(DEMO), max_requests=8, speculate=n, num_slots=DEMO_SLOTS,
                                       kernel_backend=kernel_backend, draft_heads=draft_heads if n else None))
                for n in lengths}
-    for engine in engines.values():
-        engine.router.scheduler.config = replace(engine.router.scheduler.config, chain_verify_rows=chain)
     return engines
 
 
@@ -483,18 +477,12 @@ class ReferenceShards:
     def __init__(self):
         self.outputs: dict[int, tuple[int, list[int]]] = {}    # request id -> (prompt length, output)
         self.results = []
-        self.kept_all: dict[int, bool] = {}     # request id -> whether its newest row kept every draft
-        self.void_rows = 0                      # chained rows behind a verify row that kept fewer
 
     def submit(self, step: Step) -> None:
         rows = []
         for row in step.rows:
             if not row.sample:
                 rows.append(RowResult(row.request_id))
-                continue
-            if row.chained and not self.kept_all.get(row.request_id, False):
-                rows.append(RowResult(row.request_id))     # void: no token, as the worker
-                self.void_rows += 1
                 continue
             prompt_len, output = self.outputs[row.request_id]
             first = row.start_pos + len(row.input_ids) - prompt_len if row.input_ids[0] != FED_BACK \
@@ -503,7 +491,6 @@ class ReferenceShards:
             kept = 0
             while kept < len(drafts) and drafts[kept] == output[first + kept]:
                 kept += 1
-            self.kept_all[row.request_id] = kept == len(drafts)
             tokens = [RowResult(row.request_id, token_id=t, logprob=0.0) for t in output[first : first + kept + 1]]
             tokens[0].following = tokens[1:]
             rows.append(tokens[0])
@@ -549,7 +536,6 @@ def run_pipelined(scheduler, pairs: list[tuple[list[int], list[int]]]) -> dict:
             generated[request.request_id].append(res.token_id)
     if any(generated[rid] != output for rid, (_, output) in enumerate(pairs)):
         raise AssertionError("the replay changed an output: speculation must not")
-    counts["void_rows"] = shards.void_rows
     return counts
 
 
@@ -559,13 +545,13 @@ def replay(pairs: list[tuple[list[int], list[int]]], speculate: int) -> dict:
     from engine.router.allocator import SlotAllocator
     from engine.router.scheduler import Scheduler
 
-    totals = {"tokens": 0, "rows": 0, "verify_rows": 0, "void_rows": 0, "waits": 0, "drafted": 0, "accepted": 0}
+    totals = {"tokens": 0, "rows": 0, "verify_rows": 0, "waits": 0, "drafted": 0, "accepted": 0}
     for prompt, output in pairs:
         longest = len(prompt) + len(output)
         scheduler = Scheduler(SlotAllocator(num_slots=longest + 64, max_requests=2),
                               SchedulerConfig(max_seq_len=longest, speculate=speculate))
         counts = run_pipelined(scheduler, [(prompt, output)])
-        for key in ("rows", "verify_rows", "void_rows", "waits"):
+        for key in ("rows", "verify_rows", "waits"):
             totals[key] += counts[key]
         totals["tokens"] += len(output) - 1
         totals["drafted"] += scheduler.speculation.drafted_tokens
@@ -620,18 +606,14 @@ def steps(args) -> dict:
     for name, pairs in workloads.items():
         for speculate in [0] + [int(n) for n in (args.speculate or "2,4,6,8").split(",")]:
             t = replay(pairs, speculate)
-            summary = {"verify_rows": t["verify_rows"], "void_rows": t["void_rows"], "drafted": t["drafted"],
-                       "accepted": t["accepted"],
+            summary = {"verify_rows": t["verify_rows"], "drafted": t["drafted"], "accepted": t["accepted"],
                        "acceptance_rate": round(t["accepted"] / max(t["drafted"], 1), 3),
                        "tokens_per_step": round(t["tokens"] / t["rows"], 3),
-                       "waiting_steps": round(t["waits"] / t["rows"], 3),
-                       "tokens_per_step_and_wait": round(t["tokens"] / (t["rows"] + t["waits"]), 3)}
+                       "waiting_steps": round(t["waits"] / t["rows"], 3)}
             results[f"{name}/speculate{speculate}"] = summary
-            print(f"{name:6} speculate {speculate}: {t['rows']} rows ({t['verify_rows']} verify, "
-                  f"{t['void_rows']} void), drafted "
+            print(f"{name:6} speculate {speculate}: {t['rows']} rows ({t['verify_rows']} verify), drafted "
                   f"{t['drafted']}, accepted {t['accepted']} ({summary['acceptance_rate']}), tokens/step "
-                  f"{summary['tokens_per_step']}, waits/step {summary['waiting_steps']}, tokens/(step + wait) "
-                  f"{summary['tokens_per_step_and_wait']}")
+                  f"{summary['tokens_per_step']}, waits/step {summary['waiting_steps']}")
     return results
 
 
@@ -647,8 +629,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--speculate", help="steps (default 2,4,6,8), demo (default 4): comma-separated draft "
                                             "lengths; batch: one (default 2)")
     parser.add_argument("--prompts", type=int, help="demo, batch: only the first N rename prompts (a smoke run)")
-    parser.add_argument("--no-chain", action="store_true", help="demo: no rows chained behind verify rows "
-                                                                "(engine.router.scheduler), to compare")
     parser.add_argument("--task", choices=sorted(PROMPT_TASKS), default="rename",
                         help="demo: rename (the function quoted, then its renamed copy) or write (its signature and "
                              "docstring only: a body to write)")

@@ -100,9 +100,6 @@ class StepRow:
     # A row (prompt chunk or decode) of the step's shared-prefix group: positions 0..shared_prefix_len-1
     # hold the same slots in every member's req_to_token row (engine.router.shared_prefix, cascade attention)
     shared_prefix_len: int = 0
-    # A decode row planned behind its request's verify row in flight, as if every draft of it were accepted:
-    # void where that row kept fewer (the worker does not sample it; engine.router.scheduler)
-    chained: bool = False
 
 
 @dataclass

@@ -57,17 +57,14 @@ the tokens the shard's Medusa heads proposed with the request's newest result); 
 the accepted drafts plus one corrected or bonus token, each through the stop criteria here in
 order (never a token past ``max_new_tokens``: n <= remaining - 1). A verify row's result decides
 the next row's position (1 to n + 1 tokens come back), so a request is not planned while a verify
-row of it is in flight (``verifying``): it skips a step (the pipeline's depth), unless the step would
-be empty without it (every running request verifying, as at batch 1): then its next row goes out
-chained behind the verify row (``StepRow.chained``), planned as if every draft were accepted (its
-drafts follow the copied text past them), once the request's verify row before kept every draft
-(``CHAIN_AFTER``: the replay of ``bench.spec_bench steps`` on the rename prompts, 4 drafts, cut the
-waits per step 0.532 -> 0.225 with 60 void rows in 1513; chaining behind every verify row left no
-wait but voided 331 rows in 1777). If the verify row keeps fewer, or ends the request, the
-chained row is void: its slots and pending tokens are dropped with the rejected drafts' and its
-result is ignored (the worker, which sees the same verify result before sampling it, samples
-nothing for it). A miss wastes a row of a step that would not have run; a hit saves the wait.
-Behind a plain row
+row of it is in flight (``verifying``): it skips a step (the pipeline's depth). Where every running
+request verifies (as at batch 1) the router waits for the result and plans the next step from it: the
+device idles only for the host's turnaround. A row planned behind the verify row instead, as if every
+draft were accepted, cost more than that wait: on one H200 the demo's batch-1 speed-up with such
+rows (void where the verify row kept fewer) was 1.56/1.54x at 4 drafts and 1.76/1.59x at 8, against
+1.70/1.65x and 1.93/1.87x waiting (``bench.spec_bench demo``, interleaved runs of one call): their
+drafts follow text not yet verified, and a row moved back on the device after a miss is a verify
+step's time for one token. Behind a plain row
 in flight (or its prompt's last chunk) it drafts without waiting: the drafter guesses the unknown
 token from where it copies (``NgramDrafter.propose``'s ``ahead``) and a wrong guess only gets the
 drafts rejected, so finding nothing to draft costs no step. A request whose drafts are all
@@ -113,7 +110,6 @@ DEFER_MIN_TOKENS = 128   # wait for a running prefill that will cache at least t
 MIN_PROMPT_CHUNK = 16    # prompt tokens a step always carries while prompts wait (progress beside any decode batch)
 MAX_DRAFT_PAUSE = 32     # plain (pipelined) decode rows, at most, between draft attempts after misses
 RESUME_STREAK = 2        # tokens in a row the drafter foresaw that end a draft pause
-CHAIN_AFTER = 1         # verify rows in a row that kept every draft before a row may chain behind the next one
 VERIFY_STEP_COST = 0.15  # a verify step's cost over a decode step's, in decode rows per row (H100: 1.163x at
                          # batch 1, 1.119x at 32, Llama-2-7B, 4 drafts: bench.spec_bench verify)
 PRIOR_DRAFT_GAIN = 1.5   # accepted drafts per verify row expected of a request with no results yet
@@ -136,7 +132,6 @@ class SchedulerConfig:
     speculate: int = 0                   # drafted tokens per verify row (module docstring); 0: off
     max_draft_pause: int = MAX_DRAFT_PAUSE   # plain rows at most between draft attempts after misses; 0: none
     verify_step_cost: float = VERIFY_STEP_COST   # a verify step's extra cost per row (module docstring); 0: no gate
-    chain_verify_rows: bool = True       # rows chained behind verify rows where a step would be empty (docstring)
     draft_heads: bool = False            # drafts come from the shard's Medusa heads (``RowResult.drafts``), not n-grams
 
     def __post_init__(self):
@@ -179,9 +174,6 @@ class Request:
     draft_pause: int = 0               # plain decode rows to plan before drafting again
     draft_gain: float = PRIOR_DRAFT_GAIN  # accepted drafts per verify row it has been getting (module docstring)
     verifying: bool = False            # a verify row is in flight: its result decides the next position
-    chained: StepRow | None = None     # the row planned behind that verify row (module docstring)
-    void_row: StepRow | None = None    # a chained row in flight that its verify row voided: its result is ignored
-    kept_all: int = 0                  # verify rows in a row, up to its newest result, that kept every draft
     uncached_hint: int | None = None   # prompt tokens past its cached prefix when first asked (waiting_fills_a_step)
 
     @property
@@ -213,11 +205,6 @@ class Request:
         if self.in_prefill or self.remaining <= 0:
             return False
         return not self.verifying
-
-    @property
-    def can_chain(self) -> bool:
-        """Whether a row may go out chained behind its verify row in flight (module docstring)."""
-        return self.verifying and self.chained is None and self.remaining > 0 and self.kept_all >= CHAIN_AFTER
 
     def draft_missed(self, max_pause: int) -> None:
         """A verify row had nothing accepted: the second such row in a row starts a pause of 2 plain
@@ -307,11 +294,7 @@ class Scheduler:
         drafters = self.drafters(decoding)
         draft_room = self.config.speculate * len(drafters)
         chunks = self._plan_chunks(decoding, draft_room)
-        chaining = set()
-        if self.config.chain_verify_rows and not (decoding or chunks):
-            chaining = {r.request_id for r in self.running if r.can_chain}
-        draft_room += self.config.speculate * len(chaining)
-        need = len(decoding) + sum(chunks.values()) + len(chaining)
+        need = len(decoding) + sum(chunks.values())
         self._make_room(need)
         spare = DraftRoom(min(draft_room, self.allocator.free_slots - need))
         rows, prefixes = [], PrefixTable()
@@ -320,8 +303,6 @@ class Scheduler:
                 rows.append(self._prefill_row(request, chunks[request.request_id], prefixes))
             elif request.can_decode:
                 rows.append(self._decode_row(request, spare, request.request_id in drafters))
-            elif request.request_id in chaining:
-                rows.append(self._decode_row(request, spare, draft=True, chained=True))
         if self.shared is not None and rows:
             self.shared.mark(rows)
         released, self._released = self._released, []
@@ -508,10 +489,9 @@ class Scheduler:
         gain = sum(r.draft_gain - skip for r in worth)
         return {r.request_id for r in worth} if gain > self.config.verify_step_cost * len(decoding) else set()
 
-    def _decode_row(self, request: Request, spare: "DraftRoom", draft: bool, chained: bool = False) -> StepRow:
+    def _decode_row(self, request: Request, spare: "DraftRoom", draft: bool) -> StepRow:
         """Feeds the request's newest token (sampled by the worker, maybe still in flight); a request
-        that speculates also feeds the drafts that follow it (a verify row). ``chained``: behind the
-        request's verify row in flight (module docstring); its drafts count once that row stands."""
+        that speculates also feeds the drafts that follow it (a verify row)."""
         if self.shared is not None and not request.decoding:
             request.decoding = True                   # the first decode row: the prompt's slots are all known
             if not self.shared.is_member(request.request_id):
@@ -522,19 +502,16 @@ class Scheduler:
             room = spare.take(min(self.config.speculate, request.remaining - 1))
             drafts = request.drafter.propose(room, ahead=request.pending)   # behind a row in flight: guessed
             spare.give_back(room - len(drafts))
-            if not chained:
-                self.speculation.drafted_tokens += len(drafts)
-                request.verifying = bool(drafts)
+            self.speculation.drafted_tokens += len(drafts)
+            request.verifying = bool(drafts)
         elif request.speculates and request.draft_pause > 0:
             request.draft_pause -= 1
         row = StepRow(
             request_id=request.request_id, row=self.allocator.row(request.request_id),
             start_pos=request.held_tokens - 1, input_ids=[FED_BACK, *drafts],
-            slots=self.allocator.allocate(request.request_id, 1 + len(drafts)), sample=True, chained=chained,
+            slots=self.allocator.allocate(request.request_id, 1 + len(drafts)), sample=True,
         )
         request.pending += 1 + len(drafts)
-        if chained:
-            request.chained = row
         return row
 
     # ---- results -------------------------------------------------------------------
@@ -550,9 +527,6 @@ class Scheduler:
             request = by_id.get(row.request_id)
             if request is None:
                 continue            # finished or aborted while this step was in flight
-            if row is request.void_row:
-                request.void_row = None
-                continue            # chained behind a verify row that kept fewer drafts (module docstring)
             if res.prompt_logprobs is not None:
                 if request.prompt_logprobs is None:
                     request.prompt_logprobs = [None]
@@ -592,10 +566,6 @@ class Scheduler:
                 request.draft_misses = 0
             else:
                 request.draft_missed(self.config.max_draft_pause)
-            kept_all = len(res.following) == len(row.input_ids) - 1
-            request.kept_all = request.kept_all + 1 if kept_all else 0
-            if request.chained is not None:
-                self._settle_chained(request, kept_all=kept_all and not reason)
         if request.speculates:
             request.drafter.extend(request.generated[len(request.drafter.tokens) - len(request.prompt_ids) :],
                                    score=True)
@@ -607,18 +577,6 @@ class Scheduler:
             if decode:
                 self.allocator.truncate(request.request_id, request.held_tokens - 1)
         return reason
-
-    def _settle_chained(self, request: Request, kept_all: bool) -> None:
-        """Its verify row's result decides the chained row behind it: it stands (a verify row in flight in
-        turn, if it carries drafts) or is void (its pending tokens go; the caller's truncate frees its slots)."""
-        chained, request.chained = request.chained, None
-        drafts = len(chained.input_ids) - 1
-        if kept_all:
-            request.verifying = drafts > 0
-            self.speculation.drafted_tokens += drafts
-        else:
-            request.pending -= 1 + drafts
-            request.void_row = chained
 
     @staticmethod
     def _stop_reason(request: Request, token_id: int) -> str | None:

@@ -20,13 +20,6 @@ last draft). Greedy rows thus give exactly the tokens of ``--speculate 0``, and 
 very tokens of the same seed: the draft is accepted with probability p(d), and a rejection
 draws from p without d, renormalised (rejection sampling with a point-mass draft).
 
-A chained row (``StepRow.chained``) was planned behind its request's verify row of the step
-before, as if every draft of that row were accepted. By the time the worker samples it, the
-verify row's tokens are on the host: if it kept fewer, the chained row stands on the wrong
-positions and is void. It is not sampled (no state, penalty count, grammar or seed moves), its
-``last_tokens`` entry keeps the verify row's last kept token, and its result carries no token;
-the router, which sees the same verify result first, has already dropped its slots.
-
 With Medusa heads (``WorkerConfig.draft_heads``, ``engine.models.medusa``) every sampled row's
 result also carries the heads' drafts for the positions after its last kept token: the heads read
 the final hidden state at the position whose logits chose that token (a verify row's
@@ -61,9 +54,6 @@ from kernels.prefill_attention import MIN_SPLIT_KEYS
 from weights.checkpoint import open_checkpoint
 
 log = logging.getLogger(__name__)
-
-VOID = -2   # a void chained row's broadcast tokens (module docstring): no token id, nor FED_BACK (-1)
-
 
 class LaunchedStep:
     """A step whose device work is queued; ``result()`` waits for it (once) and returns its rows."""
@@ -151,8 +141,6 @@ class ModelWorker:
         self.head_graphs: HeadGraphs | None = None     # the Medusa heads' graphs
         self.piecewise: PiecewiseGraphs | None = None  # steps with prompt tokens, but their attention, in graphs
         self._unfinished: LaunchedStep | None = None   # launched; its tokens not yet in the row states
-        self._kept_all: dict[int, bool] = {}           # rank 0: per request, whether its row of the newest
-                                                       # collected step kept every draft (chained rows)
         # The newest token sampled for each request row (and the dummy row): decode inputs.
         self.last_tokens = torch.zeros(config.max_requests + 1, dtype=torch.int64, device=config.device)
         num_slots = self._size_slots()
@@ -459,26 +447,19 @@ class ModelWorker:
                          results: list[RowResult], picks=None) -> "LaunchedStep":
         """Rank 0 samples and broadcasts the tokens; every rank feeds them back into ``last_tokens``.
         ``picks``: the graphs' greedy choice at every logit position (the sampler takes it for plain greedy rows).
-        Void chained rows (module docstring) are left out of rank 0's sampling: their broadcast tokens
-        are ``VOID`` and leave ``last_tokens`` as it was. With draft heads, every rank runs them on the
-        hidden state where each row's last kept token was chosen (``draft_heads``)."""
+        With draft heads, every rank runs them on the hidden state where each row's last kept token was
+        chosen (``draft_heads``)."""
         rows = [step.rows[i] for i in sampled]
-        chained = any(r.chained for r in rows)
-        live = self._live_rows(rows) if chained and self.tp.rank == 0 else list(range(len(rows)))
-        live_sampled, live_rows = [sampled[j] for j in live], [rows[j] for j in live]
-        states = [self._sampling[r.request_id] for r in live_rows] if self.tp.rank == 0 else []
-        sample, tokens = self._sample_tokens(logits, rows, live, states, picks)
+        states = [self._sampling[r.request_id] for r in rows] if self.tp.rank == 0 else []
+        sample, tokens = self._sample_tokens(logits, rows, states, picks)
         if self.tp.world_size > 1:
             torch.distributed.broadcast(tokens, src=0)
         kept_at = None if logits.shape[0] == len(rows) else self._last_kept(rows, tokens)
         kept = tokens if kept_at is None else tokens[kept_at]
-        rows_t = to_device([r.row for r in rows], torch.int64, self.device)
-        if chained:
-            kept = torch.where(kept == VOID, self.last_tokens[rows_t], kept)
-        self.last_tokens.index_copy_(0, rows_t, kept)
+        self.last_tokens.index_copy_(0, to_device([r.row for r in rows], torch.int64, self.device), kept)
         drafts = self._draft_heads(hidden, kept_at)
         if sample is None:
-            return LaunchedStep.done(StepResult(results))      # only rank 0 replies (or nothing was live)
+            return LaunchedStep.done(StepResult(results))      # only rank 0 replies
         host, drafts_host = sample.start_copy(), start_to_host(drafts)
         event = torch.cuda.Event() if self.device.type == "cuda" else None
         if event is not None:
@@ -487,36 +468,22 @@ class ModelWorker:
         def finish() -> StepResult:
             if event is not None:
                 event.synchronize()
-            self._record_tokens(live_sampled, live_rows, host.output(), states, results, self.sampler.penalties)
+            self._record_tokens(sampled, rows, host.output(), states, results, self.sampler.penalties)
             if drafts_host is not None:
-                draft_lists = drafts_host.tolist()
-                for j in live:
-                    results[sampled[j]].drafts = draft_lists[j]
-            self._kept_all = {r.request_id: results[i].error is None
-                              and len(results[i].following) == logit_positions(r) - 1
-                              for r, i in zip(live_rows, live_sampled)}
+                for i, row_drafts in zip(sampled, drafts_host.tolist()):
+                    results[i].drafts = row_drafts
             return StepResult(results)
 
         self._unfinished = LaunchedStep(finish, event)
         return self._unfinished
 
-    def _sample_tokens(self, logits: torch.Tensor, rows: list[StepRow], live: list[int], states: list[RowSampling],
-                       picks=None):
-        """(the sample, the token at every logit position of ``rows``) on rank 0, sampling the ``live`` rows
-        only (``VOID`` at the others' positions); (None, a buffer for the broadcast) on the other ranks."""
-        size, dev = logits.shape[0], self.device
+    def _sample_tokens(self, logits: torch.Tensor, rows: list[StepRow], states: list[RowSampling], picks=None):
+        """(the sample, the token at every logit position of ``rows``) on rank 0; (None, a buffer for the
+        broadcast) on the other ranks."""
         if self.tp.rank != 0:
-            return None, torch.empty(size, dtype=torch.int64, device=dev)
-        if len(live) == len(rows):
-            sample = self._sample_positions(logits, rows, states, picks)
-            return sample, sample.token_ids
-        tokens = torch.full((size,), VOID, dtype=torch.int64, device=dev)
-        if not live:
-            return None, tokens
-        index = to_device(logit_rows(rows, live), torch.int64, dev)
-        sample = self._sample_positions(logits[index], [rows[j] for j in live], states)
-        tokens.index_copy_(0, index, sample.token_ids)
-        return sample, tokens
+            return None, torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)
+        sample = self._sample_positions(logits, rows, states, picks)
+        return sample, sample.token_ids
 
     def _draft_heads(self, hidden: torch.Tensor, kept_at: torch.Tensor | None) -> torch.Tensor | None:
         """[rows, heads] drafts for the positions after each sampled row's last kept token: the heads read
@@ -526,11 +493,6 @@ class ModelWorker:
         if self.head_graphs is not None:
             return self.head_graphs.run(hidden, kept_at)
         return self.draft_heads(self.ops, hidden if kept_at is None else hidden[kept_at])
-
-    def _live_rows(self, rows: list[StepRow]) -> list[int]:
-        """Indices of the rows to sample: all but the chained rows whose verify row (in the step collected
-        last) kept fewer than all its drafts."""
-        return [j for j, r in enumerate(rows) if not r.chained or self._kept_all.get(r.request_id, False)]
 
     def _last_kept(self, rows: list[StepRow], tokens: torch.Tensor) -> torch.Tensor:
         """Per row, the index in ``tokens`` of the last token it keeps (the first choice that differs
@@ -627,14 +589,6 @@ def warmup_shape(config: WorkerConfig) -> tuple[int, int]:
 def logit_positions(row: StepRow) -> int:
     """Positions of a sampled row whose logits choose tokens: every one of a verify row, else the last."""
     return len(row.input_ids) if row.input_ids[0] == FED_BACK else 1
-
-
-def logit_rows(rows: list[StepRow], chosen: list[int]) -> list[int]:
-    """The logit positions (rows of the sampled rows' logits, in order) of the rows ``chosen``."""
-    starts = [0]
-    for r in rows:
-        starts.append(starts[-1] + logit_positions(r))
-    return [p for j in chosen for p in range(starts[j], starts[j + 1])]
 
 
 def verify_states(rows: list[StepRow], states: list[RowSampling]) -> list[RowSampling]:

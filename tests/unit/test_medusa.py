@@ -111,11 +111,13 @@ def test_medusa_greedy_tokens_equal_plain_decoding(models, heads, speculate):
     assert run(engine, arrivals(stop=stop)) == plain
     stats = engine.router.scheduler.speculation
     assert stats.drafted_tokens > 0
-    if heads == "fitted":        # alone, the fitted prompt has every draft accepted
+    if heads == "fitted":        # alone, the fitted prompt has its drafts accepted
         lone = make_engine(models["base"], speculate, draft_heads=str(models[heads]))
         assert run(lone, {0: arrivals()[0][:1]}) == {0: plain[0]}
         stats = lone.router.scheduler.speculation
-        assert stats.accepted_tokens == stats.drafted_tokens >= 8
+        # all but at most one: with 2 drafts a row, one drafts the 23rd token from the 22nd's hidden state, which
+        # the fitted heads get wrong (13 of 14 accepted; 16 of 16 with 3 drafts a row)
+        assert stats.accepted_tokens >= max(stats.drafted_tokens - 1, 8), stats
 
 
 def test_medusa_seeded_sampling_equals_plain_decoding(models):

@@ -31,24 +31,13 @@ def test_compare_prompts_tells_identical_runs_near_ties_and_real_differences():
         "identical", "near-tie at step 1", "NOT a near-tie at step 2"]
 
 
-def test_no_chain_turns_chained_rows_off_in_every_demo_engine():
-    for chain in (True, False):
-        engines = spec_bench.demo_engines([0, 4], "torch", chain=chain)
-        try:
-            assert [e.router.scheduler.config.chain_verify_rows for e in engines.values()] == [chain, chain]
-        finally:
-            for engine in engines.values():
-                engine.close()
-
-
-@pytest.mark.parametrize("no_chain,task,heads", [(False, "rename", None), (True, "rename", None),
-                                                (False, "write", spec_bench.DEMO / "medusa")])
-def test_demo_reports_each_prompt_from_an_untimed_pass_with_top_tokens(no_chain, task, heads):
+@pytest.mark.parametrize("task,heads", [("rename", None), ("write", spec_bench.DEMO / "medusa")])
+def test_demo_reports_each_prompt_from_an_untimed_pass_with_top_tokens(task, heads):
     """The demo model on the CPU (float32, the torch kernels): the speculating run's tokens are plain
-    decoding's on every prompt, with rows chained behind verify rows and without (``--no-chain``), and
-    with the bundled Medusa heads drafting on prompts that ask for a function's body."""
+    decoding's on every prompt, with n-gram drafts and with the bundled Medusa heads drafting on prompts
+    that ask for a function's body."""
     summary = spec_bench.demo(Namespace(new_tokens=24, prompts=2, speculate="4", kernel_backend="torch",
-                                        no_chain=no_chain, task=task, draft_heads=heads and str(heads)))
+                                        task=task, draft_heads=heads and str(heads)))
     result = summary["by_speculate"]["4"]
     assert result["prompts"] == ["identical", "identical"] and summary["not_near_tie_prompts"] == 0
     assert result["top_pass_equals_timed"] and summary["outputs_identical"] and result["drafted"] > 0

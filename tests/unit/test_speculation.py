@@ -141,9 +141,6 @@ class SlotReadingShards:
         self.last: dict[int, int] = {}             # request row -> newest sampled token (FED_BACK)
         self.results: deque = deque()
         self.verified = 0
-        self.kept_all: dict[int, bool] = {}        # request row -> whether its newest row kept every draft
-        self.void = 0                              # chained rows run void (their KV written all the same)
-        self.stood = 0                             # chained rows that stood
 
     def next_token(self, row: int, length: int) -> int:
         context = [self.kv[self.table[row][p]] for p in range(length)]
@@ -165,10 +162,6 @@ class SlotReadingShards:
             self.kv[slot], table[r.start_pos + i] = token, slot
         if not r.sample:
             return RowResult(r.request_id)
-        if r.chained and not self.kept_all.get(r.row, False):
-            self.void += 1
-            return RowResult(r.request_id)          # the worker samples nothing for it; ``last`` stays
-        self.stood += r.chained
         drafts = r.input_ids[1:] if r.input_ids[0] == FED_BACK else []
         end = r.start_pos + len(ids) - len(drafts)
         chosen = [self.next_token(r.row, end + j) for j in range(len(drafts) + 1)]
@@ -176,7 +169,6 @@ class SlotReadingShards:
         while kept <= len(drafts) and drafts[kept - 1] == chosen[kept - 1]:
             kept += 1
         self.verified += len(drafts)
-        self.kept_all[r.row] = kept == len(drafts) + 1
         self.last[r.row] = chosen[kept - 1]
         results = [RowResult(r.request_id, token_id=t, logprob=-1.0) for t in chosen[:kept]]
         results[0].following = results[1:]
@@ -298,7 +290,7 @@ def test_after_a_verify_rows_result_the_next_step_goes_out_before_the_events_ret
     idle while the caller handles the events), and the tokens are plain decoding's."""
     alloc = SlotAllocator(num_slots=200, max_requests=4)
     scheduler = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4, prefix_caching=False,
-                                                 verify_step_cost=0.0, chain_verify_rows=False))
+                                                 verify_step_cost=0.0))
     shards = LoggingShards(period=5)                        # the prompt's period goes on: every draft is right
     router = Router(scheduler, shards, eos_token_ids=(0,))
     router.submit(GenerationRequest(1, [3, 1, 4, 1, 5] * 3, 40, SamplingParams()))
@@ -313,50 +305,42 @@ def test_after_a_verify_rows_result_the_next_step_goes_out_before_the_events_ret
     assert len(waits) >= 5 and all(c[1:] in (["verify"], ["submit"]) for c in waits[:-1]), calls
 
 
-def test_rows_chained_behind_verify_rows_map_and_free_the_right_slots():
-    """Alone, a request's next row goes out behind its verify row in flight as if every draft were accepted
-    (once a verify row kept them all). A 'model' that reads every token back through the slots copies the
-    prompt's period but twists every 13th position: chained rows stand and go void, void ones write their
-    KV all the same, and the tokens, the slots checked after every step and a second identical request served
-    from the prefix cache are those of the same scheduler without chaining, with fewer waits."""
-    def serve(chain: bool):
+def test_verify_rows_that_reject_drafts_map_and_free_the_right_slots():
+    """A 'model' that reads every token back through the slots copies the prompt's period but twists every 13th
+    position, so verify rows keep some drafts and reject the rest: the tokens, the slots checked after every
+    step and a second identical request served from the prefix cache are those of plain decoding."""
+    def serve(speculate: int):
         alloc = SlotAllocator(num_slots=400, max_requests=4)
-        scheduler = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4, verify_step_cost=0.0,
-                                                     chain_verify_rows=chain))
-        shards = LoggingShards(period=5, twist=13)
-        router = Router(scheduler, shards, eos_token_ids=(0,))
-        tokens, waits = {}, 0
+        scheduler = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=speculate, verify_step_cost=0.0))
+        router = Router(scheduler, LoggingShards(period=5, twist=13), eos_token_ids=(0,))
+        tokens = {}
         for rid in (1, 2):                  # the second after the first: its prompt and tokens come from the cache
             router.submit(GenerationRequest(rid, [3, 1, 4, 1, 5] * 3, 60, SamplingParams()))
             tokens[rid] = []
             for _ in range(200):
                 if not router.has_work():
                     break
-                before = len(shards.log)
                 tokens[rid].extend(e.token_id for e in router.step())
-                waits += shards.log[before : before + 1] == ["collect"]    # planned nothing beside the row in flight
                 scheduler.check_integrity()
             assert not router.has_work(), f"request {rid} still runs after 200 steps"
-        return tokens, waits, shards
+        return tokens, scheduler.speculation
 
-    plain, plain_waits, _ = serve(chain=False)
-    tokens, waits, shards = serve(chain=True)
+    plain, _ = serve(0)
+    tokens, stats = serve(4)
     assert tokens == plain and tokens[1] == tokens[2] and len(tokens[1]) == 60
-    assert shards.stood > 0 and shards.void > 0 and waits < plain_waits, (shards.stood, shards.void, waits)
+    assert stats.drafted_tokens > stats.accepted_tokens > 20, stats
 
 
-def test_a_verify_row_that_ends_its_request_voids_the_row_chained_behind_it():
-    """The copied period's only twist, at position 39 (after several verify rows kept every draft, so a row is
-    chained behind the one that meets it), makes the token 6, the stop token: that verify row keeps the drafts
-    before it and the 6, the row chained behind it is void, the request ends on the stop token exactly as
-    without chaining, and no slot stays taken."""
+def test_a_verify_row_that_meets_the_stop_token_ends_its_request_as_plain_decoding_does():
+    """The copied period's only twist, at position 39 (after several verify rows kept every draft), makes the
+    token 6, the stop token, inside a verify row's drafts: the request ends on it exactly as without drafts,
+    and no slot stays taken."""
     ended = {}
-    for chain in (False, True):
+    for speculate in (0, 4):
         alloc = SlotAllocator(num_slots=400, max_requests=4)
-        scheduler = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4, verify_step_cost=0.0,
-                                                     prefix_caching=False, chain_verify_rows=chain))
-        shards = LoggingShards(period=5, twist=39)
-        router = Router(scheduler, shards, eos_token_ids=(6,))
+        scheduler = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=speculate, verify_step_cost=0.0,
+                                                     prefix_caching=False))
+        router = Router(scheduler, LoggingShards(period=5, twist=39), eos_token_ids=(6,))
         router.submit(GenerationRequest(1, [3, 1, 4, 1, 5] * 3, 60, SamplingParams()))
         events = []
         for _ in range(100):
@@ -364,32 +348,10 @@ def test_a_verify_row_that_ends_its_request_voids_the_row_chained_behind_it():
                 break
             events.extend(router.step())
             scheduler.check_integrity()
-        ended[chain] = [(e.token_id, e.finish_reason) for e in events]
+        ended[speculate] = [(e.token_id, e.finish_reason) for e in events]
         assert alloc.used_slots == 0 and alloc.free_slots == 400
-    assert ended[True] == ended[False] and ended[True][-1] == (6, "eos_token") and len(ended[True]) == 25
-    assert shards.void > 0
-
-
-def test_an_abort_with_a_chained_row_in_flight_frees_every_slot():
-    """A request aborted while its verify row and the row chained behind it are in flight: both results are
-    ignored when they come, and every slot is free (but the prompt and known tokens the prefix cache keeps)."""
-    alloc = SlotAllocator(num_slots=400, max_requests=4)
-    scheduler = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4, verify_step_cost=0.0))
-    shards = LoggingShards(period=5)
-    router = Router(scheduler, shards, eos_token_ids=(0,))
-    router.submit(GenerationRequest(1, [3, 1, 4, 1, 5] * 3, 60, SamplingParams()))
-    for _ in range(40):     # until its verify row is in flight and the next row may chain behind it
-        router.step()
-        (request,) = scheduler.running
-        if request.can_chain:
-            break
-    router._submit_next()     # the first half of Router.step: the chained row goes out, nothing collected yet
-    assert request.chained is not None and request.verifying and len(router._in_flight) == 2
-    assert router.abort(1)
-    while router.has_work():
-        assert router.step() == []
-    scheduler.check_integrity()
-    assert alloc.used_slots == 0 and alloc.free_slots + alloc.cached_slots == 400
+    assert ended[4] == ended[0] and ended[4][-1] == (6, "eos_token") and len(ended[4]) == 25
+    assert scheduler.speculation.accepted_tokens > 10
 
 
 def _pipelined(sched, alloc, steps: int, next_token) -> list[int]:
@@ -502,8 +464,7 @@ def test_the_step_replay_counts_rows_waits_and_drafts_of_the_real_scheduler():
 
     quoting = ([7, 1, 2, 3, 4, 5, 6, 8], [1, 2, 3, 4, 5, 6, 8, 9, 10])     # copies its prompt, then 9 10
     plain = replay([quoting], 0)
-    assert plain == {"tokens": 8, "rows": 8, "verify_rows": 0, "void_rows": 0, "waits": 0, "drafted": 0,
-                     "accepted": 0}
+    assert plain == {"tokens": 8, "rows": 8, "verify_rows": 0, "waits": 0, "drafted": 0, "accepted": 0}
     spec = replay([quoting], 4)
     assert spec["tokens"] == 8 and spec["rows"] < 8 and spec["accepted"] >= 4 and spec["verify_rows"] >= 1
     assert 1 <= spec["waits"] <= spec["verify_rows"]    # a verify row's successor waits for its result

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.protocol.messages import SamplingParams
+from engine.protocol.messages import FED_BACK, SamplingParams
 from engine.router.drafter import NgramDrafter
 from tests.tiny_models import save_tiny_model
 
@@ -124,37 +124,33 @@ def with_oracle_drafts(engine: Engine, plain: dict[int, list[tuple]], wrong_ever
     return engine
 
 
-def count_chained_rows(engine: Engine) -> dict[str, int]:
-    """Counts, as the engine runs, the chained rows whose result came back with tokens ("stood") and
-    without ("void")."""
-    counts = {"stood": 0, "void": 0}
-    scheduler = engine.router.scheduler
-    process = scheduler.process
-
-    def counting_process(step, result):
-        for row, res in zip(step.rows, result.rows):
-            if row.chained:
-                counts["void" if res.token_id is None else "stood"] += 1
-        return process(step, result)
-    scheduler.process = counting_process
-    return counts
-
-
 @pytest.mark.parametrize("params", [
     SamplingParams(top_n_tokens=2),
     SamplingParams(seed=3, do_sample=True, temperature=0.9, top_k=40, top_p=0.95),
     SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3)])
-def test_rows_chained_behind_verify_rows_give_plain_decodings_tokens(tiny_models, params):
-    """A lone request's next row goes out behind its verify row as if every draft were accepted: where they
-    all were it stands, else the worker samples nothing for it (no seed step, penalty count or
-    ``last_tokens`` change) and the router drops its slots; greedy, seeded and penalised tokens stay plain
-    decoding's, and the allocator is checked after every step."""
+def test_a_lone_request_waits_for_each_verify_result_and_gives_plain_decodings_tokens(tiny_models, params):
+    """A lone request plans its next row only from its verify row's result (engine.router.scheduler): rows
+    that keep every draft and rows that reject some; greedy, seeded and penalised tokens stay plain
+    decoding's, no step carries a second row of the request behind its verify row, and the allocator is
+    checked after every step."""
     arrivals = {0: [GenerationRequest(0, [5, 6, 7, 8, 9], 40, params, stop_token_ids=[])]}
     plain = run(make_engine(tiny_models["llama"], 0), arrivals)
     engine = with_oracle_drafts(make_engine(tiny_models["llama"], 4), plain, wrong_every=11)
-    counts = count_chained_rows(engine)
+    shards, calls = engine.router.shards, []
+    submit, collect = shards.submit, shards.collect
+    shards.submit = lambda step: (calls.append(row_kind(step.rows[0])), submit(step))[1]
+    shards.collect = lambda timeout=None: (calls.append("collect"), collect(timeout))[1]
     assert run(engine, arrivals) == plain
-    assert counts["stood"] > 0 and counts["void"] > 0, counts
+    stats = engine.router.scheduler.speculation
+    assert stats.drafted_tokens > stats.accepted_tokens > 10
+    after_verify = {b for a, b in zip(calls, calls[1:]) if a == "verify"}
+    assert after_verify == {"collect"} and calls.count("verify") > 5, calls
+
+
+def row_kind(row) -> str:
+    if row.input_ids[0] != FED_BACK:
+        return "prompt"
+    return "verify" if len(row.input_ids) > 1 else "plain"
 
 
 def _accepts_drafts(model_dir, prompt: list[int]) -> bool:
@@ -246,13 +242,6 @@ def test_grammar_constrained_rows_verify_with_matchers_advanced_over_the_drafts(
     stats = engine.router.scheduler.speculation
     assert stats.drafted_tokens > stats.accepted_tokens > 10
     assert all(events[-1][2] == "eos_token" for events in plain.values())      # the grammars completed
-    counts = {"stood": 0, "void": 0}
-    for request in arrivals[0]:        # alone, rows chain behind verify rows: a void one leaves its matcher as it was
-        engine = with_oracle_drafts(make_engine(DEMO, 4, num_slots=2048), plain, wrong_every=11)
-        chained = count_chained_rows(engine)
-        assert run(engine, {0: [request]}) == {request.request_id: plain[request.request_id]}
-        counts = {k: counts[k] + chained[k] for k in counts}
-    assert counts["stood"] > 0 and counts["void"] > 0, counts
 
 
 def test_demo_model_sampled_frequencies_match_plain_decoding(demo_engines, demo_tokens):
@@ -398,10 +387,3 @@ def test_two_shards_verify_like_one(tiny_models):
     with engine:
         assert run(engine, arrivals) == plain
         assert engine.router.scheduler.speculation.accepted_tokens > 5
-    lone = {0: arrivals[0][:1]}           # alone, its rows chain behind its verify rows: void ones broadcast VOID
-    engine = with_oracle_drafts(make_engine(tiny_models["llama"], 3, num_shards=2, master_port=free_port()), plain,
-                                wrong_every=9)
-    counts = count_chained_rows(engine)
-    with engine:
-        assert run(engine, lone) == {0: plain[0]}
-    assert counts["stood"] > 0 and counts["void"] > 0, counts
