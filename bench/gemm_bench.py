@@ -9,7 +9,8 @@ For each Llama-2-7B projection (N, K) and each row count M it times
   cublas    ``F.linear(x, w)``, x [M, K], w [N, K]
   triton    ``kernels.skinny_gemm.skinny_gemm`` for ~40-60 configs: a coarse stage (FMA and dot
             paths x BLOCK_N x BLOCK_K x num_warps at 3 stages, the default split), then the
-            --top best of it with num_stages 1-4 and SPLIT_K 1, 2, 4, 8; plus ``_config``'s default
+            --top best of it with num_stages 1-4 and SPLIT_K 1, 2, 4, 8; plus ``_config``'s default (the
+            device's ``TUNED`` config where it has one: what the engine runs)
 
 Each timing is a CUDA graph of back-to-back launches replayed a few times between CUDA events
 (median, per launch). The launches cycle through copies of the weight that together exceed
@@ -40,6 +41,7 @@ from kernels.skinny_gemm import (
     SkinnyConfig,
     _config,
     default_split_k,
+    device_name,
     device_sms,
     precompile_skinny_gemm,
     skinny_gemm,
@@ -239,7 +241,7 @@ def bench_shape(M: int, name: str, weights: list[torch.Tensor], top: int, compil
     bench = ShapeBench(M, N, K, weights, compile_threads)
     started = time.perf_counter()
     cublas = bench.cublas_us()
-    default = _key(_config(M, N, K, device_sms(weights[0].device)), K)
+    default = _key(_config(M, N, K, device_sms(weights[0].device), device_name(weights[0].device)), K)
     best = bench.sweep(top, default)
     row = {
         "M": M, "name": name, "N": N, "K": K, "weight_bytes": bench.wbytes,

@@ -173,6 +173,18 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _device_name(device_index: int) -> str:
+    return torch.cuda.get_device_properties(device_index).name
+
+
+def device_name(device: torch.device) -> str:
+    """The CUDA device's name ("NVIDIA H200"), "" off CUDA (``TUNED`` keys)."""
+    if device.type != "cuda":
+        return ""
+    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def device_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (the H100's 132 off CUDA, so CPU runs pick GPU configs)."""
     if device.type != "cuda":
@@ -192,8 +204,31 @@ def default_split_k(N: int, K: int, block_n: int, block_k: int, num_sms: int = H
     return split
 
 
-def _config(M: int, N: int, K: int, num_sms: int = H100_SMS) -> SkinnyConfig:
-    """Default config for an [M, K] x [N, K]^T product, from ``bench.gemm_bench`` on one H100.
+# Configs per device and shape where ``bench.gemm_bench``'s sweep on that device beat ``_config``'s rules (the
+# rules come from one H100). Keyed by (path, N, K): path 1 is M = 1 (the FMA path), "dot" every M > 2, which the
+# dot path runs on the same 16-row tiles (timed at M = 5, a verify row with 4 drafts). One H200, stop 52,
+# ``python -m bench.gemm_bench --rows 1,5`` on Llama-2-7B's projections, (qkv + o_proj + gate_up + down) x 32 +
+# lm_head: M = 1 3.705 -> 3.207 ms a step (cuBLAS 3.777), M = 5 3.653 -> 3.497 (cuBLAS 3.778); each config's
+# output checked against cuBLAS there.
+TUNED: dict[str, dict[tuple, SkinnyConfig]] = {
+    "NVIDIA H200": {
+        (1, 12288, 4096): SkinnyConfig(32, 256, 1, 8, 1, False),
+        (1, 4096, 4096): SkinnyConfig(16, 512, 1, 8, 4, False),
+        (1, 22016, 4096): SkinnyConfig(8, 512, 1, 4, 1, False),
+        (1, 4096, 11008): SkinnyConfig(16, 512, 1, 8, 3, False),
+        (1, 32000, 4096): SkinnyConfig(32, 256, 1, 4, 3, False),
+        ("dot", 12288, 4096): SkinnyConfig(32, 128, 1, 4, 4, True),
+        ("dot", 4096, 4096): SkinnyConfig(32, 512, 1, 4, 4, True),
+        ("dot", 22016, 4096): SkinnyConfig(64, 128, 1, 4, 2, True),
+        ("dot", 4096, 11008): SkinnyConfig(32, 512, 1, 4, 4, True),
+        ("dot", 32000, 4096): SkinnyConfig(64, 128, 1, 4, 4, True),
+    },
+}
+
+
+def _config(M: int, N: int, K: int, num_sms: int = H100_SMS, device: str = "") -> SkinnyConfig:
+    """Default config for an [M, K] x [N, K]^T product on ``device`` (its name): ``TUNED``'s where it has the
+    shape, else these rules from ``bench.gemm_bench`` on one H100.
 
     M = 1: FMA path, 8 weight rows x 512 columns a tile, 4 warps, 3 stages: the best, or within 2%
     of it, on all five Llama-2-7B shapes (4.72 ms of weights a decode step against cuBLAS's 5.22).
@@ -201,6 +236,9 @@ def _config(M: int, N: int, K: int, num_sms: int = H100_SMS) -> SkinnyConfig:
     to 16 rows), 32 x 256 tiles 4 stages deep: 5.00 ms a step at M = 4 against cuBLAS's 5.22.
     SPLIT_K only where the column blocks leave SMs idle (``default_split_k``).
     """
+    tuned = TUNED.get(device, {}).get((1 if M == 1 else "dot" if M > 2 else M, N, K))
+    if tuned is not None:
+        return tuned
     if M == 1:
         block_n, block_k, num_warps, num_stages, use_dot = 8, 512, 4, 3, False
     elif M == 2:
@@ -315,7 +353,9 @@ def _prepare(x, weight, bias, config) -> tuple[torch.Tensor, SkinnyConfig | None
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out, None
-    return out, _validate_config(config) if config is not None else _config(M, N, K, device_sms(x.device))
+    if config is not None:
+        return out, _validate_config(config)
+    return out, _config(M, N, K, device_sms(x.device), device_name(x.device))
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

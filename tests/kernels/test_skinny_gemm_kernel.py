@@ -8,6 +8,7 @@ from kernels.skinny_gemm import (
     H100_SMS,
     MAX_ROWS,
     SKINNY_ROWS,
+    TUNED,
     SkinnyConfig,
     _config,
     _validate_config,
@@ -107,6 +108,30 @@ def test_default_configs_fill_an_h100(rows):
             acc_regs = triton.next_power_of_2(rows) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
             assert acc_regs <= FMA_ACC_BUDGET, (rows, cfg)
     assert _config(rows, 256, 4096, H100_SMS).split_k > 1  # few column blocks: split K
+
+
+def test_tuned_configs_are_valid_and_taken_on_their_device_only():
+    """``TUNED``: every entry a valid config on its path (FMA at one row within the accumulator budget, dot for
+    the rest); ``_config`` takes it for M = 1 and every M > 2 on that device, the rules for M = 2 and elsewhere."""
+    for device, table in TUNED.items():
+        for (path, n, k), cfg in table.items():
+            assert _validate_config(cfg) == cfg and cfg.use_dot == (path == "dot"), (path, n, k, cfg)
+            if path == 1:
+                assert cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= FMA_ACC_BUDGET, cfg
+            for rows in ((1,) if path == 1 else (3, 5, 8, 16)):
+                assert _config(rows, n, k, H100_SMS, device) == cfg
+                assert _config(rows, n, k, H100_SMS, "NVIDIA H100 80GB HBM3") == _config(rows, n, k, H100_SMS)
+            assert _config(2, n, k, H100_SMS, device) == _config(2, n, k, H100_SMS)
+
+
+@pytest.mark.parametrize("cfg", sorted({c for table in TUNED.values() for c in table.values()}), ids=str)
+def test_each_tuned_config_computes_the_product(cfg, device):
+    """Each tuned config's launch (its blocks, warps, stages and path) on a shape of a few of its tiles."""
+    rows = 1 if not cfg.use_dot else 5
+    x, weight, bias = make_inputs(rows, 2 * cfg.block_n + 3, 2 * cfg.block_k + 16, torch.bfloat16, device)
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(skinny_gemm(x, weight, bias, config=cfg), skinny_gemm_ref(x, weight, bias),
+                               atol=atol, rtol=rtol)
 
 
 def test_skinny_gemm_config_argument(device):
