@@ -64,8 +64,8 @@ draft were accepted, cost more than that wait: on one H200 the demo's batch-1 sp
 rows (void where the verify row kept fewer) was 1.56/1.54x at 4 drafts and 1.76/1.59x at 8, against
 1.70/1.65x and 1.93/1.87x waiting (``bench.spec_bench demo``, interleaved runs of one call): their
 drafts follow text not yet verified, and a row moved back on the device after a miss is a verify
-step's time for one token. Behind a plain row
-in flight (or its prompt's last chunk) it drafts without waiting: the drafter guesses the unknown
+step's time for one token. Behind a plain row in flight (or its prompt's last chunk) a request
+drafts without waiting: the drafter guesses the unknown
 token from where it copies (``NgramDrafter.propose``'s ``ahead``) and a wrong guess only gets the
 drafts rejected, so finding nothing to draft costs no step. A request whose drafts are all
 rejected twice in a row decodes plain pipelined rows for a pause that doubles with each further
