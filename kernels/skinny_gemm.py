@@ -169,27 +169,27 @@ def _split_k_reduce_kernel(
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _properties(device_index: int):
+    return torch.cuda.get_device_properties(device_index)
 
 
-@functools.cache
-def _device_name(device_index: int) -> str:
-    return torch.cuda.get_device_properties(device_index).name
+def _cuda_properties(device: torch.device):
+    """The CUDA device's properties (read once per device), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return _properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def device_name(device: torch.device) -> str:
     """The CUDA device's name ("NVIDIA H200"), "" off CUDA (``TUNED`` keys)."""
-    if device.type != "cuda":
-        return ""
-    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
+    props = _cuda_properties(device)
+    return props.name if props is not None else ""
 
 
 def device_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (the H100's 132 off CUDA, so CPU runs pick GPU configs)."""
-    if device.type != "cuda":
-        return H100_SMS
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    props = _cuda_properties(device)
+    return props.multi_processor_count if props is not None else H100_SMS
 
 
 def default_split_k(N: int, K: int, block_n: int, block_k: int, num_sms: int = H100_SMS) -> int:
@@ -236,7 +236,8 @@ def _config(M: int, N: int, K: int, num_sms: int = H100_SMS, device: str = "") -
     to 16 rows), 32 x 256 tiles 4 stages deep: 5.00 ms a step at M = 4 against cuBLAS's 5.22.
     SPLIT_K only where the column blocks leave SMs idle (``default_split_k``).
     """
-    tuned = TUNED.get(device, {}).get((1 if M == 1 else "dot" if M > 2 else M, N, K))
+    path = 1 if M == 1 else "dot" if M > 2 else None       # M = 2 (FMA over 2 rows) has no tuned configs
+    tuned = TUNED.get(device, {}).get((path, N, K))
     if tuned is not None:
         return tuned
     if M == 1:
