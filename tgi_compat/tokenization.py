@@ -9,7 +9,9 @@ Encoding runs on ``--validation-workers`` threads. Each takes every text waiting
 one ``encode`` per text holds the GIL, so a burst of long prompts (256 requests of 3,000
 tokens) would take turns with the event loop. A prompt needs only its ids: those go
 through ``encode_batch_fast``, which skips the character offsets (half the work of a
-long prompt); /tokenize asks for offsets and gets ``encode_batch``.
+long prompt); /tokenize asks for offsets and gets ``encode_batch``. A long prompt is cut into
+pieces that the batch call encodes side by side, where the tokenizer allows it exactly
+(``tgi_compat.text_pieces``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
+
+from .text_pieces import PieceCutter, encode_ids
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ class TokenizerAdapter:
         self.longest_token_chars = max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
         # encode_batch pads and truncates if the tokenizer.json asks for it; encode alone does not
         batchable = self._backend.padding is None and self._backend.truncation is None
+        self.cutter = PieceCutter.for_tokenizer(self._backend) if batchable else None   # None: texts whole
         self._encoder = _BatchingEncoder(self, workers, batchable)
 
     def close(self) -> None:
@@ -204,6 +209,6 @@ class _BatchingEncoder:
     def _encode_batch(self, texts: list[str], special: bool, offsets: bool) -> list[Encoding]:
         backend = self._adapter._backend
         if not offsets:
-            return [Encoding(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=special)]
+            return [Encoding(ids) for ids in encode_ids(backend, self._adapter.cutter, texts, special)]
         encodings = backend.encode_batch(texts, add_special_tokens=special)
         return [Encoding(e.ids, text=text, raw=e) for text, e in zip(texts, encodings)]

@@ -1,0 +1,140 @@
+"""A long text encoded in pieces gives exactly one encode's ids, for every pre-tokenizer the cutter accepts
+(GPT-2's ByteLevel regex, Llama-3's and Qwen2's Split + ByteLevel, with and without NFC), and tokenizers
+whose ids a cut could change are left whole."""
+import asyncio
+import random
+
+import pytest
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+
+from tgi_compat.text_pieces import LLAMA3_SPLIT, QWEN2_SPLIT, PieceCutter, encode_ids
+from tgi_compat.tokenization import TokenizerAdapter
+from weights.tokenizer_builder import build_tokenizer
+
+CONFIG = {"vocab_size": 2048, "bos_token_id": 1, "eos_token_id": 2}
+# What the regexes treat differently: runs of spaces, newlines, digits, contractions, punctuation, non-ASCII
+# letters, tabs, and the special tokens' text inside a prompt
+FRAGMENTS = ["the", "cat", "It's", "we'll", "x", "Zebra", "éclair", "naïve", "日本", "123", "4567", "3.14", "!",
+             "?!", "(a)", "def", "f():", "—", "\U0001F600", "<s>", "</s>", "  ", "   ", "\n", "\n\n", " \n", "\t",
+             "\r\n", "a", "b"]
+
+
+def random_text(rng: random.Random, words: int) -> str:
+    parts = []
+    for _ in range(words):
+        parts.append(rng.choice(FRAGMENTS))
+        parts.append(rng.choice([" ", " ", " ", "", "  ", "\n"]))
+    return "".join(parts)
+
+
+def byte_level_bpe(pre_tokenizer, normalizer=None, added: tuple[AddedToken, ...] = ()) -> Tokenizer:
+    """The synthetic checkpoints' vocabulary and merges behind another pre-tokenizer (and normalizer)."""
+    base, _ = build_tokenizer(CONFIG)
+    model = base.model
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizer
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken("<s>", special=True, normalized=False), *added])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tokenizer
+
+
+def split_then_bytes(pattern: str):
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+ACCEPTED = {
+    "gpt2 byte level (synthetic checkpoint)": lambda: build_tokenizer(CONFIG)[0],
+    "llama-3 split": lambda: byte_level_bpe(split_then_bytes(LLAMA3_SPLIT)),
+    "qwen2 split + NFC": lambda: byte_level_bpe(split_then_bytes(QWEN2_SPLIT), normalizers.NFC()),
+    "no special tokens around": lambda: build_tokenizer({**CONFIG, "model_type": "qwen2", "bos_token_id": 2000,
+                                                         "eos_token_id": 2001})[0],
+}
+
+
+@pytest.mark.parametrize("name", list(ACCEPTED))
+@pytest.mark.parametrize("special", [True, False])
+def test_pieces_give_one_encodes_ids(name, special):
+    """Texts cut every ~40 characters (hundreds of cuts each) and encoded in one batch call, beside short
+    texts left whole: the same ids as one encode of each text."""
+    tokenizer = ACCEPTED[name]()
+    cutter = PieceCutter.for_tokenizer(tokenizer, piece_chars=40)
+    assert cutter is not None
+    rng = random.Random(7)
+    texts = [random_text(rng, words) for words in (2000, 5, 3000, 1)]
+    assert max(len(cutter.cut(t)) for t in texts) > 100
+    got = encode_ids(tokenizer, cutter, texts, special)
+    assert got == [tokenizer.encode(t, add_special_tokens=special).ids for t in texts]
+
+
+def test_a_cut_anywhere_else_would_change_the_ids():
+    """The cut rule is what makes it exact: cutting the same texts at every ~40th character instead changes
+    the ids (so the test above would catch a looser rule)."""
+    tokenizer = ACCEPTED["llama-3 split"]()
+    text = random_text(random.Random(7), 2000)
+    pieces = [text[i:i + 41] for i in range(0, len(text), 41)]
+    loose = [i for e in tokenizer.encode_batch_fast(pieces, add_special_tokens=False) for i in e.ids]
+    assert loose != tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_cuts_fall_at_a_space_between_two_ascii_letters():
+    cutter = PieceCutter([1], [], piece_chars=10)
+    text = "alpha beta gamma delta 12 34 éa bé epsilon zeta eta theta iota kappa"
+    pieces = cutter.cut(text)
+    assert "".join(pieces) == text and len(pieces) > 2
+    for before, after in zip(pieces, pieces[1:]):
+        assert before[-1].isascii() and before[-1].isalpha() and after[0] == " " and after[1].isalpha()
+    assert cutter.cut("short text") == ["short text"]
+    assert cutter.cut("1 2 3 4 " * 20) == ["1 2 3 4 " * 20]       # no place to cut: whole
+
+
+def test_join_puts_the_special_ids_around_the_pieces():
+    cutter = PieceCutter([7, 8], [9])
+    assert cutter.join([[1, 2], [3]], special=True) == [7, 8, 1, 2, 3, 9]
+    assert cutter.join([[1, 2], [3]], special=False) == [1, 2, 3]
+
+
+REFUSED = {
+    "metaspace (sentencepiece)": lambda: byte_level_bpe(pre_tokenizers.Metaspace()),
+    "byte level with a prefix space": lambda: byte_level_bpe(pre_tokenizers.ByteLevel(add_prefix_space=True)),
+    "byte level without its regex alone": lambda: byte_level_bpe(pre_tokenizers.ByteLevel(use_regex=False)),
+    "an unknown split regex": lambda: byte_level_bpe(split_then_bytes(r"\w+|\s+")),
+    "a lowercasing normalizer": lambda: byte_level_bpe(split_then_bytes(LLAMA3_SPLIT), normalizers.Lowercase()),
+    "an added token that strips spaces": lambda: byte_level_bpe(
+        split_then_bytes(LLAMA3_SPLIT), added=(AddedToken("<mask>", lstrip=True, special=True),)),
+    "an added token with a space": lambda: byte_level_bpe(
+        split_then_bytes(LLAMA3_SPLIT), added=(AddedToken("a b", special=True),)),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_tokenizers_a_cut_could_change_are_left_whole(name):
+    assert PieceCutter.for_tokenizer(REFUSED[name]()) is None
+
+
+def test_the_front_end_encodes_a_long_prompt_in_pieces(monkeypatch):
+    """A prompt of more than twice PIECE_CHARS goes to the batch call as pieces and comes back as one
+    encode's ids; /tokenize (offsets) still encodes it whole."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=ACCEPTED["llama-3 split"](), bos_token="<s>")
+    adapter = TokenizerAdapter(fast, workers=1)
+    try:
+        assert adapter.cutter is not None
+        backend = adapter.tokenizer.backend_tokenizer
+        text = random_text(random.Random(3), adapter.cutter.piece_chars)
+        assert len(text) > 2 * adapter.cutter.piece_chars
+        batches = []
+        for name in ("encode_batch_fast", "encode_batch"):
+            real = getattr(backend, name)
+            monkeypatch.setattr(backend, name, lambda texts, *a, real=real, **k: batches.append(len(texts))
+                                or real(texts, *a, **k), raising=False)
+        got = asyncio.run(adapter.encode(text))
+        assert batches[-1] > 1 and got.ids == adapter.encode_sync(text).ids
+        with_offsets = asyncio.run(adapter.encode(text, offsets=True))
+        assert with_offsets.ids == got.ids and with_offsets.offsets == adapter.encode_sync(text).offsets
+    finally:
+        adapter.close()
