@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from engine.models.config import Family, ModelConfigError, shared_fields, sliding_layers
-from engine.models.layers import Attention, GatedMLP, Linear, RowParallelLinear
+from engine.models.layers import Attention, GatedMLP, Linear, RowParallelLinear, narrow_at_last_layer
 from engine.models.llama import IGNORED_CHECKPOINT_NAMES, LlamaConfig, LlamaFamilyModel
 from engine.models.llama import checkpoint_shapes as llama_checkpoint_shapes
 from engine.models.parallel import TensorParallel
@@ -134,7 +134,8 @@ class GemmaFamilyModel(LlamaFamilyModel):
         residual = self.embed_tokens(batch.input_ids) * self.embed_scale
         hidden = ops.rmsnorm(residual, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            attn = layer.attention(ops, hidden, batch, kv_cache.layer(index), kv_cache.req_to_token, rotary)
+            output, residual = narrow_at_last_layer(batch, index, len(self.layers), residual)
+            attn = layer.attention(ops, hidden, batch, kv_cache.layer(index), kv_cache.req_to_token, rotary, output)
             next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
             if self.config.gemma2:
                 hidden = ops.add_rmsnorm(ops.rmsnorm(attn, layer.post_attn_norm, eps), residual, layer.pre_ff_norm,

@@ -184,13 +184,17 @@ class Attention:
     sm_scale: float
     mods: ScoreMods | None = None  # this layer's sliding window / logit soft-cap / ALiBi (this shard's heads)
 
-    def __call__(self, ops, hidden, batch, kv, req_to_token, rotary: tuple[torch.Tensor, torch.Tensor] | None):
+    def __call__(self, ops, hidden, batch, kv, req_to_token, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                 output=None):
         """``rotary``: ``Rotary``'s (table, rows); None for a model without rotary embedding (Bloom's ALiBi):
-        K is stored as projected."""
+        K is stored as projected. ``output``: the step's ``OutputRows`` at the last layer: every token's K and
+        V are stored, then only those tokens attend (the result has their rows)."""
         q, k, v = self.project_qkv(ops, hidden)
-        tokens, q_size = q.shape[0], self.num_heads * self.head_dim
         table, positions = rotary if rotary is not None else (None, None)
         ops.rotary_store_kv(q, k, v, positions, table, kv, batch.out_slots, self.head_norms())
+        if output is not None:
+            q, batch = q[output.index], output.batch
+        tokens, q_size = q.shape[0], self.num_heads * self.head_dim
         if batch.is_decode:
             out = ops.decode_attention(q, kv, req_to_token, batch.req_rows, batch.seq_len, self.sm_scale,
                                        shared=batch.shared_prefix, mods=self.mods)
@@ -241,9 +245,17 @@ def run_layernorm_layers(ops, layers: list[LayerNormDecoderLayer], final_norm: L
     ``residual`` (the embeddings) is updated in place; ``rotary``: None for a model without rotary."""
     hidden = layers[0].input_norm(ops, residual)
     for index, layer in enumerate(layers):
-        attn = layer.attention(ops, hidden, batch, kv_cache.layer(index), kv_cache.req_to_token, rotary)
+        output, residual = narrow_at_last_layer(batch, index, len(layers), residual)
+        attn = layer.attention(ops, hidden, batch, kv_cache.layer(index), kv_cache.req_to_token, rotary, output)
         hidden = layer.post_norm.add(ops, attn, residual)
         mlp = layer.mlp(ops, hidden)
         next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else final_norm
         hidden = next_norm.add(ops, mlp, residual)
     return hidden
+
+
+def narrow_at_last_layer(batch, index: int, layers: int, residual: torch.Tensor):
+    """(the ``OutputRows`` layer ``index`` narrows its attention to, the residual stream over the same tokens):
+    the step's ``batch.output`` and its rows of ``residual`` at the last layer, else (None, ``residual``)."""
+    output = batch.output if index == layers - 1 else None
+    return output, residual if output is None else residual[output.index]

@@ -26,7 +26,7 @@ import torch
 from engine.models.config import Family, ModelConfig, ModelConfigError, shared_fields
 from engine.models.config import sliding_layers as config_sliding_layers
 from engine.models.layers import (Attention, GatedMLP, Linear, LMHead, RowParallelLinear, Rotary,
-                                  VocabParallelEmbedding)
+                                  VocabParallelEmbedding, narrow_at_last_layer)
 from engine.models.parallel import FULL, Slice, TensorParallel
 from engine.models.quantized import LinearWeight, drop_zero_biases, read_weight
 from engine.ops import KernelOps
@@ -217,7 +217,8 @@ class LlamaFamilyModel:
         residual = self.embed_tokens(batch.input_ids)
         hidden = ops.rmsnorm(residual, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            attn = layer.attention(ops, hidden, batch, kv_cache.layer(index), kv_cache.req_to_token, rotary)
+            output, residual = narrow_at_last_layer(batch, index, len(self.layers), residual)
+            attn = layer.attention(ops, hidden, batch, kv_cache.layer(index), kv_cache.req_to_token, rotary, output)
             hidden = ops.add_rmsnorm(attn, residual, layer.post_norm, eps)
             mlp = layer.mlp(ops, hidden)
             next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm

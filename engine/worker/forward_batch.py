@@ -8,7 +8,8 @@ in the KV cache (chunked prefill, decode).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Callable, NamedTuple
 
 import torch
@@ -38,6 +39,35 @@ class ForwardBatch:
     # (``engine.worker.piecewise``) split their capture there and run it eagerly on the step's own rows. With
     # it set, the per-row fields above are placeholders that nothing reads.
     attention: Callable | None = None
+    # The tokens whose final hidden states the step reads, where that is not all of them (``OutputRows``)
+    output: "OutputRows | None" = None
+
+
+@dataclass(frozen=True)
+class OutputRows:
+    """The tokens of a step whose final hidden states are read (each row's last few: the logit positions),
+    and their attention rows. The last layer writes every token's K and V, then runs its attention, its
+    MLP and the final norm on these tokens alone: no later layer reads the others' outputs. A 4,096-token
+    chunk of a long prompt reads none (its last token stands in), so it skips 1/L of its attention and MLP
+    work (L layers). One H200, a random Llama-3.1-8B, one prompt in process, alternated in one run: 32,768
+    tokens 1.306 / 1.308 -> 1.269 / 1.278 s, 100,000 tokens 7.601 / 7.619 -> 7.387 / 7.391 s. The eager
+    forward only: the piecewise graphs' steps (up to 2,048 tokens) run every token through captured pieces."""
+    index: torch.Tensor       # [K] int64, ascending: the tokens, and the order of the forward's output
+    batch: ForwardBatch       # the step's rows over those K tokens (q_start, q_len, max_q_len; per-token fields
+                              # indexed); is_decode False: the prefill attention takes any count per row
+
+
+def output_rows(batch: ForwardBatch, q_start: list[int], q_len: list[int], read: list[int]) -> OutputRows:
+    """``OutputRows`` of each row's last ``read[b]`` tokens (0 to ``q_len[b]``; host lists)."""
+    index = [t for start, n, k in zip(q_start, q_len, read) for t in range(start + n - k, start + n)]
+    starts = list(accumulate(read, initial=0))[:-1]
+    device = batch.req_rows.device
+    index_t = to_device(index, torch.int64, device)
+    return OutputRows(index_t, replace(
+        batch, input_ids=batch.input_ids[index_t], positions=batch.positions[index_t],
+        out_slots=batch.out_slots[index_t], q_start=to_device(starts, torch.int32, device),
+        q_len=to_device(read, torch.int32, device), max_q_len=max(read), is_decode=False,
+        token_seq_len=None if batch.token_seq_len is None else batch.token_seq_len[index_t]))
 
 
 class RaggedInputs(NamedTuple):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,7 +46,7 @@ from engine.sampling.sampler import RowSampling, Sampler
 from engine.sampling.watermark import WatermarkConfig
 from engine.transfer import start_to_host, to_device
 from engine.worker.cuda_graphs import HeadGraphs, PaddedDecoder, PaddedVerifier
-from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, ragged_inputs,
+from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, output_rows, ragged_inputs,
                                         shared_prefix_tensors)
 from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
 from engine.worker.piecewise import PiecewiseGraphs
@@ -359,27 +359,31 @@ class ModelWorker:
         """The forward of a step the decode and verify graphs do not take (through the piecewise graphs where
         they take it, else eagerly): (indices of the sampled rows, their logits, the final hidden states at the
         same positions)."""
+        sampled = [i for i, r in enumerate(step.rows) if r.sample]
+        read = [logit_positions(r) if r.sample else 0 for r in step.rows]     # each row's last tokens read
+        narrowed = False
         if self.piecewise is not None and self.piecewise.accepts(step):
             hidden = self.piecewise.run(step, meanwhile)
         else:
-            hidden = self.model.forward(self._forward_batch(step), self.kv_cache)
+            batch = self._forward_batch(step, read)
+            hidden, narrowed = self.model.forward(batch, self.kv_cache), batch.output is not None
         offsets, offset = [], 0
         for r in step.rows:
             offsets.append(offset)
             offset += len(r.input_ids)
-        self._prompt_logprobs(step, hidden, offsets, results)
-        sampled = [i for i, r in enumerate(step.rows) if r.sample]
+        self._prompt_logprobs(step, hidden, offsets, results)      # narrowed: no row reads its prompt's
         if not sampled:
             return sampled, None, None
-        positions = []
-        for i in sampled:
-            end = offsets[i] + len(step.rows[i].input_ids)
-            positions.extend(range(end - logit_positions(step.rows[i]), end))
-        index = to_device(positions, torch.int64, self.device)
-        hidden = hidden[index]
+        if not narrowed:
+            positions = [t for start, r, k in zip(offsets, step.rows, read)
+                         for t in range(start + len(r.input_ids) - k, start + len(r.input_ids))]
+            hidden = hidden[to_device(positions, torch.int64, self.device)]
         return sampled, self.model.compute_logits(hidden), hidden     # a collective: every rank computes
 
-    def _forward_batch(self, step: Step) -> ForwardBatch:
+    def _forward_batch(self, step: Step, read: list[int] | None = None) -> ForwardBatch:
+        """The step's ``ForwardBatch``; ``read``: how many of each row's last tokens the step reads (their final
+        hidden states), which narrows the last layer to them (``OutputRows``) unless every token is read or a
+        row asks for its prompt's logprobs (those read every position)."""
         x, dev = ragged_inputs(step.rows), self.device
         positions_t = to_device(x.positions, torch.int64, dev)
         slots_t = to_device(x.slots, torch.int64, dev)
@@ -388,13 +392,18 @@ class ModelWorker:
         ids_t = to_device(x.input_ids, torch.int64, dev)
         if FED_BACK in x.input_ids:
             ids_t = torch.where(ids_t == FED_BACK, self.last_tokens[token_rows_t], ids_t)
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=ids_t, positions=positions_t, out_slots=slots_t,
             req_rows=to_device(x.req_rows, torch.int32, dev), q_start=to_device(x.q_start, torch.int32, dev),
             q_len=to_device(x.q_len, torch.int32, dev), seq_len=to_device(x.seq_len, torch.int32, dev),
             max_q_len=max(x.q_len), is_decode=max(x.q_len) == 1, shared_prefix=shared_prefix_tensors(step.rows, dev),
             max_seq_len=max(x.seq_len),
         )
+        if read is None or sum(read) == len(x.input_ids) or any(r.logprob_targets for r in step.rows):
+            return batch
+        if not any(read):           # a chunk that samples nothing: its last token stands in (no empty GEMMs)
+            read = [0] * (len(read) - 1) + [1]
+        return replace(batch, output=output_rows(batch, x.q_start, x.q_len, read))
 
     def _decode_with_graphs(self, step: Step, graphs):
         """Decode rows through the CUDA graphs (``graphs``: the decoder, or the verifier when rows
