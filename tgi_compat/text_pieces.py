@@ -1,4 +1,4 @@
-"""A long prompt tokenized in pieces, in parallel, with exactly the ids of one encode.
+r"""A long prompt tokenized in pieces, in parallel, with exactly the ids of one encode.
 
 One text is one encode on one thread. ``encode_batch_fast`` runs a batch's texts side by side in Rust,
 so a long text cut into pieces is encoded on every core at once. One H200 host (16 cores), a random
@@ -6,19 +6,25 @@ Llama-3.1-8B's tokenizer, the server's validation time of one prompt in the same
 32,000 tokens 54-73 -> 11-14 ms, 100,000 tokens 166-213 -> 26-34 ms (its TTFT 7.72-7.76 -> 7.38-7.40 s
 through HTTP, with ``engine.worker.forward_batch.OutputRows``).
 
-The cut must not change a single id. It is exact where the tokenizer's pre-tokenizer splits the text
-with a regex whose matches never cross a space between two ASCII letters ("a b": the letters' match
-ends before the space; the space starts the next match, `` ?\\p{L}+``), so the model (BPE) sees the
-same words whole or cut there. ``PieceCutter.for_tokenizer`` accepts only tokenizers built that way:
+The cut must not change a single id. Every cut falls at a space between two ASCII letters ("a b"), and
+``PieceCutter.for_tokenizer`` accepts only the two kinds of tokenizer for which such a cut is exact:
 
-- no normalizer, or NFC (a space is a normalization boundary: nothing composes across it);
-- the pre-tokenizer is GPT-2's ByteLevel regex (``use_regex``), or a ``Split`` by one of
-  ``SPLIT_PATTERNS`` (Llama-3's, Qwen2's) followed by ByteLevel without its regex; no prefix space;
-- no added token holds a space or strips the spaces next to it (an added token is matched first);
-- the post-processor adds fixed ids around the text (``TemplateProcessing``'s ``<s> $A``, or nothing),
-  found by encoding a probe with and without them.
+- byte-level BPE (GPT-2, Llama-3, Qwen2): the pre-tokenizer is GPT-2's ByteLevel regex (``use_regex``) or a
+  ``Split`` by one of ``SPLIT_PATTERNS`` followed by ByteLevel without its regex, no prefix space; no
+  normalizer, or NFC (a space is a normalization boundary). No regex match crosses such a space (the
+  letters' match ends before it, the space starts the next one, `` ?\p{L}+``), so the model sees the same
+  words whole or cut. A piece keeps its leading space.
+- SentencePiece-style BPE (Llama-2, Mistral, Gemma): spaces become "▁" (``Metaspace``, or the normalizers
+  ``Replace(" ", "▁")`` with or without ``Prepend("▁")``) and the text is one word, so the cut is exact when
+  no merge joins a symbol ending in another character to one starting with "▁" (checked over the merges):
+  the merges on either side of the cut never meet. Where the tokenizer puts "▁" before a text it encodes
+  (``Prepend``, or Metaspace's prepend scheme), a piece after the first is encoded without its leading
+  space, which that "▁" stands for.
 
-Other tokenizers (SentencePiece's Metaspace, whose whole text is one word) encode every text whole.
+For both: no added token holds a space or strips the spaces next to it (an added token is matched first),
+and the post-processor adds fixed ids around the text (``TemplateProcessing``'s ``<s> $A``, or nothing),
+found by encoding a probe with and without them. Other tokenizers (WordPiece, Unigram, other regexes)
+encode every text whole.
 """
 from __future__ import annotations
 
@@ -41,21 +47,22 @@ _PROBE = "a b"
 
 
 class PieceCutter:
-    """Where a tokenizer's long texts may be cut, and the ids its post-processor puts around a text."""
+    """Where a tokenizer's long texts may be cut, the ids its post-processor puts around a text, and whether a
+    piece after the first is encoded without its leading space (``drop_space``: the tokenizer's own "▁")."""
 
-    def __init__(self, before: list[int], after: list[int], piece_chars: int = PIECE_CHARS):
-        self.before, self.after, self.piece_chars = before, after, piece_chars
+    def __init__(self, before: list[int], after: list[int], piece_chars: int = PIECE_CHARS, drop_space: bool = False):
+        self.before, self.after, self.piece_chars, self.drop_space = before, after, piece_chars, drop_space
 
     @classmethod
     def for_tokenizer(cls, backend, piece_chars: int = PIECE_CHARS) -> "PieceCutter | None":
         """The cutter for a ``tokenizers.Tokenizer``, or None where a cut could change its ids (the
         module's docstring)."""
         spec = json.loads(backend.to_str())
-        if not (_normalizer_keeps_spaces(spec.get("normalizer")) and _splits_at_spaces(spec.get("pre_tokenizer"))
-                and all(_added_token_is_whole(t) for t in spec.get("added_tokens") or ())):
+        form = _byte_level_form(spec) or _sentencepiece_form(spec)
+        if form is None or not all(_added_token_is_whole(t) for t in spec.get("added_tokens") or ()):
             return None
         around = _special_ids_around(backend)
-        return None if around is None else cls(*around, piece_chars=piece_chars)
+        return None if around is None else cls(*around, piece_chars=piece_chars, drop_space=form == DROP_SPACE)
 
     def cut(self, text: str) -> list[str]:
         """``text`` in pieces of about ``piece_chars`` characters, each cut at a space between two ASCII
@@ -73,6 +80,12 @@ class PieceCutter:
         pieces.append(text[start:])
         return pieces
 
+    def encoded(self, pieces: list[str]) -> list[str]:
+        """The texts to encode for ``cut``'s pieces (without special tokens)."""
+        if not self.drop_space:
+            return pieces
+        return pieces[:1] + [piece[1:] for piece in pieces[1:]]
+
     def join(self, pieces_ids: list[list[int]], special: bool) -> list[int]:
         """One text's ids from its pieces' (encoded without special tokens)."""
         ids = list(self.before) if special else []
@@ -88,28 +101,63 @@ def encode_ids(backend, cutter: PieceCutter | None, texts: list[str], special: b
     pieces = [cutter.cut(text) if cutter is not None else [text] for text in texts]
     if all(len(p) == 1 for p in pieces):
         return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=special)]
-    encodings = iter(backend.encode_batch_fast([piece for p in pieces for piece in p], add_special_tokens=False))
+    flat = [piece for p in pieces for piece in cutter.encoded(p)]
+    encodings = iter(backend.encode_batch_fast(flat, add_special_tokens=False))
     return [cutter.join([next(encodings).ids for _ in p], special) for p in pieces]
 
 
-def _normalizer_keeps_spaces(spec: dict | None) -> bool:
-    return spec is None or spec.get("type") == "NFC"
+KEEP_SPACE, DROP_SPACE = "keep", "drop"
+META = "\u2581"      # SentencePiece's "▁"
 
 
-def _splits_at_spaces(spec: dict | None) -> bool:
-    """GPT-2's ByteLevel regex, or a known Split regex then ByteLevel without its regex; no prefix space."""
-    if spec is None:
-        return False
-    if spec.get("type") == "ByteLevel":
-        return spec.get("use_regex", True) and not spec.get("add_prefix_space", False)
-    steps = spec.get("pretokenizers") if spec.get("type") == "Sequence" else None
+def _byte_level_form(spec: dict) -> str | None:
+    """KEEP_SPACE for a byte-level BPE whose regex never crosses a space between letters (no normalizer or
+    NFC; GPT-2's ByteLevel regex, or a known Split regex then ByteLevel without its regex; no prefix space)."""
+    normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer")
+    if not (normalizer is None or normalizer.get("type") == "NFC") or pre is None:
+        return None
+    if pre.get("type") == "ByteLevel":
+        return KEEP_SPACE if pre.get("use_regex", True) and not pre.get("add_prefix_space", False) else None
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
     if not steps or len(steps) != 2:
-        return False
+        return None
     split, byte_level = steps
-    return (split.get("type") == "Split" and (split.get("pattern") or {}).get("Regex") in SPLIT_PATTERNS
-            and split.get("behavior") == "Isolated" and not split.get("invert", False)
-            and byte_level.get("type") == "ByteLevel" and not byte_level.get("use_regex", True)
-            and not byte_level.get("add_prefix_space", False))
+    known = (split.get("type") == "Split" and (split.get("pattern") or {}).get("Regex") in SPLIT_PATTERNS
+             and split.get("behavior") == "Isolated" and not split.get("invert", False)
+             and byte_level.get("type") == "ByteLevel" and not byte_level.get("use_regex", True)
+             and not byte_level.get("add_prefix_space", False))
+    return KEEP_SPACE if known else None
+
+
+def _sentencepiece_form(spec: dict) -> str | None:
+    """For a SentencePiece-style BPE (spaces become META, by Metaspace or by the normalizers) whose merges never
+    join across a META: DROP_SPACE where the tokenizer puts META before each text it encodes, else KEEP_SPACE."""
+    model = spec.get("model") or {}
+    if (model.get("type") != "BPE" or model.get("dropout") or META not in (model.get("vocab") or {})
+            or not _merges_stop_at_meta(model.get("merges") or ())):      # (an unknown META could fuse with a letter)
+        return None
+    normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer")
+    steps = normalizer.get("normalizers") if normalizer is not None and normalizer.get("type") == "Sequence" else [
+        normalizer] if normalizer is not None else []
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": META}
+    if pre is None and steps == [{"type": "Prepend", "prepend": META}, replace]:
+        return DROP_SPACE
+    if pre is None and steps == [replace]:
+        return KEEP_SPACE
+    if not steps and pre is not None and pre.get("type") == "Metaspace" and pre.get("replacement") == META:
+        scheme = pre.get("prepend_scheme") or ("always" if pre.get("add_prefix_space", True) else "never")
+        return {"always": DROP_SPACE, "first": DROP_SPACE, "never": KEEP_SPACE}.get(scheme)
+    return None
+
+
+def _merges_stop_at_meta(merges) -> bool:
+    """No merge joins a symbol ending in another character to one starting with META (merges are pairs, or
+    "a b" strings in older files)."""
+    for merge in merges:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if right.startswith(META) and not left.endswith(META):
+            return False
+    return True
 
 
 def _added_token_is_whole(spec: dict) -> bool:

@@ -1,11 +1,12 @@
-"""A long text encoded in pieces gives exactly one encode's ids, for every pre-tokenizer the cutter accepts
-(GPT-2's ByteLevel regex, Llama-3's and Qwen2's Split + ByteLevel, with and without NFC), and tokenizers
-whose ids a cut could change are left whole."""
+"""A long text encoded in pieces gives exactly one encode's ids, for every tokenizer form the cutter accepts
+(byte level: GPT-2's ByteLevel regex, Llama-3's and Qwen2's Split + ByteLevel, with and without NFC;
+SentencePiece style: Metaspace or the Prepend/Replace normalizers over merges that stop at "▁"), and
+tokenizers whose ids a cut could change are left whole."""
 import asyncio
 import random
 
 import pytest
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from tgi_compat.text_pieces import LLAMA3_SPLIT, QWEN2_SPLIT, PieceCutter, encode_ids
 from tgi_compat.tokenization import TokenizerAdapter
@@ -41,6 +42,30 @@ def byte_level_bpe(pre_tokenizer, normalizer=None, added: tuple[AddedToken, ...]
     return tokenizer
 
 
+def sentencepiece_bpe(normalizer=None, pre_tokenizer=None, per_word: bool = True) -> Tokenizer:
+    """A BPE over "▁"-joined words trained on the fragments (per word: its merges never cross a "▁"; else on
+    whole texts, where they do), then given ``normalizer`` and ``pre_tokenizer``; ``<s>`` before each text."""
+    rng = random.Random(1)
+    corpus = [random_text(rng, 40) for _ in range(300)]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
+    if per_word:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
+    else:
+        tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>"],
+                                                              initial_alphabet=["\u2581"], show_progress=False))
+    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tokenizer
+
+
+LEGACY = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+
+
+def metaspace(scheme: str, split: bool):
+    return pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=split)
+
+
 def split_then_bytes(pattern: str):
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"),
                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -52,6 +77,12 @@ ACCEPTED = {
     "qwen2 split + NFC": lambda: byte_level_bpe(split_then_bytes(QWEN2_SPLIT), normalizers.NFC()),
     "no special tokens around": lambda: build_tokenizer({**CONFIG, "model_type": "qwen2", "bos_token_id": 2000,
                                                          "eos_token_id": 2001})[0],
+    "sentencepiece legacy prepend + replace (Llama-2)": lambda: sentencepiece_bpe(normalizer=LEGACY),
+    "sentencepiece metaspace, first, one word (Mistral)": lambda: sentencepiece_bpe(
+        pre_tokenizer=metaspace("first", False)),
+    "sentencepiece metaspace, always, split": lambda: sentencepiece_bpe(pre_tokenizer=metaspace("always", True)),
+    "sentencepiece metaspace, never": lambda: sentencepiece_bpe(pre_tokenizer=metaspace("never", False)),
+    "sentencepiece replace only (Gemma)": lambda: sentencepiece_bpe(normalizer=normalizers.Replace(" ", "\u2581")),
 }
 
 
@@ -68,6 +99,18 @@ def test_pieces_give_one_encodes_ids(name, special):
     assert max(len(cutter.cut(t)) for t in texts) > 100
     got = encode_ids(tokenizer, cutter, texts, special)
     assert got == [tokenizer.encode(t, add_special_tokens=special).ids for t in texts]
+
+
+def test_a_sentencepiece_piece_keeping_its_space_would_change_the_ids():
+    """Where the tokenizer puts "▁" before each text it encodes, a later piece must drop its leading space:
+    kept, the ids differ (so the test above would catch a cutter that forgot it)."""
+    tokenizer = ACCEPTED["sentencepiece legacy prepend + replace (Llama-2)"]()
+    cutter = PieceCutter.for_tokenizer(tokenizer, piece_chars=40)
+    assert cutter.drop_space
+    text = random_text(random.Random(7), 2000)
+    kept = [i for e in tokenizer.encode_batch_fast(cutter.cut(text), add_special_tokens=False) for i in e.ids]
+    assert kept != tokenizer.encode(text, add_special_tokens=False).ids
+    assert encode_ids(tokenizer, cutter, [text], False)[0] == tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def test_a_cut_anywhere_else_would_change_the_ids():
@@ -98,7 +141,8 @@ def test_join_puts_the_special_ids_around_the_pieces():
 
 
 REFUSED = {
-    "metaspace (sentencepiece)": lambda: byte_level_bpe(pre_tokenizers.Metaspace()),
+    "metaspace over a vocabulary without its \u2581": lambda: byte_level_bpe(pre_tokenizers.Metaspace()),
+    "sentencepiece merges across a \u2581": lambda: sentencepiece_bpe(normalizer=LEGACY, per_word=False),
     "byte level with a prefix space": lambda: byte_level_bpe(pre_tokenizers.ByteLevel(add_prefix_space=True)),
     "byte level without its regex alone": lambda: byte_level_bpe(pre_tokenizers.ByteLevel(use_regex=False)),
     "an unknown split regex": lambda: byte_level_bpe(split_then_bytes(r"\w+|\s+")),
