@@ -7,7 +7,8 @@ On CUDA a step runs one of three ways: plain decode steps through the decoder's 
 (``cuda_graphs.PaddedDecoder``), verify steps through the verifier's, and any other step of up to
 ``piecewise.PIECEWISE_BUCKETS[-1]`` tokens (prompt chunks, with or without decode rows) through the
 piecewise graphs, which run every layer's work from graphs but its attention
-(``piecewise.PiecewiseGraphs``). Larger steps, and every step on a CPU, run the ragged forward eagerly.
+(``piecewise.PiecewiseGraphs``). Larger steps, and every step on a CPU, run the ragged forward eagerly,
+its last layer's attention and MLP only for the tokens the step reads (``forward_batch.OutputRows``).
 
 Verify rows (``[FED_BACK, d1 .. dn]``, speculation) run as short prompt chunks through the
 prefill attention (causal among their own tokens), eagerly or through the verify CUDA graphs.
