@@ -57,9 +57,14 @@ class OutputRows:
                               # indexed); is_decode False: the prefill attention takes any count per row
 
 
+def read_tokens(q_start: list[int], q_len: list[int], read: list[int]) -> list[int]:
+    """The indices of each row's last ``read[b]`` tokens (0 to ``q_len[b]``), row after row (host lists)."""
+    return [t for start, n, k in zip(q_start, q_len, read) for t in range(start + n - k, start + n)]
+
+
 def output_rows(batch: ForwardBatch, q_start: list[int], q_len: list[int], read: list[int]) -> OutputRows:
-    """``OutputRows`` of each row's last ``read[b]`` tokens (0 to ``q_len[b]``; host lists)."""
-    index = [t for start, n, k in zip(q_start, q_len, read) for t in range(start + n - k, start + n)]
+    """``OutputRows`` of each row's last ``read[b]`` tokens (``read_tokens``)."""
+    index = read_tokens(q_start, q_len, read)
     starts = list(accumulate(read, initial=0))[:-1]
     device = batch.req_rows.device
     index_t = to_device(index, torch.int64, device)

@@ -48,7 +48,7 @@ from engine.sampling.watermark import WatermarkConfig
 from engine.transfer import start_to_host, to_device
 from engine.worker.cuda_graphs import HeadGraphs, PaddedDecoder, PaddedVerifier
 from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, output_rows, ragged_inputs,
-                                        shared_prefix_tensors)
+                                        read_tokens, shared_prefix_tensors)
 from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
 from engine.worker.piecewise import PiecewiseGraphs
 from kernels.prefill_attention import MIN_SPLIT_KEYS
@@ -376,8 +376,7 @@ class ModelWorker:
         if not sampled:
             return sampled, None, None
         if not narrowed:
-            positions = [t for start, r, k in zip(offsets, step.rows, read)
-                         for t in range(start + len(r.input_ids) - k, start + len(r.input_ids))]
+            positions = read_tokens(offsets, [len(r.input_ids) for r in step.rows], read)
             hidden = hidden[to_device(positions, torch.int64, self.device)]
         return sampled, self.model.compute_logits(hidden), hidden     # a collective: every rank computes
 
