@@ -319,11 +319,12 @@ class Scheduler:
         span, tile, chunks = self.config.attention_span, self.config.attention_tile, {}
         for request in sorted(prefilling, key=self._prefill_priority):
             want = len(request.prompt_ids) - request.prefilled
-            tokens = budget.fit(request.prefilled, want, span, tile)
+            shared = self.shared.shared_length(request.request_id) if self.shared is not None else 0
+            tokens = budget.fit(request.prefilled, want, span, tile, shared)
             if not chunks:
                 tokens = max(tokens, min(want, self.min_chunk))    # the first in order always moves
             if tokens > 0:
-                budget.take(request.prefilled, tokens, span, tile)
+                budget.take(request.prefilled, tokens, span, tile, shared)
                 chunks[request.request_id] = tokens
             if budget.tokens <= 0:
                 break
@@ -707,31 +708,37 @@ class StepBudget:
                     + config.stall_free_row_tokens * len(decoding))
         return cls(config.max_prefill_tokens - len(decoding), cost)
 
-    def fit(self, start: int, want: int, span: int, tile: int = 1) -> int:
+    def fit(self, start: int, want: int, span: int, tile: int = 1, shared: int = 0) -> int:
         """The most tokens (at most ``want``) of a chunk from position ``start`` within the budget."""
         tokens = min(want, self.tokens)
         if self.cost is not None and tokens > 0:
             # without tiles chunk_cost(n) = a n^2 + b n: the largest n with cost <= self.cost bounds it
             a, b = 1 / (2 * span), 1 + (start - 0.5) / span
             n = int((-b + math.sqrt(b * b + 4 * a * max(self.cost, 0))) / (2 * a))
-            while n > 0 and chunk_cost(start, n, span, tile) > self.cost:
+            while n > 0 and chunk_cost(start, n, span, tile, shared) > self.cost:
                 n -= 1
             tokens = min(tokens, n)
         return max(tokens, 0)
 
-    def take(self, start: int, tokens: int, span: int, tile: int = 1) -> None:
+    def take(self, start: int, tokens: int, span: int, tile: int = 1, shared: int = 0) -> None:
         self.tokens -= tokens
         if self.cost is not None:
-            self.cost -= chunk_cost(start, tokens, span, tile)
+            self.cost -= chunk_cost(start, tokens, span, tile, shared)
 
 
-def chunk_cost(start: int, tokens: int, span: int, tile: int = 1) -> float:
+def chunk_cost(start: int, tokens: int, span: int, tile: int = 1, shared: int = 0) -> float:
     """A prompt chunk's cost in tokens: its matmuls plus its attention over positions 0..start+tokens, that
     of whole ``tile``s of new tokens (a program of the prefill attention takes a tile and walks the whole
     context for it, however few of its rows are used). One H200, Llama-3.1-8B (32-token tiles), a chunk at
     90,000 keys beside one stream: 32 tokens 9.9 ms, 128 tokens 21.3 ms (3.8 ms a tile), and 33-38 tokens
     (two tiles) about 13.7 ms a step where 32 took 10.6 (``bench.profile_step``, ``bench.beside_steps``)."""
     tiles = -(-tokens // tile) * tile
+    if 0 < shared <= start:
+        # ``shared`` positions come from the shared-prefix kernel, which tiles the new tokens of all its rows
+        # together: no whole tile of its own there for this chunk's few (a burst behind one system prompt has
+        # 16-64 new tokens a request; charged whole tiles over the 3,000 shared positions, the cap let a step
+        # beside 42 decoding requests take 85 of them, 2,726 tokens: one H200, stop 54's debug log)
+        return tokens + (tokens * shared + tiles * (start - shared + (tokens - 1) / 2)) / span
     return tokens + tiles * (start + (tokens - 1) / 2) / span
 
 

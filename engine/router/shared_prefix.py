@@ -63,6 +63,15 @@ class SharedPrefixes:
         if not group.members:
             del self._groups[key]
 
+    def shared_length(self, request_id: int) -> int:
+        """The prefix the request's prompt chunks may take through the shared-prefix kernel (0: none): its
+        group's, where the group is large enough for ``mark`` to choose it."""
+        key = self._group_of.get(request_id)
+        if key is None:
+            return 0
+        group = self._groups[key]
+        return group.length if len(group.members) >= MIN_GROUP_ROWS and group.length >= MIN_SHARED_TOKENS else 0
+
     def mark(self, rows: list[StepRow]) -> None:
         """Set ``shared_prefix_len`` on the rows of the step's largest shared group."""
         counts = Counter(self._group_of.get(row.request_id) for row in rows)

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from engine.protocol.messages import FED_BACK
+from engine.protocol.messages import FED_BACK, SamplingParams
 from engine.router.allocator import SlotAllocator
-from engine.router.scheduler import MIN_PROMPT_CHUNK, Scheduler, SchedulerConfig, StepBudget, chunk_cost
+from engine.router.scheduler import MIN_PROMPT_CHUNK, Request, Scheduler, SchedulerConfig, StepBudget, chunk_cost
 from tests.unit.test_scheduler import fake_result, make_request
 
 
@@ -271,3 +271,48 @@ def test_every_chunk_beside_a_stream_costs_its_whole_tiles_within_the_cap():
 
     drive(sched, 2000, check)
     assert sum(chunks) == 5000 and len(chunks) > 50
+
+
+def test_chunks_behind_a_shared_prefix_pay_no_tile_of_their_own_for_it():
+    """The shared-prefix kernel walks the prefix once for the new tokens of all its rows, tiled together: a
+    chunk of 32 tokens after 3,000 shared positions costs their attention there, not a whole 64-token tile's."""
+    span, tile = 15_000, 64
+    shared = chunk_cost(3000, 32, span, tile, shared=3000)
+    assert shared == pytest.approx(32 + (32 * 3000 + 64 * 15.5) / span)
+    assert shared < chunk_cost(3000, 32, span, tile) - 32 * 3000 / span * 0.9     # about half the old charge
+    assert chunk_cost(3000, 32, span, shared=3000) == pytest.approx(chunk_cost(3000, 32, span))   # untiled: equal
+    assert chunk_cost(100, 32, span, tile, shared=3000) == chunk_cost(100, 32, span, tile)   # inside the prefix
+
+
+def _burst_behind_a_cached_prefix(prefix: int = 600, requests: int = 40) -> tuple[list[int], set[int]]:
+    """Request 0 (``prefix`` tokens) prefilled and decoding, then ``requests`` prompts of that prefix and 8
+    tokens of their own: the burst's prompt rows in each step that had some, and the requests prefilled."""
+    config = SchedulerConfig(max_prefill_tokens=4096, max_seq_len=2000, stall_free_tokens=24, attention_span=300,
+                             kv_weight_tokens=500, attention_tile=64)
+    sched = Scheduler(SlotAllocator(num_slots=20_000, max_requests=64), config)
+    sched.add(make_request(0, prefix, 200))
+    drive(sched, 3)
+    base = list(range(1, prefix + 1))
+    for rid in range(1, requests + 1):
+        sched.add(Request(request_id=rid, prompt_ids=base + [5000 + rid * 8 + k for k in range(8)], max_new_tokens=4,
+                          params=SamplingParams(), seed=0, stop_token_ids=frozenset({0})))
+    sizes, prefilled = [], set()
+
+    def count(i, step, decoding):
+        burst = [r.request_id for r in prompt_rows(step) if r.request_id > 0]
+        sizes.append(len(burst))
+        prefilled.update(burst)
+
+    drive(sched, 12, count)
+    return [s for s in sizes if s], prefilled
+
+
+def test_a_burst_behind_a_shared_prefix_fills_more_of_a_capped_step(monkeypatch):
+    shared_sizes, prefilled = _burst_behind_a_cached_prefix()
+    assert prefilled == set(range(1, 41))
+    from engine.router.shared_prefix import SharedPrefixes
+
+    monkeypatch.setattr(SharedPrefixes, "shared_length", lambda self, request_id: 0)    # charged per row's tiles
+    tiled_sizes, _ = _burst_behind_a_cached_prefix()
+    assert tiled_sizes[:5] == [1] * 5                  # a whole tile's walk of the prefix each: one a step
+    assert shared_sizes[0] > 1 and shared_sizes[3] > 10 and len(shared_sizes) <= 6
