@@ -94,12 +94,17 @@ class _Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
-        log.info("starting %d shard(s), the router and the front end", self.plan.engine.num_shards)
-        self.processes = self.plan.start()
-        for p in self.processes:
-            log.info("started %s (pid %d)", p.name, p.pid)
-        code = self._watch()
-        self._stop_all()
+        group = self.plan.frontend_group()
+        log.info("starting %d shard(s), the router and %s", self.plan.engine.num_shards,
+                 "the front end" if group.count == 1 else f"{group.count} front ends (--frontend-processes)")
+        try:
+            self.processes = self.plan.start(group)
+            for p in self.processes:
+                log.info("started %s (pid %d)", p.name, p.pid)
+            code = self._watch()
+            self._stop_all()
+        finally:
+            group.close()
         return code
 
     def _on_signal(self, signum, frame) -> None:
@@ -117,10 +122,10 @@ class _Supervisor:
         return 0
 
     def _on_death(self, process) -> int:
-        if process.name == "frontend" and process.exitcode == 0:
+        if _is_frontend(process) and process.exitcode == 0:
             return 0
         log.error("%s exited with code %s: stopping the server", process.name, process.exitcode)
-        if process.name != "frontend":
+        if not _is_frontend(process):
             deadline = time.monotonic() + DEATH_GRACE_S   # let /health report 503 meanwhile
             while time.monotonic() < deadline and not self.stopping:
                 time.sleep(0.1)
@@ -129,12 +134,16 @@ class _Supervisor:
     def _stop_all(self) -> None:
         """The front end first: it stops accepting and lets running requests finish (at most
         ``drain_s``) while the router and the shards still serve them; then the rest, shards last."""
-        frontend = [p for p in self.processes if p.name == "frontend"]
-        if frontend and frontend[0].is_alive() and self.drain_s:
+        frontends = [p for p in self.processes if _is_frontend(p)]
+        if any(p.is_alive() for p in frontends) and self.drain_s:
             log.info("waiting up to %g s for running requests to finish (--graceful-termination-timeout)",
                      self.drain_s)
-        _stop(frontend, self.drain_s + SHUTDOWN_GRACE_S)
-        _stop([p for p in reversed(self.processes) if p.name != "frontend"], SHUTDOWN_GRACE_S)
+        _stop(frontends, self.drain_s + SHUTDOWN_GRACE_S)
+        _stop([p for p in reversed(self.processes) if not _is_frontend(p)], SHUTDOWN_GRACE_S)
+
+
+def _is_frontend(process) -> bool:
+    return process.name == "frontend" or process.name.startswith("frontend-")
 
 
 def _stop(processes: list, grace_s: float) -> None:

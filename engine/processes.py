@@ -2,8 +2,9 @@
 
     supervisor (launcher) --fork--> shard 0..N-1   (engine.worker.process; torch.distributed when N > 1)
                           --fork--> router         (engine.router.process: scheduler + allocator + step loop)
-                          --fork--> front end      (tgi_compat.frontend_process: uvicorn), binds its port
-                                                    only after the router reported every shard Ready
+                          --fork--> front end 0..F-1 (tgi_compat.frontend_process: uvicorn), each binds the
+                                                    port (SO_REUSEPORT when F > 1, --frontend-processes) only
+                                                    after the router reported every shard Ready
 (each "fork" through the fork server, a clean process the launcher starts first, which imported
 torch and transformers once: ``process_context``, ``start_process``). Every pipe is a
 ``multiprocess`` pipe carrying ``engine.protocol`` messages.
@@ -225,8 +226,8 @@ def spawn_shards(plan, log_level: "LogSetup | str" = "INFO") -> tuple[list, list
     return processes, list(router_ends)
 
 
-def spawn_router(plan, frontend_end, router_ends, log_level: "LogSetup | str" = "INFO"):
-    """Start the router process of ``plan`` between a front end's pipe end and the shards' pipe ends."""
+def spawn_router(plan, frontend_ends, router_ends, log_level: "LogSetup | str" = "INFO"):
+    """Start the router process of ``plan`` between the front ends' pipe ends and the shards' pipe ends."""
     from engine.router.process import router_main
 
-    return start_process(router_main, (plan, frontend_end, router_ends, log_level), "router")
+    return start_process(router_main, (plan, frontend_ends, router_ends, log_level), "router")

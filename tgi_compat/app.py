@@ -20,6 +20,7 @@ from .api_docs import ApiDocs
 from .chat import ChatRoutes
 from .completions import CompletionRoutes
 from .errors import TGIError, handle_tgi_error, handle_unexpected_error
+from .frontend_group import FrontendMember
 from .invocations import Invocations
 from .metrics import ServerMetrics
 from .tracing import RequestTracer
@@ -66,15 +67,18 @@ def cors_middleware(settings: ServerSettings) -> Middleware:
                       allow_headers=["authorization", "content-type"], expose_headers=EXPOSED_HEADERS)
 
 
-def create_app(settings: ServerSettings, tokenizer, backend: Backend) -> Starlette:
-    """``tokenizer``: a Hugging Face fast tokenizer (or a ``TokenizerAdapter``)."""
+def create_app(settings: ServerSettings, tokenizer, backend: Backend,
+               member: FrontendMember = FrontendMember()) -> Starlette:
+    """``tokenizer``: a Hugging Face fast tokenizer (or a ``TokenizerAdapter``); ``member``: this front end's
+    place among the server's front-end processes (what they share: the concurrency count and /metrics)."""
     owns_tokenizer = not isinstance(tokenizer, TokenizerAdapter)
     if owns_tokenizer:
         tokenizer = TokenizerAdapter(tokenizer, settings.validation_workers)
-    metrics = ServerMetrics(settings.max_input_tokens, settings.max_total_tokens, settings.num_shards)
+    metrics = ServerMetrics(settings.max_input_tokens, settings.max_total_tokens, settings.num_shards,
+                            member.metrics_dir)
     backend.observe_steps(metrics.observe_steps)
     tracer = RequestTracer(settings.otlp_endpoint, settings.otlp_service_name) if settings.otlp_endpoint else None
-    service = GenerateService(settings, tokenizer, backend, metrics, tracer)
+    service = GenerateService(settings, tokenizer, backend, metrics, tracer, member.permits)
     handlers = Handlers(settings, service, backend, metrics)
 
     @contextlib.asynccontextmanager

@@ -25,6 +25,8 @@ from functools import cache
 from pathlib import Path
 from typing import Mapping, get_type_hints
 
+from .frontend_group import MAX_FRONTEND_PROCESSES
+
 DEMO_MODEL = str(Path(__file__).resolve().parents[1] / "weights" / "demo")
 
 QUANTIZE_CHOICES = ("awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bitsandbytes",
@@ -168,6 +170,11 @@ class LaunchConfig:
                                 "key", secret=True)
     validation_workers: int = _flag("tokenizer threads of the front end", 2, minimum=1,
                                     too_small="`validation_workers` must be > 0")
+    frontend_processes: int | None = _flag(
+        "HTTP front-end processes serving --port together (SO_REUSEPORT: the kernel spreads the connections): "
+        "each parses, validates, tokenizes (--validation-workers threads) and streams its share, so a burst of "
+        "requests is taken in that many times faster; they share --max-concurrent-requests and /metrics. "
+        "Default: one per 4 usable cores, at most 4", minimum=1, maximum=MAX_FRONTEND_PROCESSES, shown="auto")
     disable_grammar_support: bool = _flag("refuse `grammar` in requests", False)
     enable_prefill_logprobs: bool = _flag("accepted for TGI compatibility: prompt logprobs are always available "
                                           "here (`decoder_input_details`)", False)

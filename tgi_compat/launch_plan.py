@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.assembly import EngineConfig, EnginePlan, plan_engine
 from engine.processes import LogSetup, process_context, spawn_router, spawn_shards, start_process
 
+from .frontend_group import FrontendGroup, auto_frontend_processes
 from .frontend_process import FrontendSpec, frontend_main
 from .launch_config import (ARRIVAL_WINDOW_S, STALL_FREE_ROW_TOKENS, STALL_FREE_TOKENS, LaunchConfig, Limits,
                             resolve_limits, resolve_num_shard)
@@ -28,13 +29,21 @@ class ServerPlan:
     frontend: FrontendSpec
     log_level: LogSetup = LogSetup()        # how every process logs (--log-level, --json-output)
 
-    def start(self) -> list:
-        """Spawn the shards, the router and the front end, wired with pipes; in that order."""
+    def start(self, group: FrontendGroup) -> list:
+        """Spawn the shards, the router and the front ends (``group``: what they share), wired with pipes;
+        in that order."""
         processes, router_ends = spawn_shards(self.engine, self.log_level)
-        front_router, front_end = process_context().Pipe(duplex=True)
-        router = spawn_router(self.engine, front_router, router_ends, self.log_level)
-        frontend = start_process(frontend_main, (self.frontend, front_end, self.log_level), "frontend")
-        return processes + [router, frontend]
+        pipes = [process_context().Pipe(duplex=True) for _ in range(group.count)]
+        router = spawn_router(self.engine, [router_end for router_end, _ in pipes], router_ends, self.log_level)
+        frontends = []
+        for index, (_, front_end) in enumerate(pipes):
+            member = group.member(index)
+            frontends.append(start_process(frontend_main, (self.frontend, front_end, self.log_level, member),
+                                           member.process_name))
+        return processes + [router] + frontends
+
+    def frontend_group(self) -> FrontendGroup:
+        return FrontendGroup(self.frontend.processes, process_context())
 
 
 def plan_server(config: LaunchConfig) -> ServerPlan:
@@ -57,7 +66,7 @@ def plan_server(config: LaunchConfig) -> ServerPlan:
     _check_master_address(config.master_addr, config.master_port, engine.num_shards)
     sha, pipeline_tag = model_info(config.model_id, config.revision, config.hf_token, offline=offline)
     frontend = FrontendSpec(model_dir, config.hostname, config.port, _settings(config, limits, sha, pipeline_tag, engine),
-                            config.tokenizer_config_path)
+                            config.tokenizer_config_path, config.frontend_processes or auto_frontend_processes())
     return ServerPlan(engine, frontend, LogSetup(config.log_level or "INFO", config.json_output))
 
 

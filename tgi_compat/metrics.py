@@ -24,6 +24,12 @@ taken from the cache: their rates' ratio is the hit rate) and `tgi_prefix_cache_
 with `--speculate`, `tgi_speculation_drafted_tokens` and `tgi_speculation_accepted_tokens` (draft
 tokens verified, and of those accepted: their ratio is the acceptance rate), the accepted ones also
 as TGI's `tgi_request_speculated_tokens`.
+
+With several front-end processes (``tgi_compat.frontend_group``) the metrics are prometheus_client's
+file-backed multiprocess values: a scrape sums every process's counters and histograms, the engine
+gauges show the latest router status (``mostrecent``), and only the first front end receives the
+router's step numbers. The router's own totals (prefix cache, speculation) are read from its status at
+each scrape (``_RouterTotals``), never added up per process.
 """
 from __future__ import annotations
 
@@ -36,7 +42,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -65,10 +72,36 @@ class _WithoutCreated(Collector):
             yield kept
 
 
-class ServerMetrics:
-    """The metrics of one app: the request handlers record, ``render`` exposes."""
+ROUTER_TOTALS = [   # (metric, the router status key of its total, help)
+    ("prefix_cache_lookup_tokens", "prefix_cache_lookup_tokens", "Prompt tokens of admitted requests"),
+    ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache"),
+    ("prefix_cache_evicted_tokens", "prefix_cache_evicted_tokens", "Cached tokens evicted to make room"),
+    ("speculation_drafted_tokens", "speculation_drafted_tokens", "Draft tokens verified (--speculate)"),
+    ("speculation_accepted_tokens", "speculation_accepted_tokens", "Draft tokens accepted (--speculate)"),
+    ("request_speculated_tokens", "speculation_accepted_tokens",
+     "Speculated (drafted) tokens accepted, TGI's name"),
+]
 
-    def __init__(self, max_input_tokens: int, max_total_tokens: int, num_shards: int):
+
+class _RouterTotals(Collector):
+    """The router's counters, as its latest status gives them (totals since it started)."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def collect(self):
+        for name, key, help_text in ROUTER_TOTALS:
+            family = CounterMetricFamily(f"tgi_{name}", help_text)
+            family.add_metric([], self.totals.get(key, 0))
+            yield family
+
+
+class ServerMetrics:
+    """The metrics of one app: the request handlers record, ``render`` exposes. ``multiprocess_dir``: the
+    front ends' shared directory (``frontend_group.use_shared_metrics`` made the values file-backed)."""
+
+    def __init__(self, max_input_tokens: int, max_total_tokens: int, num_shards: int,
+                 multiprocess_dir: str | None = None):
         self.registry = r = CollectorRegistry(auto_describe=True)
         seconds = duration_buckets()
         self.request_count = Counter("tgi_request_count", "Generation requests received", registry=r)
@@ -93,19 +126,25 @@ class ServerMetrics:
             "tgi_request_generated_tokens", "Generated tokens", linear_buckets(max_total_tokens))
         self.max_new_tokens = histogram(
             "tgi_request_max_new_tokens", "Requested max_new_tokens", linear_buckets(max_total_tokens))
-        self.queue_size = Gauge("tgi_queue_size", "Requests waiting for admission", registry=r)
-        self.batch_size = Gauge("tgi_batch_current_size", "Requests in the running batch", registry=r)
-        self.batch_tokens = Gauge("tgi_batch_current_max_tokens", "KV tokens held by the running batch", registry=r)
-        self.batch_max_tokens = Gauge("tgi_batch_max_total_tokens", "KV token capacity", registry=r)
-        self.kv_usage = Gauge("tgi_kv_cache_usage", "Fraction of KV cache slots in use (0..1)", registry=r)
-        self.kv_used_slots = Gauge("tgi_kv_cache_used_slots", "KV cache slots (tokens) in use", registry=r)
-        self.kv_total_slots = Gauge("tgi_kv_cache_total_slots", "KV cache slots (tokens) in all", registry=r)
-        self.num_shards = Gauge("tgi_num_shards", "Tensor-parallel shards", registry=r)
+        def gauge(name: str, help_text: str) -> Gauge:   # every front end sets the same router status
+            return Gauge(name, help_text, registry=r, multiprocess_mode="mostrecent")
+
+        self.queue_size = gauge("tgi_queue_size", "Requests waiting for admission")
+        self.batch_size = gauge("tgi_batch_current_size", "Requests in the running batch")
+        self.batch_tokens = gauge("tgi_batch_current_max_tokens", "KV tokens held by the running batch")
+        self.batch_max_tokens = gauge("tgi_batch_max_total_tokens", "KV token capacity")
+        self.kv_usage = gauge("tgi_kv_cache_usage", "Fraction of KV cache slots in use (0..1)")
+        self.kv_used_slots = gauge("tgi_kv_cache_used_slots", "KV cache slots (tokens) in use")
+        self.kv_total_slots = gauge("tgi_kv_cache_total_slots", "KV cache slots (tokens) in all")
+        self.num_shards = gauge("tgi_num_shards", "Tensor-parallel shards")
         self.num_shards.set(num_shards)
         self._batch_metrics(r, seconds)
-        self._router_counter_metrics(r)
-        self._view = _WithoutCreated(r)
-        counters = sorted(f.name for f in self._view.collect() if f.type == "counter")
+        self.prefix_cache_tokens = gauge("tgi_prefix_cache_tokens", "KV slots the prefix cache holds")
+        self._router_totals = _RouterTotals()
+        r.register(self._router_totals)
+        self._own = _WithoutCreated(r)
+        self._view = _WithoutCreated(self._exposed(r, multiprocess_dir))
+        counters = sorted(f.name for f in self._own.collect() if f.type == "counter")
         self._counter_total = re.compile(rf"^((?:# (?:HELP|TYPE) )?(?:{'|'.join(counters)}))_total\b", re.M)
 
     def _batch_metrics(self, r: CollectorRegistry, seconds: list[float]) -> None:
@@ -129,19 +168,14 @@ class ServerMetrics:
         self.batch_concat = Counter("tgi_batch_concat", "Steps in which requests joined a running batch",
                                     ["reason"], registry=r)
 
-    def _router_counter_metrics(self, r: CollectorRegistry) -> None:
-        self.prefix_cache_tokens = Gauge("tgi_prefix_cache_tokens", "KV slots the prefix cache holds", registry=r)
-        self.router_counters = {
-            key: Counter(f"tgi_{key}", help_text, registry=r) for key, help_text in [
-                ("prefix_cache_lookup_tokens", "Prompt tokens of admitted requests"),
-                ("prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache"),
-                ("prefix_cache_evicted_tokens", "Cached tokens evicted to make room"),
-                ("speculation_drafted_tokens", "Draft tokens verified (--speculate)"),
-                ("speculation_accepted_tokens", "Draft tokens accepted (--speculate)"),
-            ]}
-        self.router_counters["request_speculated_tokens"] = Counter(
-            "tgi_request_speculated_tokens", "Speculated (drafted) tokens accepted, TGI's name", registry=r)
-        self._router_counts_seen = dict.fromkeys(self.router_counters, 0)
+    def _exposed(self, r: CollectorRegistry, multiprocess_dir: str | None) -> CollectorRegistry:
+        """What a scrape reads: this registry, or every front end's files and the router's totals."""
+        if multiprocess_dir is None:
+            return r
+        exposed = CollectorRegistry(auto_describe=True)
+        MultiProcessCollector(exposed, path=multiprocess_dir)
+        exposed.register(self._router_totals)
+        return exposed
 
     def observe_steps(self, steps: list) -> None:
         """Record the router's ``StepStats`` (called on the backend's reader thread)."""
@@ -172,15 +206,11 @@ class ServerMetrics:
         if stats.get("num_shards"):
             self.num_shards.set(stats["num_shards"])
         self.prefix_cache_tokens.set(stats.get("prefix_cache_tokens", 0))
-        for key, counter in self.router_counters.items():
-            total = stats.get("speculation_accepted_tokens" if key == "request_speculated_tokens" else key, 0)
-            if total > self._router_counts_seen[key]:        # the router's totals only grow
-                counter.inc(total - self._router_counts_seen[key])
-                self._router_counts_seen[key] = total
+        self._router_totals.totals = {key: stats.get(key, 0) for _, key, _ in ROUTER_TOTALS}
 
     def names(self) -> set[str]:
         """Every metric family this app exports (TGI's names)."""
-        return {family.name for family in self._view.collect()}
+        return {family.name for family in self._own.collect()}
 
     def render(self) -> str:
         """The Prometheus text exposition (format 0.0.4), counters under TGI's names."""

@@ -46,10 +46,11 @@ class GenerateOutcome:
 
 class GenerateService:
     def __init__(self, settings: ServerSettings, tokenizer: TokenizerAdapter, backend: Backend,
-                 metrics: ServerMetrics, tracer: RequestTracer | None = None):
+                 metrics: ServerMetrics, tracer: RequestTracer | None = None, shared_permits=None):
         self.settings, self.tokenizer, self.backend, self.metrics = settings, tokenizer, backend, metrics
         self.tracer = tracer            # --otlp-endpoint: each request's spans
-        self.limiter = ConcurrencyLimiter(settings.max_concurrent_requests)
+        # shared_permits: the front ends' common count (--frontend-processes), else this process's own
+        self.limiter = ConcurrencyLimiter(settings.max_concurrent_requests, shared_permits)
         self.validator = Validator(settings, tokenizer)
         # prompts rendered by a chat template already hold their special tokens
         self.templated_validator = Validator(settings, TemplatedTokenizer(tokenizer))

@@ -2,7 +2,9 @@
 
 Pipes (msgpack via ``engine.protocol.codec``): front end -> router ``GenerationRequest`` /
 ``Abort``; router -> front end ``Events`` and ``RouterStatus``; router -> every shard the
-same ``Step`` bytes; rank 0 -> router the ``StepResult``.
+same ``Step`` bytes; rank 0 -> router the ``StepResult``. With several front ends
+(``--frontend-processes``), ``FrontendLinks`` reads them all and sends each request's events to
+the one that numbered it.
 """
 from __future__ import annotations
 
@@ -40,13 +42,13 @@ class PipeShards:
 
     def __init__(self, conns):
         self.conns = conns
-        self._also: tuple | None = None       # (connection, handler) served while a result is awaited
+        self._also: tuple | None = None       # (connections, handler) served while a result is awaited
 
-    def also_read(self, conn, handler) -> None:
-        """While ``collect`` waits, call ``handler(result_ready)`` whenever ``conn`` is readable; the handler
-        stops reading once ``result_ready()`` (the step's result goes first); one that returns False is not
-        called again."""
-        self._also = (conn, handler)
+    def also_read(self, conns: list, handler) -> None:
+        """While ``collect`` waits, call ``handler(result_ready)`` whenever one of ``conns`` (a list the caller
+        may shrink) is readable; the handler stops reading once ``result_ready()`` (the step's result goes
+        first); one that returns False is not called again."""
+        self._also = (conns, handler)
 
     def wait_ready(self) -> int:
         """The KV capacity every shard can hold (the minimum over ranks)."""
@@ -72,7 +74,7 @@ class PipeShards:
         result = self.conns[0]
         while self._also is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait([result, self._also[0]], left)
+            ready = wait([result, *self._also[0]], left)
             if result in ready:
                 return True
             if not ready:
@@ -109,22 +111,74 @@ class PipeShards:
 
 
 
-def router_main(plan, frontend_conn, shard_conns, log_level="INFO") -> None:
+class FrontendLinks:
+    """The router's ends of the front ends' pipes. Front end ``k`` of ``N`` numbers its requests ``k + 1``,
+    ``k + 1 + N``, ... (``tgi_compat.request_ids``): a request's events go to the pipe of its owner. The
+    status goes to every front end, the steps' numbers to the first one alive (the front ends' /metrics
+    sum what each records, so one records them). A front end that is gone is dropped (``drop``)."""
+
+    def __init__(self, conns):
+        self.conns = list(conns)
+        self.live = list(self.conns)         # shrinks as front ends go (PipeShards.also_read reads it)
+
+    def owner(self, request_id: int) -> int:
+        return (request_id - 1) % len(self.conns)
+
+    def index(self, conn) -> int:
+        return self.conns.index(conn)
+
+    def readable(self, timeout: float | None) -> list:
+        return wait(self.live, timeout) if self.live else []
+
+    def drop(self, conn) -> None:
+        if conn in self.live:
+            self.live.remove(conn)
+
+    def send_events(self, events: list[TokenEvent], steps: list) -> None:
+        if len(self.conns) == 1:
+            self._send(self.conns[0], Events(events, steps))
+            return
+        mine: dict[int, list[TokenEvent]] = {}
+        for event in events:
+            mine.setdefault(self.owner(event.request_id), []).append(event)
+        stats_to = self.live[0] if self.live else None
+        for index, conn in enumerate(self.conns):
+            ours, stats = mine.get(index, []), (steps if conn is stats_to else [])
+            if ours or stats:
+                self._send(conn, Events(ours, stats))
+
+    def send_status(self, status: RouterStatus) -> None:
+        data = encode(status)
+        for conn in list(self.live):
+            self._send(conn, data)
+
+    def _send(self, conn, message) -> None:
+        """To one front end; one that is gone is dropped (its reads will say so too)."""
+        if conn not in self.live:
+            return
+        try:
+            conn.send_bytes(message if isinstance(message, bytes) else encode(message))
+        except OSError:
+            self.drop(conn)
+
+
+def router_main(plan, frontend_conns, shard_conns, log_level="INFO") -> None:
     """The router process: wait for every shard's Ready, then run the step loop (``plan``: an
-    ``engine.assembly.EnginePlan``, the same one the shards were started from; ``log_level``: an
-    ``engine.processes.LogSetup`` or a level name)."""
+    ``engine.assembly.EnginePlan``, the same one the shards were started from; ``frontend_conns``: one
+    pipe end per front-end process; ``log_level``: an ``engine.processes.LogSetup`` or a level name)."""
     from engine.assembly import build_router
 
     child_setup(log_level)
+    links = FrontendLinks(frontend_conns)
     shards = PipeShards(shard_conns)
     try:
         capacity = shards.wait_ready()
     except ShardFailure as e:
         log.error("startup failed: %s", e)
-        frontend_conn.send_bytes(encode(RouterStatus(healthy=False, error=str(e))))
+        links.send_status(RouterStatus(healthy=False, error=str(e)))
         return
-    loop = RouterLoop(build_router(plan, shards, capacity), frontend_conn, plan.config.step_timeout_s)
-    shards.also_read(frontend_conn, lambda result_ready: loop.read_inbox(timeout=0, stop=result_ready))
+    loop = RouterLoop(build_router(plan, shards, capacity), links, plan.config.step_timeout_s)
+    shards.also_read(links.live, lambda result_ready: loop.read_inbox(timeout=0, stop=result_ready))
     log.info("router ready: %d KV slots, %d request rows", capacity, plan.max_requests)
     tune_collector_for_serving()
     try:
@@ -134,11 +188,11 @@ def router_main(plan, frontend_conn, shard_conns, log_level="INFO") -> None:
 
 
 class RouterLoop:
-    def __init__(self, router, conn, step_timeout_s: float | None = None):
+    def __init__(self, router, links: FrontendLinks, step_timeout_s: float | None = None):
         self.router = router
         self.shards = router.shards
         self.allocator = router.scheduler.allocator
-        self.conn = conn
+        self.links = links
         self.step_timeout_s = step_timeout_s     # the watchdog: no step result for this long -> stalled
         self.stalled = False
         self.healthy = True
@@ -165,21 +219,43 @@ class RouterLoop:
             self._send_status()
 
     def read_inbox(self, timeout: float, stop=None) -> bool:
-        """Handle every waiting message (or until ``stop()``); False when the front end is gone."""
-        try:
-            ready = self.conn.poll(timeout)
-            while ready:
-                self._handle(decode(self.conn.recv_bytes()))
-                ready = not (stop is not None and stop()) and self.conn.poll(0)
-        except (EOFError, OSError):
-            return False
-        return True
+        """Handle every waiting message (or until ``stop()``), a message from each readable front end in
+        turn; False when every front end is gone."""
+        ready = self.links.readable(timeout)
+        while ready:
+            for conn in ready:
+                try:
+                    message = decode(conn.recv_bytes())
+                except (EOFError, OSError):
+                    self._front_end_gone(conn)
+                    continue
+                self._handle(message, self.links.index(conn))
+                if stop is not None and stop():
+                    return bool(self.links.live)
+            ready = self.links.readable(0)
+        return bool(self.links.live)
 
-    def _handle(self, message) -> None:
+    def _front_end_gone(self, conn) -> None:
+        """Its requests are aborted (their slots freed): nobody is left to read their events."""
+        self.links.drop(conn)
+        index = self.links.index(conn)
+        scheduler = self.router.scheduler
+        ids = [r.request_id for r in [*scheduler.waiting, *scheduler.running] if self.links.owner(r.request_id) == index]
+        for request_id in ids:
+            self.router.abort(request_id)
+        if self.links.live:
+            log.error("front end %d of %d is gone: %d of its requests aborted", index + 1, len(self.links.conns),
+                      len(ids))
+
+    def _handle(self, message, sender: int) -> None:
         if isinstance(message, Abort):
             if self.router.abort(message.request_id):
                 log.info("request %s aborted", message.request_id)
         elif isinstance(message, GenerationRequest):
+            if self.links.owner(message.request_id) != sender:     # its events would go to another front end
+                log.error("front end %d sent request %d, numbered for front end %d: refused", sender + 1,
+                          message.request_id, self.links.owner(message.request_id) + 1)
+                return
             if not self.healthy:
                 self._send_events([TokenEvent(request_id=message.request_id, error=self.error)])
                 return
@@ -237,7 +313,7 @@ class RouterLoop:
         """The events, with the numbers of the steps collected since the last message (if any)."""
         steps = self.router.take_stats()
         if events or steps:
-            self.conn.send_bytes(encode(Events(events, steps)))
+            self.links.send_events(events, steps)
 
     def _send_status(self, force: bool = False) -> None:
         scheduler = self.router.scheduler
@@ -249,5 +325,5 @@ class RouterLoop:
         changed = status != self._last_sent
         if force or since >= STATUS_INTERVAL_S or (changed and since >= STATUS_CHANGE_S):
             self._last_status, self._last_sent = time.monotonic(), status
-            self.conn.send_bytes(encode(status))
+            self.links.send_status(status)
 

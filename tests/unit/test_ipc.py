@@ -83,7 +83,7 @@ def test_the_router_queues_requests_while_it_waits_for_a_steps_result():
             seen.append((decode(router_front_end.recv_bytes()).request_id, router_shard_end.poll(0)))
         return True
 
-    shards.also_read(router_front_end, read_inbox)
+    shards.also_read([router_front_end], read_inbox)
 
     def device():
         for rid in (1, 2, 3):
@@ -116,7 +116,7 @@ def test_a_front_end_that_is_gone_is_not_read_again_while_a_result_is_awaited():
         calls.append(1)
         return False           # as RouterLoop.read_inbox answers at EOF
 
-    shards.also_read(router_front_end, read_inbox)
+    shards.also_read([router_front_end], read_inbox)
     front_end.close()
     threading.Timer(0.1, lambda: shard_end.send_bytes(encode(StepResult([])))).start()
     assert shards.collect(timeout=5) == StepResult([]) and calls == [1]
@@ -127,13 +127,13 @@ def test_the_routers_inbox_reading_stops_when_a_steps_result_is_there():
     import multiprocessing
 
     from engine.router.allocator import SlotAllocator
-    from engine.router.process import RouterLoop
+    from engine.router.process import FrontendLinks, RouterLoop
     from engine.router.router import Router
     from engine.router.scheduler import Scheduler, SchedulerConfig
 
     scheduler = Scheduler(SlotAllocator(64, 4), SchedulerConfig(max_prefill_tokens=8, max_seq_len=32))
     front_end, router_front_end = multiprocessing.Pipe()
-    loop = RouterLoop(Router(scheduler, shards=None, eos_token_ids=(0,)), router_front_end)
+    loop = RouterLoop(Router(scheduler, shards=None, eos_token_ids=(0,)), FrontendLinks([router_front_end]))
     for rid in (1, 2, 3):
         front_end.send_bytes(encode(GenerationRequest(rid, [5, 6, 7], 2)))
     assert loop.read_inbox(0, stop=lambda: len(scheduler.waiting) >= 1)

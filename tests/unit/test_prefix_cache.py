@@ -448,7 +448,7 @@ def test_the_router_loop_checks_the_counts_once_each_time_it_goes_idle(monkeypat
     import time
 
     from engine.protocol.codec import encode
-    from engine.router.process import RouterLoop
+    from engine.router.process import FrontendLinks, RouterLoop
 
     sim = Simulation(4, num_slots=160)
     sim.router.shards.check_idle = lambda: None          # LocalShards: no processes to watch
@@ -456,7 +456,7 @@ def test_the_router_loop_checks_the_counts_once_each_time_it_goes_idle(monkeypat
     monkeypatch.setattr(sim.scheduler, "check_idle", lambda: checks.append("idle"))
     monkeypatch.setattr(sim.scheduler, "check_integrity", lambda: checks.append("whole"))
     front_end, router_end = multiprocessing.Pipe()
-    loop = RouterLoop(sim.router, router_end)
+    loop = RouterLoop(sim.router, FrontendLinks([router_end]))
     running = threading.Thread(target=loop.run, daemon=True)
     running.start()
     front_end.send_bytes(encode(GenerationRequest(1, [5, 6, 7, 8], 4, SamplingParams(), stop_token_ids=[])))
