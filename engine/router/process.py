@@ -147,6 +147,10 @@ class FrontendLinks:
             if ours or stats:
                 self._send(conn, Events(ours, stats))
 
+    def send_to(self, index: int, events: Events) -> None:
+        """To front end ``index`` whatever the events' owners (an answer to a request it should not have sent)."""
+        self._send(self.conns[index], events)
+
     def send_status(self, status: RouterStatus) -> None:
         data = encode(status)
         for conn in list(self.live):
@@ -255,6 +259,8 @@ class RouterLoop:
             if self.links.owner(message.request_id) != sender:     # its events would go to another front end
                 log.error("front end %d sent request %d, numbered for front end %d: refused", sender + 1,
                           message.request_id, self.links.owner(message.request_id) + 1)
+                self.links.send_to(sender, Events([TokenEvent(request_id=message.request_id,
+                                                              error="Request failed: misnumbered request id")]))
                 return
             if not self.healthy:
                 self._send_events([TokenEvent(request_id=message.request_id, error=self.error)])

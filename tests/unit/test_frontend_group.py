@@ -142,6 +142,8 @@ def test_a_request_numbered_for_another_front_end_is_refused():
     fronts[1].send_bytes(encode(GenerationRequest(4, [5, 6, 7], 2)))
     assert loop.read_inbox(0.5)
     assert [r.request_id for r in scheduler.waiting] == [4]
+    answer = _received(fronts[0])            # the sender hears why, so its client is not left waiting
+    assert [(e.request_id, e.error) for m in answer for e in m.events] == [(2, "Request failed: misnumbered request id")]
 
 
 def test_a_front_end_that_goes_loses_only_its_requests():
