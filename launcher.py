@@ -143,7 +143,9 @@ class _Supervisor:
 
 
 def _is_frontend(process) -> bool:
-    return process.name == "frontend" or process.name.startswith("frontend-")
+    from tgi_compat.frontend_group import is_frontend_name
+
+    return is_frontend_name(process.name)
 
 
 def _stop(processes: list, grace_s: float) -> None:

@@ -39,6 +39,14 @@ def auto_frontend_processes(cores: int | None = None) -> int:
     return max(1, min(AUTO_MAX_FRONTENDS, cores // CORES_PER_FRONTEND))
 
 
+FRONTEND_NAME = "frontend"
+
+
+def is_frontend_name(name: str) -> bool:
+    """Whether a process of the server is a front end (``FrontendMember.process_name``)."""
+    return name == FRONTEND_NAME or name.startswith(FRONTEND_NAME + "-")
+
+
 def owner(request_id: int, count: int) -> int:
     """The index of the front end that numbered ``request_id`` (of ``count``)."""
     return (request_id - 1) % count
@@ -58,7 +66,7 @@ class FrontendMember:
 
     @property
     def process_name(self) -> str:
-        return "frontend" if self.count == 1 else f"frontend-{self.index}"
+        return FRONTEND_NAME if self.count == 1 else f"{FRONTEND_NAME}-{self.index}"
 
     def first_request_id(self) -> int:
         return self.index + 1

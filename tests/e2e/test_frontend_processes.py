@@ -6,6 +6,7 @@ scrape, --max-concurrent-requests is the server's limit, and SIGTERM drains both
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -21,11 +22,21 @@ LIMIT = 4
 STATUS_SETTLES_S = 0.6      # an idle router sends its status at least every 0.25 s (engine.router.process)
 
 
+def wait_for_both(srv: LaunchedServer, timeout: float = 60.0) -> LaunchedServer:
+    """/health answers once one front end listens; wait until both do (each logs its serving line after it
+    bound the port)."""
+    deadline = time.monotonic() + timeout
+    while len(re.findall(r"\(front end \d of 2\)", srv.output())) < 2:
+        assert time.monotonic() < deadline, srv.output()
+        time.sleep(0.1)
+    return srv
+
+
 @pytest.fixture(scope="module")
 def two_front_ends(launcher_model_dir):
     with running(launcher_model_dir, "--frontend-processes", "2", "--max-concurrent-requests", str(LIMIT),
                  "--max-total-tokens", "512", "--max-input-tokens", "64") as srv:
-        yield srv
+        yield wait_for_both(srv)
 
 
 def _generate(url: str, text: str, new_tokens: int = 4) -> requests.Response:
@@ -49,6 +60,18 @@ def test_both_front_ends_take_requests_and_number_them_apart(two_front_ends):
     ids = _received_ids(two_front_ends.output())[before:]
     assert len(ids) == 16 and len(set(ids)) == 16
     assert {i % 2 for i in ids} == {0, 1}           # odd ids: front end 1 of 2, even: front end 2 (all on one: 2^-15)
+
+
+def test_front_ends_yield_the_cpu_to_the_router_and_the_shard(two_front_ends):
+    """Their niceness is raised (the router's and the shard's are not) and each sizes its tokenizer pool to its
+    share of the cores (``frontend_process.yield_cpu_to_the_engine``)."""
+    pids = {name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", two_front_ends.output())}
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert [os.getpriority(os.PRIO_PROCESS, pids[name]) for name in ("frontend-0", "frontend-1")] == [min(own + 5, 19)] * 2
+    assert os.getpriority(os.PRIO_PROCESS, pids["router"]) == os.getpriority(os.PRIO_PROCESS, pids["shard-0"]) == own
+    threads = os.environ.get("RAYON_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // 2))
+    lines = re.findall(r"CPU niceness (\d+), up to (\S+) tokenizer threads", two_front_ends.output())
+    assert lines == [(str(min(own + 5, 19)), threads)] * 2
 
 
 def test_metrics_count_every_front_ends_requests_whichever_answers(two_front_ends):
@@ -93,7 +116,7 @@ def test_sigterm_lets_both_front_ends_finish_their_streams(launcher_model_dir, t
     srv = LaunchedServer(launcher_model_dir, "--frontend-processes", "2", "--max-total-tokens", "512",
                          "--max-input-tokens", "64", env={"TMPDIR": str(tmp_path)})
     try:
-        srv.wait_healthy()
+        wait_for_both(srv.wait_healthy())
         assert len(list(tmp_path.glob("lightserve-metrics-*"))) == 1     # the front ends' /metrics files
         body = {"inputs": "def drain(x):", "parameters": {"max_new_tokens": 200}}
         lines = []

@@ -11,7 +11,8 @@ from engine.protocol.codec import decode, encode
 from engine.protocol.messages import Events, GenerationRequest, RouterStatus, StepStats, TokenEvent
 from tgi_compat.concurrency import ConcurrencyLimiter
 from tgi_compat.errors import OverloadedError
-from tgi_compat.frontend_group import FrontendGroup, auto_frontend_processes, listening_socket, owner
+from tgi_compat.frontend_group import (FrontendGroup, auto_frontend_processes, is_frontend_name, listening_socket,
+                                      owner)
 
 
 @pytest.mark.parametrize("cores, expected", [(1, 1), (2, 1), (7, 1), (8, 2), (12, 3), (16, 4), (128, 4)])
@@ -32,6 +33,8 @@ def test_each_front_end_numbers_requests_that_name_it(monkeypatch):
             ids = [request_ids.next_request_id() for _ in range(5)]
             assert len(set(ids)) == 5 and all(owner(i, 3) == index for i in ids)
         assert [group.member(i).process_name for i in range(3)] == ["frontend-0", "frontend-1", "frontend-2"]
+        assert all(is_frontend_name(group.member(i).process_name) for i in range(3))
+        assert not any(is_frontend_name(name) for name in ("router", "shard-0", "frontends"))
     finally:
         group.close()
     assert not os.path.exists(group.metrics_dir)
