@@ -247,9 +247,9 @@ class RouterLoop:
         ids = [r.request_id for r in [*scheduler.waiting, *scheduler.running] if self.links.owner(r.request_id) == index]
         for request_id in ids:
             self.router.abort(request_id)
-        if self.links.live:
-            log.error("front end %d of %d is gone: %d of its requests aborted", index + 1, len(self.links.conns),
-                      len(ids))
+        if self.links.live:        # at shutdown each front end drains, then goes: nothing to abort
+            log.log(logging.WARNING if ids else logging.INFO, "front end %d of %d is gone: %d of its requests "
+                    "aborted", index + 1, len(self.links.conns), len(ids))
 
     def _handle(self, message, sender: int) -> None:
         if isinstance(message, Abort):

@@ -131,6 +131,7 @@ def test_sigterm_lets_both_front_ends_finish_their_streams(launcher_model_dir, t
             assert b'"generated_text":"' in rest and b'"error"' not in rest     # the last event came
         assert srv.process.wait(60) == 0
         assert srv.wait_no_children() == []
+        assert not re.search(r" (ERROR|WARNING) |Traceback", srv.output()), srv.output()   # an orderly stop
         assert list(tmp_path.glob("lightserve-metrics-*")) == []        # removed by the launcher
     finally:
         srv.stop()
