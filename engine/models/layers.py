@@ -39,6 +39,7 @@ class Linear:
     a tensor or a quantized one (``engine.models.quantized``: 4-bit GPTQ/AWQ, FP8); ``ops.linear`` dispatches."""
     weight: LinearWeight
     bias: torch.Tensor | None = None
+    GEMM_FIELDS = ("weight",)     # what ``ops.linear`` multiplies by (``gemm_weights``)
 
     @classmethod
     def fused(cls, weights: list[LinearWeight], biases: list[torch.Tensor] | None = None) -> "Linear":
@@ -55,6 +56,7 @@ class RowParallelLinear:
     weight: LinearWeight
     tp: TensorParallel
     bias: torch.Tensor | None = None
+    GEMM_FIELDS = ("weight",)
 
     def __call__(self, ops, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -85,6 +87,7 @@ class LMHead:
     """This shard's vocabulary rows of the output projection (maybe the embedding's, tied)."""
     weight: torch.Tensor
     tp: TensorParallel
+    GEMM_FIELDS = ("weight",)
 
     def __call__(self, ops, hidden: torch.Tensor) -> torch.Tensor:
         """[N, vocab] float32 logits (the GEMM in the model dtype, as transformers does)."""
@@ -259,3 +262,33 @@ def narrow_at_last_layer(batch, index: int, layers: int, residual: torch.Tensor)
     the step's ``batch.output`` and its rows of ``residual`` at the last layer, else (None, ``residual``)."""
     output = batch.output if index == layers - 1 else None
     return output, residual if output is None else residual[output.index]
+
+
+def gemm_weights(*roots) -> list[LinearWeight]:
+    """One weight of each (format, shape, dtype) that ``ops.linear`` multiplies by under ``roots`` (a model, its
+    draft heads): the ``GEMM_FIELDS`` of every block reachable through the engine's objects' attributes, lists,
+    tuples and dicts (``Linear``, ``RowParallelLinear``, ``LMHead``, an MoE block's router). The worker runs
+    each once at every row count a step can give it (``engine.worker.gemm_warmup``)."""
+    found: dict[tuple, LinearWeight] = {}
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, (torch.Tensor, str, bytes, int, float)) or obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        for name in getattr(type(obj), "GEMM_FIELDS", ()):
+            weight = getattr(obj, name)
+            found.setdefault(gemm_key(weight), weight)
+        if isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif type(obj).__module__.startswith("engine.") and hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return list(found.values())
+
+
+def gemm_key(weight: LinearWeight) -> tuple:
+    """What decides which kernels a product with ``weight`` runs: its format, shape and (dense) dtype."""
+    return type(weight).__name__, tuple(weight.shape), getattr(weight, "dtype", None)

@@ -101,6 +101,7 @@ class SparseMoE:
     tp: TensorParallel
     shared_gate_up: torch.Tensor | None = None   # [2 * I_shared / shards, hidden]
     shared_down: torch.Tensor | None = None      # [hidden, I_shared / shards]
+    GEMM_FIELDS = ("router",)                    # ``ops.linear``'s (``layers.gemm_weights``); the experts: fused_moe
 
     def route(self, ops, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) from the router logits, as transformers' router

@@ -37,6 +37,7 @@ import torch
 
 from engine.models import build_model, load_model_config
 from engine.models.config import ModelConfig
+from engine.models.layers import gemm_weights
 from engine.models.medusa import DraftHeads, read_medusa_config
 from engine.models.parallel import TensorParallel
 from engine.ops import KernelOps, default_backend
@@ -49,6 +50,7 @@ from engine.transfer import start_to_host, to_device
 from engine.worker.cuda_graphs import HeadGraphs, PaddedDecoder, PaddedVerifier
 from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, output_rows, ragged_inputs,
                                         read_tokens, shared_prefix_tensors)
+from engine.worker.gemm_warmup import padded_tokens, padding_row, warm_gemms
 from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
 from engine.worker.piecewise import PiecewiseGraphs
 from kernels.prefill_attention import MIN_SPLIT_KEYS
@@ -144,6 +146,9 @@ class ModelWorker:
         self._unfinished: LaunchedStep | None = None   # launched; its tokens not yet in the row states
         # The newest token sampled for each request row (and the dummy row): decode inputs.
         self.last_tokens = torch.zeros(config.max_requests + 1, dtype=torch.int64, device=config.device)
+        if self.device.type == "cuda":    # before the KV cache takes the memory (a vocabulary's logits at 4k rows)
+            warm_gemms(self.ops, gemm_weights(self.model, self.draft_heads), warmup_shape(config)[0], config.dtype,
+                       self.device)
         num_slots = self._size_slots()
         self.kv_cache = self._new_cache(num_slots)
         if self.device.type == "cuda" and self.ops.backend == "triton":
@@ -383,8 +388,22 @@ class ModelWorker:
     def _forward_batch(self, step: Step, read: list[int] | None = None) -> ForwardBatch:
         """The step's ``ForwardBatch``; ``read``: how many of each row's last tokens the step reads (their final
         hidden states), which narrows the last layer to them (``OutputRows``) unless every token is read or a
-        row asks for its prompt's logprobs (those read every position)."""
-        x, dev = ragged_inputs(step.rows), self.device
+        row asks for its prompt's logprobs (those read every position). Past ``gemm_warmup.EXACT_ROWS`` tokens
+        a row of padding tokens follows the step's (``gemm_warmup.padded_tokens``): the final hidden states
+        then have more rows than the step has tokens, the step's own first."""
+        rows, dev = step.rows, self.device
+        tokens = sum(len(r.input_ids) for r in rows)
+        if read is not None and any(read) and sum(read) < tokens and not any(r.logprob_targets for r in rows):
+            narrow = read
+        elif read is not None and not any(read) and not any(r.logprob_targets for r in rows):
+            narrow = [0] * (len(read) - 1) + [1]   # a chunk that samples nothing: its last token stands in
+        else:
+            narrow = None                          # every token read, or prompt logprobs (every position)
+        padding = padded_tokens(tokens) - tokens
+        if padding and max(len(r.input_ids) for r in rows) > 1:
+            rows = [*rows, padding_row(padding, self.config.max_requests, self.kv_cache.num_slots)]
+            narrow = None if narrow is None else [*narrow, 0]
+        x = ragged_inputs(rows)
         positions_t = to_device(x.positions, torch.int64, dev)
         slots_t = to_device(x.slots, torch.int64, dev)
         token_rows_t = to_device(x.token_rows, torch.int64, dev)
@@ -396,14 +415,12 @@ class ModelWorker:
             input_ids=ids_t, positions=positions_t, out_slots=slots_t,
             req_rows=to_device(x.req_rows, torch.int32, dev), q_start=to_device(x.q_start, torch.int32, dev),
             q_len=to_device(x.q_len, torch.int32, dev), seq_len=to_device(x.seq_len, torch.int32, dev),
-            max_q_len=max(x.q_len), is_decode=max(x.q_len) == 1, shared_prefix=shared_prefix_tensors(step.rows, dev),
+            max_q_len=max(x.q_len), is_decode=max(x.q_len) == 1, shared_prefix=shared_prefix_tensors(rows, dev),
             max_seq_len=max(x.seq_len),
         )
-        if read is None or sum(read) == len(x.input_ids) or any(r.logprob_targets for r in step.rows):
+        if narrow is None:
             return batch
-        if not any(read):           # a chunk that samples nothing: its last token stands in (no empty GEMMs)
-            read = [0] * (len(read) - 1) + [1]
-        return replace(batch, output=output_rows(batch, x.q_start, x.q_len, read))
+        return replace(batch, output=output_rows(batch, x.q_start, x.q_len, narrow))
 
     def _decode_with_graphs(self, step: Step, graphs):
         """Decode rows through the CUDA graphs (``graphs``: the decoder, or the verifier when rows

@@ -7,6 +7,7 @@ criterion; CUDA-graph decoding gives exactly the eager tokens.
 import pytest
 import torch
 
+from engine.worker.gemm_warmup import padded_tokens
 from tests.gpu.greedy import (describe, engine_greedy, engine_greedy_batch_and_alone, max_logprob_gap, near_tie_problem,
                               prompts, transformers_greedy)
 
@@ -51,3 +52,17 @@ def test_float32_greedy_tokens_behind_cached_prefixes_equal_transformers(llama2_
     assert [g.tokens for g in batch] == [g.tokens for g in ref]
     assert [g.tokens for g in alone] == [g.tokens for g in ref]
     assert max(max_logprob_gap(a, b) for a, b in zip(batch + alone, ref + ref)) < FP32_LOGPROB_TOL
+
+
+def test_float32_greedy_tokens_of_a_padded_eager_step_equal_transformers(llama2_7b_dir):
+    """Three prompts of 719 tokens prefilled in one step of 2,157 tokens: more than the piecewise graphs take,
+    so the step runs eagerly with 3 padding tokens in a row of their own (``engine.worker.gemm_warmup``). The
+    tokens are transformers' greedy ones."""
+    g = torch.Generator().manual_seed(1)
+    all_prompts = [torch.randint(3, 32000, (719,), generator=g).tolist() for _ in range(3)]
+    assert padded_tokens(3 * 719) == 3 * 719 + 3
+    ref = transformers_greedy(llama2_7b_dir, torch.float32, all_prompts, new_tokens=16)
+    ours = engine_greedy(all_prompts, 16, model_dir=llama2_7b_dir, dtype="float32")
+    print("\n" + describe(ours, ref, "ours fp32 padded step", "transformers fp32"))
+    assert [g.tokens for g in ours] == [g.tokens for g in ref]
+    assert max(max_logprob_gap(a, b) for a, b in zip(ours, ref)) < FP32_LOGPROB_TOL
