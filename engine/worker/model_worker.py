@@ -392,15 +392,10 @@ class ModelWorker:
         a row of padding tokens follows the step's (``gemm_warmup.padded_tokens``): the final hidden states
         then have more rows than the step has tokens, the step's own first."""
         rows, dev = step.rows, self.device
+        narrow = narrowed_reads(rows, read)
         tokens = sum(len(r.input_ids) for r in rows)
-        if read is not None and any(read) and sum(read) < tokens and not any(r.logprob_targets for r in rows):
-            narrow = read
-        elif read is not None and not any(read) and not any(r.logprob_targets for r in rows):
-            narrow = [0] * (len(read) - 1) + [1]   # a chunk that samples nothing: its last token stands in
-        else:
-            narrow = None                          # every token read, or prompt logprobs (every position)
         padding = padded_tokens(tokens) - tokens
-        if padding and max(len(r.input_ids) for r in rows) > 1:
+        if 0 < padding <= self.config.max_seq_len and max(len(r.input_ids) for r in rows) > 1:   # not a decode step
             rows = [*rows, padding_row(padding, self.config.max_requests, self.kv_cache.num_slots)]
             narrow = None if narrow is None else [*narrow, 0]
         x = ragged_inputs(rows)
@@ -610,6 +605,15 @@ def warmup_shape(config: WorkerConfig) -> tuple[int, int]:
     fit, each sampled (so it also measures ``rows`` rows of logits)."""
     tokens = min(config.warmup_tokens, config.max_requests * config.max_seq_len)
     return tokens, min(config.max_requests, tokens)
+
+
+def narrowed_reads(rows: list[StepRow], read: list[int] | None) -> list[int] | None:
+    """How many of each row's last tokens the last layer runs (``OutputRows``), or None: all of them (every token
+    is read, or a row asks for its prompt's logprobs, which read every position). A step that reads nothing (a
+    prompt chunk that samples nothing) runs its last token (no empty GEMMs)."""
+    if read is None or any(r.logprob_targets for r in rows) or sum(read) == sum(len(r.input_ids) for r in rows):
+        return None
+    return read if any(read) else [0] * (len(read) - 1) + [1]
 
 
 def logit_positions(row: StepRow) -> int:

@@ -123,3 +123,23 @@ def test_a_padded_step_through_the_triton_kernels(tmp_path, monkeypatch):
     padded, counts = run(path, monkeypatch, padded=True, backend="triton")
     assert_same(padded, plain)
     assert any(c > 8 and c % ROW_GRANULE == 0 for c in counts)
+
+
+def test_no_padding_row_longer_than_a_request_may_be(tmp_path, monkeypatch):
+    """Requests of at most 8 tokens (``max_seq_len``) in a step of 18 tokens: 14 padding tokens would not fit a
+    ``req_to_token`` row, so the step runs unpadded (and gives the tokens it gives unpadded)."""
+    path = save_tiny_model("llama", tmp_path / "llama")
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 13], [14, 15, 16, 17, 18], [19, 20, 21, 22]]
+
+    def generate(exact_rows):
+        monkeypatch.setattr(gemm_warmup, "EXACT_ROWS", exact_rows)
+        engine = Engine(EngineConfig(model_dir=str(path), device="cpu", kernel_backend="torch", num_slots=100,
+                                     max_requests=4, max_seq_len=8, max_prefill_tokens=32))
+        out = engine.generate([GenerationRequest(i, p, 3, stop_token_ids=[]) for i, p in enumerate(prompts)])
+        return {i: [(e.token_id, e.logprob) for e in events] for i, events in out.items()}
+
+    padded, plain = generate(8), generate(10**9)
+    assert padded.keys() == plain.keys()
+    for key in plain:
+        assert [t for t, _ in padded[key]] == [t for t, _ in plain[key]]
+        assert [x for _, x in padded[key]] == pytest.approx([x for _, x in plain[key]], abs=1e-5)
