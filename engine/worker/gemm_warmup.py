@@ -61,15 +61,32 @@ def padding_row(tokens: int, dummy_row: int, dummy_slot: int) -> StepRow:
 
 @torch.inference_mode()
 def warm_gemms(ops, weights: list, max_rows: int, dtype: torch.dtype, device: torch.device) -> None:
-    """``ops.linear`` once with each weight at every row count of ``warm_row_counts(max_rows)`` (zeros)."""
+    """``ops.linear`` once with each weight at every row count of ``warm_row_counts(max_rows)`` (zeros). A weight
+    whose product runs out of memory is warmed up to the rows that fit (a warning): a large vocabulary's logits
+    at a large step budget need not fit beside the weights, and the warm-up must not fail the start."""
     counts = warm_row_counts(max_rows)
     start = time.perf_counter()
     for weight in weights:
-        x = torch.zeros((counts[-1], weight.shape[1]), dtype=dtype, device=device)
-        for rows in counts:
-            ops.linear(x[:rows], weight)
-        del x
+        warmed = _warm_weight(ops, weight, counts, dtype, device)
+        if warmed < counts[-1]:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            log.warning("GEMMs with a weight of shape %s warmed up to %d rows only (out of memory): products of more "
+                        "rows may stall the first step that needs each new kernel", tuple(weight.shape), warmed)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     log.info("GEMMs run once at each of %d row counts (1 to %d) with %d weight shapes in %.1f s", len(counts),
              counts[-1], len(weights), time.perf_counter() - start)
+
+
+def _warm_weight(ops, weight, counts: list[int], dtype: torch.dtype, device: torch.device) -> int:
+    """The most rows ``weight``'s products ran with: ``counts[-1]`` unless one ran out of memory."""
+    warmed = 0
+    try:
+        x = torch.zeros((counts[-1], weight.shape[1]), dtype=dtype, device=device)
+        for rows in counts:
+            ops.linear(x[:rows], weight)
+            warmed = rows
+    except torch.OutOfMemoryError:
+        pass
+    return warmed

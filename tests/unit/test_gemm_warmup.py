@@ -143,3 +143,23 @@ def test_no_padding_row_longer_than_a_request_may_be(tmp_path, monkeypatch):
     for key in plain:
         assert [t for t, _ in padded[key]] == [t for t, _ in plain[key]]
         assert [x for _, x in padded[key]] == pytest.approx([x for _, x in plain[key]], abs=1e-5)
+
+
+def test_a_product_out_of_memory_warms_that_weight_no_further(caplog):
+    """The second weight's products fail past 500 rows: a warning names it, and the third is warmed in full."""
+    calls = []
+
+    class Tight(TorchOps):
+        def linear(self, x, weight, bias=None):
+            if weight.shape[0] == 7 and x.shape[0] > 500:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            calls.append((weight.shape[0], x.shape[0]))
+            return super().linear(x, weight, bias)
+
+    weights = [torch.ones(3, 5), torch.ones(7, 2), torch.ones(9, 2)]
+    with caplog.at_level("WARNING", logger="engine.worker.gemm_warmup"):
+        warm_gemms(Tight(), weights, 1030, torch.float32, torch.device("cpu"))
+    counts = warm_row_counts(1030)
+    assert [m for n, m in calls if n == 3] == counts and [m for n, m in calls if n == 9] == counts
+    assert [m for n, m in calls if n == 7] == list(range(1, 501))
+    assert "(7, 2) warmed up to 500 rows only (out of memory)" in caplog.text
