@@ -10,9 +10,9 @@ blocked. ``CUDA_MODULE_LOADING=EAGER`` did not change it: it is not the driver's
 A server meets it where a step's row count is new, which is where the step is not replayed from a CUDA
 graph: the last layer of an eager step runs only the rows it reads (``forward_batch.OutputRows``: one per
 request of a burst), the logits of the sampled rows, and eager steps of more tokens than the piecewise graphs
-hold. In issue 15's burst (256 requests behind a 3,000-token prefix, one H200) such a product in the last
-layer blocked 26-92 ms of the 84-138 ms that its 4,096-token steps took to launch, while the device idled
-behind it.
+hold. In issue 15's burst (256 requests behind a 3,000-token prefix, one H200) the launch of its steps of
+2,700-4,096 tokens took 100-158 ms, 78-139 ms of it in the last layer, where such a product held the host
+26-92 ms (torch.profiler) while the device idled behind it.
 
 So the worker multiplies by each distinct weight (``engine.models.layers.gemm_weights``) once at every row
 count a step can give it before it serves (``warm_row_counts``): every count up to ``EXACT_ROWS``, and beyond
