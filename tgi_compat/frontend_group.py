@@ -7,7 +7,8 @@ others' (stop 54). N processes each bind the port with ``SO_REUSEPORT``: the ker
 new connections over them, and each has its own event loop, tokenizer threads and pipe to the
 router. What they share, so that clients see one server:
 
-- request ids: process ``k`` of ``N`` numbers its requests ``k + 1``, ``k + 1 + N``, ... (``owner``),
+- request ids: process ``k`` of ``N`` numbers its requests ``k + 1``, ``k + 1 + N``, ...
+  (``engine.protocol.messages.frontend_of``),
   so they are unique across the server and the router sends each request's events to the pipe
   of its owner;
 - ``--max-concurrent-requests``: one counter in shared memory (``permits``);
@@ -45,11 +46,6 @@ FRONTEND_NAME = "frontend"
 def is_frontend_name(name: str) -> bool:
     """Whether a process of the server is a front end (``FrontendMember.process_name``)."""
     return name == FRONTEND_NAME or name.startswith(FRONTEND_NAME + "-")
-
-
-def owner(request_id: int, count: int) -> int:
-    """The index of the front end that numbered ``request_id`` (of ``count``)."""
-    return (request_id - 1) % count
 
 
 @dataclass(frozen=True)

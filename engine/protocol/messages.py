@@ -54,6 +54,12 @@ FED_BACK = -1    # a decode row's input id: "the token the worker sampled last f
 NO_PREFIX = -1   # a row's ``prefix`` when it maps no cached prefix
 
 
+def frontend_of(request_id: int, frontends: int) -> int:
+    """The front end (of ``frontends``) that numbered ``request_id``: front end ``k`` numbers ``k + 1``,
+    ``k + 1 + frontends``, ... (``tgi_compat.request_ids``), and the router sends a request's events to it."""
+    return (request_id - 1) % frontends
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: int

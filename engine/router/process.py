@@ -16,7 +16,7 @@ from multiprocess.connection import wait
 from engine.processes import child_setup, tune_collector_for_serving
 from engine.protocol.codec import decode, encode
 from engine.protocol.messages import (Abort, Events, GenerationRequest, Ready, RouterStatus, ShardError, Shutdown, Step,
-                                      StepResult, TokenEvent)
+                                      StepResult, TokenEvent, frontend_of)
 
 log = logging.getLogger("engine.router")
 
@@ -122,7 +122,7 @@ class FrontendLinks:
         self.live = list(self.conns)         # shrinks as front ends go (PipeShards.also_read reads it)
 
     def owner(self, request_id: int) -> int:
-        return (request_id - 1) % len(self.conns)
+        return frontend_of(request_id, len(self.conns))
 
     def index(self, conn) -> int:
         return self.conns.index(conn)

@@ -392,8 +392,8 @@ class ModelWorker:
         a row of padding tokens follows the step's (``gemm_warmup.padded_tokens``): the final hidden states
         then have more rows than the step has tokens, the step's own first."""
         rows, dev = step.rows, self.device
-        narrow = narrowed_reads(rows, read)
         tokens = sum(len(r.input_ids) for r in rows)
+        narrow = narrowed_reads(rows, read, tokens)
         padding = padded_tokens(tokens) - tokens
         if 0 < padding <= self.config.max_seq_len and max(len(r.input_ids) for r in rows) > 1:   # not a decode step
             rows = [*rows, padding_row(padding, self.config.max_requests, self.kv_cache.num_slots)]
@@ -607,11 +607,11 @@ def warmup_shape(config: WorkerConfig) -> tuple[int, int]:
     return tokens, min(config.max_requests, tokens)
 
 
-def narrowed_reads(rows: list[StepRow], read: list[int] | None) -> list[int] | None:
-    """How many of each row's last tokens the last layer runs (``OutputRows``), or None: all of them (every token
-    is read, or a row asks for its prompt's logprobs, which read every position). A step that reads nothing (a
-    prompt chunk that samples nothing) runs its last token (no empty GEMMs)."""
-    if read is None or any(r.logprob_targets for r in rows) or sum(read) == sum(len(r.input_ids) for r in rows):
+def narrowed_reads(rows: list[StepRow], read: list[int] | None, tokens: int) -> list[int] | None:
+    """How many of each row's last tokens the last layer runs (``OutputRows``), or None: all of them (every one
+    of the step's ``tokens`` is read, or a row asks for its prompt's logprobs, which read every position). A step
+    that reads nothing (a prompt chunk that samples nothing) runs its last token (no empty GEMMs)."""
+    if read is None or any(r.logprob_targets for r in rows) or sum(read) == tokens:
         return None
     return read if any(read) else [0] * (len(read) - 1) + [1]
 

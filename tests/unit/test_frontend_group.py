@@ -8,11 +8,10 @@ import os
 import pytest
 
 from engine.protocol.codec import decode, encode
-from engine.protocol.messages import Events, GenerationRequest, RouterStatus, StepStats, TokenEvent
+from engine.protocol.messages import Events, GenerationRequest, RouterStatus, StepStats, TokenEvent, frontend_of
 from tgi_compat.concurrency import ConcurrencyLimiter
 from tgi_compat.errors import OverloadedError
-from tgi_compat.frontend_group import (FrontendGroup, auto_frontend_processes, is_frontend_name, listening_socket,
-                                      owner)
+from tgi_compat.frontend_group import FrontendGroup, auto_frontend_processes, is_frontend_name, listening_socket
 
 
 @pytest.mark.parametrize("cores, expected", [(1, 1), (2, 1), (7, 1), (8, 2), (12, 3), (16, 4), (128, 4)])
@@ -31,7 +30,7 @@ def test_each_front_end_numbers_requests_that_name_it(monkeypatch):
         for index in range(3):
             request_ids.number_from(group.member(index).first_request_id(), group.count)
             ids = [request_ids.next_request_id() for _ in range(5)]
-            assert len(set(ids)) == 5 and all(owner(i, 3) == index for i in ids)
+            assert len(set(ids)) == 5 and all(frontend_of(i, 3) == index for i in ids)
         assert [group.member(i).process_name for i in range(3)] == ["frontend-0", "frontend-1", "frontend-2"]
         assert all(is_frontend_name(group.member(i).process_name) for i in range(3))
         assert not any(is_frontend_name(name) for name in ("router", "shard-0", "frontends"))
