@@ -12,6 +12,17 @@ Stage 2, grid (request, q head): merges the splits by their log-sum-exp.
 The chunk is derived on the device from ``b_seq_len``, so no host lengths are needed and
 the launch can be captured in a CUDA graph.
 
+An int8 cache without GQA (one q head per kv head) and without score modifications is walked
+without ``tl.dot`` where a large batch fills the GPU with (request, kv head) programs in one split
+(``rowwise_applies``, ``fills_with_rows``): the one query row's scores and weighted values are
+products and sums in float32 (``_attend_int8_row``), where the dot walk pads the row to 16 and
+moves every block through shared memory as float16. One H200, random Llama-2-7B, through HTTP
+(``bench.serving_bench --workloads batch1,batch --server-args "--kv-cache-dtype int8"``, one call,
+the trees in turn; the walk then taken wherever one split walked a request): the 512-request load
+8,810.6 -> 9,118.8 output tokens/s (a bfloat16 cache: 8,450.4), batch-1 decode 248.9 both. The kernel
+times at ``ROWWISE_PROGRAMS_PER_SM`` narrowed the walk to large batches afterwards (not re-measured
+through HTTP: it only leaves small batches the dot walk, faster there).
+
 Shared prefix (cascade attention, ``kernels.shared_prefix``). With ``shared = (b_prefix_len [B],
 source [2])`` the requests whose first P positions hold the same slots attend to them in the
 shared-prefix kernel (each prefix K/V block loaded once for a tile of requests), whose
@@ -38,11 +49,12 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
-from ._kv_quant import KV_DTYPES, check_kv, dot_query, gather_kv_ref, scale_args
+from ._kv_quant import KV_DTYPES, check_kv, dot_query, gather_kv_ref, int8_as_float16, scale_args
 from ._online_softmax import attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 from .score_mods import ScoreMods
+from .skinny_gemm import device_sms
 
 MAX_SPLITS = 64
 CPU_SPLITS = 1     # under the interpreter a program costs the same whatever it reads: one split (3 before) cut the
@@ -54,6 +66,10 @@ CUDA_LAUNCH = (32, 2, 2)
 # heads, 547 us a layer at batch 256 x 512 keys against 704 with bf16's launch (a bf16 cache: 735), and 19.2
 # against 21.5 us at batch 1 x 4096 keys (bf16 cache: 26.8); the best of 8 launches at both shapes
 CUDA_LAUNCH_INT8 = (64, 2, 2)
+# the rowwise int8 walk from this many (request, kv head) programs per SM: one H200, Llama-2-7B heads, us a layer
+# (dot walk -> rowwise): 512 x 416 keys 920.8 -> 764.0, 256 x 512 498.9 -> 454.8, 64 x 1024 218.2 -> 207.0 (15.5
+# programs an SM), but 16 x 1024 58.7 -> 76.8 and 9 x 2048 98.6 -> 132.5 (3.9 and 2.2 an SM)
+ROWWISE_PROGRAMS_PER_SM = 15
 
 
 @triton.jit
@@ -68,6 +84,7 @@ def _decode_split_kernel(
     WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
     window, softcap_log2, alibi_ptr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
+    ROWWISE: tl.constexpr = False,
 ):
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
@@ -90,7 +107,10 @@ def _decode_split_kernel(
     d_mask = offs_d < head_dim
     q_offs = b.to(tl.int64) * stride_q_batch + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    q = dot_query(q, UPCAST, KV_SCALES)
+    if ROWWISE:     # one row: products and sums in float32, q in log2 units
+        q = q.to(tl.float32) * scale_log2
+    else:
+        q = dot_query(q, UPCAST, KV_SCALES)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -100,11 +120,16 @@ def _decode_split_kernel(
     k_scale_base = scales_ptr + kv_head * stride_scale_head
     q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1
     alibi_log2 = tl.load(alibi_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634 if ALIBI else 0.0
-    m_i, l_i, acc = attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask,
-                                 scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2, alibi_log2,
-                                 WINDOW=False, SOFTCAP=SOFTCAP, ALIBI=ALIBI, k_scale_base=k_scale_base,
-                                 v_scale_base=k_scale_base + v_scale_offset, stride_scale_slot=stride_scale_slot,
-                                 KV_SCALES=KV_SCALES)
+    if ROWWISE:
+        m_i, l_i, acc = _attend_int8_row(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot,
+                                         d_mask, k_scale_base, k_scale_base + v_scale_offset, stride_scale_slot,
+                                         BLOCK_N, WHILE_LOOP)
+    else:
+        m_i, l_i, acc = attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask,
+                                     scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2, alibi_log2,
+                                     WINDOW=False, SOFTCAP=SOFTCAP, ALIBI=ALIBI, k_scale_base=k_scale_base,
+                                     v_scale_base=k_scale_base + v_scale_offset, stride_scale_slot=stride_scale_slot,
+                                     KV_SCALES=KV_SCALES)
 
     has_keys = l_i > 0
     partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -113,6 +138,49 @@ def _decode_split_kernel(
     tl.store(mid_out_ptr + mid_offs + offs_d[None, :], partial, mask=h_mask[:, None] & d_mask[None, :])
     lse_offs = b.to(tl.int64) * stride_lse_batch + heads * stride_lse_head + split
     tl.store(mid_lse_ptr + lse_offs, lse, mask=h_mask)
+
+
+@triton.jit
+def _attend_int8_row(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask, k_scale_base,
+                     v_scale_base, stride_scale_slot, BLOCK_N: tl.constexpr, WHILE_LOOP: tl.constexpr):
+    """The online softmax of one query row ``q`` [1, D] (float32, log2 units) over an int8 cache's positions
+    [start, end): each block's scores and weighted values as products and sums in float32 (no ``tl.dot``,
+    whose 16 rows would hold this one; ``rowwise_applies``)."""
+    if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
+        start_n = start
+        while start_n < end:
+            m_i, l_i, acc = _int8_row_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base,
+                                            stride_kv_slot, d_mask, k_scale_base, v_scale_base, stride_scale_slot,
+                                            BLOCK_N)
+            start_n += BLOCK_N
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _int8_row_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base,
+                                            stride_kv_slot, d_mask, k_scale_base, v_scale_base, stride_scale_slot,
+                                            BLOCK_N)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _int8_row_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base, stride_kv_slot, d_mask, k_scale_base,
+                    v_scale_base, stride_scale_slot, BLOCK_N: tl.constexpr):
+    """``_attend_int8_row``'s update with the positions [start_n, start_n + BLOCK_N) before ``end``: each key's
+    scale on its score, each value's scale on its probability (``l_i`` sums them unscaled)."""
+    pos = start_n + tl.arange(0, BLOCK_N)
+    n_mask = pos < end
+    slots = tl.load(table_row + pos, mask=n_mask, other=0).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = int8_as_float16(tl.load(k_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0)).to(tl.float32)
+    k_scale = tl.load(k_scale_base + slots * stride_scale_slot, mask=n_mask, other=0.0)
+    qk = tl.where(n_mask, tl.sum(k * q, 1) * k_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 0))
+    p = tl.exp2(qk - m_new)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    v = int8_as_float16(tl.load(v_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0)).to(tl.float32)
+    v_scale = tl.load(v_scale_base + slots * stride_scale_slot, mask=n_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.sum((p * v_scale)[:, None] * v, 0)[None, :]
+    return m_new, l_i, acc
 
 
 # The split counts are not specialised: every count shares one compiled kernel (no compile mid-serving)
@@ -163,6 +231,19 @@ def default_num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
         return CPU_SPLITS
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, max(1, batch * kv_heads)))))
+
+
+def rowwise_applies(kv_layer: torch.Tensor, group: int, mods: ScoreMods | None) -> bool:
+    """Whether the split kernel can walk one query row without ``tl.dot`` (``_attend_int8_row``): an int8
+    cache, one q head per kv head, no score modification. ``launch`` takes that walk there when a request is
+    walked in one split and ``fills_with_rows`` (the module's docstring: where it is faster)."""
+    return kv_layer.dtype == torch.int8 and group == 1 and (mods is None or not mods.any)
+
+
+def fills_with_rows(batch: int, kv_heads: int, sms: int | None) -> bool:
+    """Whether the (request, kv head) programs number ``ROWWISE_PROGRAMS_PER_SM`` per SM or more of a GPU with
+    ``sms`` SMs (always with None, the CPU interpreter, whose tests then walk rows wherever the walk applies)."""
+    return sms is None or batch * kv_heads >= ROWWISE_PROGRAMS_PER_SM * sms
 
 
 def cuda_launch(kv_layer: torch.Tensor) -> tuple[int, int, int]:
@@ -220,11 +301,19 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torc
 
 def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits: int, block_n: int,
            num_warps: int, num_stages: int, shared=None, shared_launch: tuple[int, int, int, int] | None = None,
-           mods: ScoreMods | None = None, kv_scales=None) -> None:
-    """The stages with explicit launch parameters (``decode_attention`` picks them; benchmarks sweep them)."""
+           mods: ScoreMods | None = None, kv_scales=None, rowwise: bool | None = None) -> None:
+    """The stages with explicit launch parameters (``decode_attention`` picks them; benchmarks sweep them).
+    ``rowwise``: the split kernel's walk without ``tl.dot`` (None: where ``rowwise_applies``, in one split, and
+    ``fills_with_rows``; True only where it applies)."""
     batch, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     group = q_heads // kv_heads
+    applies = rowwise_applies(kv_layer, group, mods)
+    if rowwise and not applies:
+        raise ValueError("the rowwise walk takes an int8 cache without GQA and without score modifications")
+    if rowwise is None:
+        sms = device_sms(q.device) if q.is_cuda else None
+        rowwise = applies and splits == 1 and fills_with_rows(batch, kv_heads, sms)
     params = shared_launch or shared_prefix.default_launch(q.device, head_dim, q.dtype)
     prefix_splits = 0 if shared is None else shared_prefix.default_splits(batch, kv_heads, group, q.device, params[0])
     total = splits + prefix_splits
@@ -242,9 +331,9 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), req_to_token.stride(0),
         *mid_strides,
         kv_heads, group, head_dim, splits, first,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_H=1 if rowwise else max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, SHARED=shared is not None,
-        **mod_args, **mod_flags, **scale_args(kv_layer, kv_scales),
+        **mod_args, **mod_flags, **scale_args(kv_layer, kv_scales), ROWWISE=rowwise,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if shared is not None:

@@ -255,3 +255,52 @@ def test_decode_launch_follows_the_cache_dtype():
     assert cuda_launch(torch.zeros(1, 2, 8, dtype=torch.int8)) == CUDA_LAUNCH_INT8 != CUDA_LAUNCH
     for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
         assert cuda_launch(torch.zeros(1, 2, 8, dtype=dtype)) == CUDA_LAUNCH
+
+
+@pytest.mark.parametrize("rowwise", [True, False])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("shared", [False, True])
+def test_int8_decode_walks_rows_without_dots_as_the_reference(device, rowwise, splits, shared):
+    """int8 without GQA: the split kernel's walk without ``tl.dot`` (``rowwise``) and with it give the reference,
+    whatever the split count and with a shared prefix walked by its own kernel; lengths past one block and not
+    whole blocks (keys outside a request's own would read NaN scales)."""
+    from test_decode_attention_kernel import share_a_prefix
+
+    from kernels.decode_attention import launch
+
+    q, data, table, rows, seq_len, scale, scales = decode_case([1, 70, 33, 129], 4, 4, 32, torch.int8, device)
+    prefix = share_a_prefix(table, rows.tolist(), [1, 2, 3], 30) if shared else None
+    out = torch.empty_like(q)
+    launch(q, data, table, rows, seq_len, scale, out, splits, 32, 2, 1, shared=prefix, kv_scales=scales,
+           rowwise=rowwise)
+    expected = decode_attention_ref(q, data, table, rows, seq_len, scale, kv_scales=scales)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, atol=TOL[0], rtol=TOL[1])
+
+
+def test_the_rowwise_walk_takes_large_batches_only_on_a_gpu():
+    """From ROWWISE_PROGRAMS_PER_SM (request, kv head) programs an SM: one H200 (132 SMs) measured it slower at 16
+    requests of 32 heads and faster from 64; the interpreter always (its tests cover the walk)."""
+    from kernels.decode_attention import fills_with_rows
+
+    assert fills_with_rows(64, 32, 132)
+    assert not fills_with_rows(16, 32, 132)
+    assert not fills_with_rows(61, 32, 132)
+    assert fills_with_rows(1, 32, None)
+
+
+def test_the_rowwise_walk_takes_int8_without_gqa_or_score_mods_only(device):
+    from kernels.decode_attention import launch, rowwise_applies
+    from kernels.score_mods import ScoreMods
+
+    q, data, table, rows, seq_len, scale, scales = decode_case([3, 9], 4, 4, 32, torch.int8, device)
+    assert rowwise_applies(data, 1, None)
+    assert rowwise_applies(data, 1, ScoreMods())
+    assert not rowwise_applies(data, 4, None)
+    assert not rowwise_applies(data, 1, ScoreMods(softcap=30.0))
+    fp8 = data.to(torch.float32).to(torch.float8_e4m3fn)
+    assert not rowwise_applies(fp8, 1, None)
+    gqa_q, gqa, gqa_table, gqa_rows, gqa_len, _, gqa_scales = decode_case([3, 9], 8, 2, 32, torch.int8, device)
+    with pytest.raises(ValueError, match="int8 cache without GQA"):
+        launch(gqa_q, gqa, gqa_table, gqa_rows, gqa_len, scale, torch.empty_like(gqa_q), 1, 32, 2, 1,
+               kv_scales=gqa_scales, rowwise=True)
