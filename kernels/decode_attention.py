@@ -14,7 +14,7 @@ the launch can be captured in a CUDA graph.
 
 An int8 cache without GQA (one q head per kv head) and without score modifications is walked
 without ``tl.dot`` where a large batch fills the GPU with (request, kv head) programs in one split
-(``rowwise_applies``, ``fills_with_rows``): the one query row's scores and weighted values are
+(``rowwise_applies``, ``default_rowwise``): the one query row's scores and weighted values are
 products and sums in float32 (``_attend_int8_row``), where the dot walk pads the row to 16 and
 moves every block through shared memory as float16. One H200, random Llama-2-7B, through HTTP
 (``bench.serving_bench --workloads batch1,batch --server-args "--kv-cache-dtype int8"``, one call,
@@ -229,21 +229,25 @@ def default_num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     """
     if device.type != "cuda":
         return CPU_SPLITS
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = device_sms(device)
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, max(1, batch * kv_heads)))))
 
 
 def rowwise_applies(kv_layer: torch.Tensor, group: int, mods: ScoreMods | None) -> bool:
     """Whether the split kernel can walk one query row without ``tl.dot`` (``_attend_int8_row``): an int8
-    cache, one q head per kv head, no score modification. ``launch`` takes that walk there when a request is
-    walked in one split and ``fills_with_rows`` (the module's docstring: where it is faster)."""
+    cache, one q head per kv head, no score modification."""
     return kv_layer.dtype == torch.int8 and group == 1 and (mods is None or not mods.any)
 
 
-def fills_with_rows(batch: int, kv_heads: int, sms: int | None) -> bool:
-    """Whether the (request, kv head) programs number ``ROWWISE_PROGRAMS_PER_SM`` per SM or more of a GPU with
-    ``sms`` SMs (always with None, the CPU interpreter, whose tests then walk rows wherever the walk applies)."""
-    return sms is None or batch * kv_heads >= ROWWISE_PROGRAMS_PER_SM * sms
+def default_rowwise(kv_layer: torch.Tensor, batch: int, group: int, mods: ScoreMods | None, splits: int,
+                    sms: int | None) -> bool:
+    """``launch``'s walk when not told: rowwise where it applies, a request is walked in one split, and the
+    (request, kv head) programs number ``ROWWISE_PROGRAMS_PER_SM`` per SM of a GPU with ``sms`` SMs or more
+    (the module's docstring: where it is faster). With ``sms`` None (the CPU interpreter) wherever it applies
+    in one split, so that the tests cover it."""
+    kv_heads = kv_layer.shape[1] // 2
+    fills = sms is None or batch * kv_heads >= ROWWISE_PROGRAMS_PER_SM * sms
+    return rowwise_applies(kv_layer, group, mods) and splits == 1 and fills
 
 
 def cuda_launch(kv_layer: torch.Tensor) -> tuple[int, int, int]:
@@ -303,17 +307,15 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
            num_warps: int, num_stages: int, shared=None, shared_launch: tuple[int, int, int, int] | None = None,
            mods: ScoreMods | None = None, kv_scales=None, rowwise: bool | None = None) -> None:
     """The stages with explicit launch parameters (``decode_attention`` picks them; benchmarks sweep them).
-    ``rowwise``: the split kernel's walk without ``tl.dot`` (None: where ``rowwise_applies``, in one split, and
-    ``fills_with_rows``; True only where it applies)."""
+    ``rowwise``: the split kernel's walk without ``tl.dot`` (None: ``default_rowwise``; True only where it
+    applies)."""
     batch, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     group = q_heads // kv_heads
-    applies = rowwise_applies(kv_layer, group, mods)
-    if rowwise and not applies:
+    if rowwise and not rowwise_applies(kv_layer, group, mods):
         raise ValueError("the rowwise walk takes an int8 cache without GQA and without score modifications")
     if rowwise is None:
-        sms = device_sms(q.device) if q.is_cuda else None
-        rowwise = applies and splits == 1 and fills_with_rows(batch, kv_heads, sms)
+        rowwise = default_rowwise(kv_layer, batch, group, mods, splits, device_sms(q.device) if q.is_cuda else None)
     params = shared_launch or shared_prefix.default_launch(q.device, head_dim, q.dtype)
     prefix_splits = 0 if shared is None else shared_prefix.default_splits(batch, kv_heads, group, q.device, params[0])
     total = splits + prefix_splits

@@ -279,14 +279,19 @@ def test_int8_decode_walks_rows_without_dots_as_the_reference(device, rowwise, s
 
 
 def test_the_rowwise_walk_takes_large_batches_only_on_a_gpu():
-    """From ROWWISE_PROGRAMS_PER_SM (request, kv head) programs an SM: one H200 (132 SMs) measured it slower at 16
-    requests of 32 heads and faster from 64; the interpreter always (its tests cover the walk)."""
-    from kernels.decode_attention import fills_with_rows
+    """From ROWWISE_PROGRAMS_PER_SM (request, kv head) programs an SM, in one split: one H200 (132 SMs) measured it
+    slower at 16 requests of 32 heads and faster from 64; the interpreter always (its tests cover the walk)."""
+    from kernels.decode_attention import default_rowwise
 
-    assert fills_with_rows(64, 32, 132)
-    assert not fills_with_rows(16, 32, 132)
-    assert not fills_with_rows(61, 32, 132)
-    assert fills_with_rows(1, 32, None)
+    int8 = torch.zeros((1, 64, 8), dtype=torch.int8)          # 32 kv heads
+    assert default_rowwise(int8, 64, 1, None, 1, 132)
+    assert not default_rowwise(int8, 16, 1, None, 1, 132)
+    assert not default_rowwise(int8, 61, 1, None, 1, 132)
+    assert not default_rowwise(int8, 512, 1, None, 2, 132)    # split keys: the dot walk
+    assert default_rowwise(int8, 1, 1, None, 1, None)
+    assert not default_rowwise(int8, 1, 1, None, 2, None)
+    assert not default_rowwise(int8, 512, 4, None, 1, 132)    # GQA
+    assert not default_rowwise(int8.to(torch.float32).to(torch.float8_e4m3fn), 512, 1, None, 1, 132)
 
 
 def test_the_rowwise_walk_takes_int8_without_gqa_or_score_mods_only(device):
@@ -304,3 +309,22 @@ def test_the_rowwise_walk_takes_int8_without_gqa_or_score_mods_only(device):
     with pytest.raises(ValueError, match="int8 cache without GQA"):
         launch(gqa_q, gqa, gqa_table, gqa_rows, gqa_len, scale, torch.empty_like(gqa_q), 1, 32, 2, 1,
                kv_scales=gqa_scales, rowwise=True)
+
+
+def test_decode_attention_asks_default_rowwise_when_not_told(device, monkeypatch):
+    """``launch`` without ``rowwise`` takes ``default_rowwise``'s answer for its batch and splits (int8, no GQA)."""
+    from kernels import decode_attention as module
+
+    asked = []
+
+    def recording(kv_layer, batch, group, mods, splits, sms):
+        asked.append((batch, group, splits, sms))
+        return True
+
+    monkeypatch.setattr(module, "default_rowwise", recording)
+    q, data, table, rows, seq_len, scale, scales = decode_case([5, 40], 4, 4, 32, torch.int8, device)
+    out = decode_attention(q, data, table, rows, seq_len, scale, num_splits=1, kv_scales=scales)
+    sms = module.device_sms(q.device) if q.is_cuda else None
+    assert asked == [(2, 1, 1, sms)]
+    torch.testing.assert_close(out, decode_attention_ref(q, data, table, rows, seq_len, scale, kv_scales=scales),
+                               atol=TOL[0], rtol=TOL[1])
