@@ -97,20 +97,22 @@ def sweep(batch: int, seq_len: int, args) -> dict:
     kv_layer, kv_scales = quantize_cache(kv_layer, args.kv_cache_dtype)
     inputs = (q, kv_layer, *rest)
     out = torch.empty_like(q)
-    default_splits = default_num_splits(batch, args.kv_heads, out.device)
+    *default, tail_n = cuda_launch(kv_layer, default_num_splits(batch, args.kv_heads, out.device))
+    default = tuple(default)                      # decode_attention's launch on CUDA (and its tail blocks)
     reference = decode_attention(*inputs, kv_scales=kv_scales)
-    results = {}                                  # (splits, block_n, warps, stages) -> us
-    for params in itertools.product(sorted({1, 2, 4, 8, 16, 32, default_splits}), (16, 32, 64, 128), (1, 2, 4),
+    results = {}                                  # (splits, block_n, warps, stages) -> us, tail blocks as long
+    for params in itertools.product(sorted({1, 2, 4, 8, 16, 32, default[0]}), (16, 32, 64, 128), (1, 2, 4),
                                     (1, 2)):
         try:
             results[params] = time_us(lambda: launch(*inputs, out, *params, kv_scales=kv_scales))
         except triton.runtime.errors.OutOfResources as e:      # e.g. too much shared memory for this tile
             print(f"  skipped {params}: {e}", flush=True)
-    default = (default_splits, *cuda_launch(kv_layer))      # decode_attention's launch on CUDA
+    default_us = time_us(lambda: launch(*inputs, out, *default, kv_scales=kv_scales, tail_n=tail_n))
     best = min(results, key=results.get)
     launch(*inputs, out, *best, kv_scales=kv_scales)
     name = "s{} n{} w{} st{}".format
-    return {"batch": batch, "seq_len": seq_len, "default": name(*default), "default_us": round(results[default], 2),
+    return {"batch": batch, "seq_len": seq_len, "default": name(*default) + f" tail {tail_n}",
+            "default_us": round(default_us, 2),
             "best": name(*best), "best_us": round(results[best], 2),
             "best_max_abs_diff": float((out.float() - reference.float()).abs().max()),
             "top5": [(name(*k), round(results[k], 2)) for k in sorted(results, key=results.get)[:5]]}

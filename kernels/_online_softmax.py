@@ -128,7 +128,7 @@ def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride
                  BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, q_pos, window, softcap_log2,
                  alibi_log2, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, k_scale_base=None,
                  v_scale_base=None, stride_scale_slot=0, KV_SCALES: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
-                 WIDE_SLOTS: tl.constexpr = True):
+                 WIDE_SLOTS: tl.constexpr = True, TAIL_N: tl.constexpr = 0):
     """``attend_block`` over the key positions [start, end), every one visible to every query row:
     the full blocks without a mask, then the partial block left at the end (if any) with the bounds mask
     (WINDOW: every block with the window mask; ``q_pos`` [rows] is read only by ALIBI and WINDOW).
@@ -140,7 +140,10 @@ def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride
     two machines; ``bench.prefill_attention_bench``'s sweep times both). Over 4 warps a stripped-down copy
     of the walk ran at half the speed with it.
     The decode and shared-prefix kernels, bound by memory, were not timed with it and keep loading each
-    block's slots in the block."""
+    block's slots in the block.
+
+    TAIL_N (0: BLOCK_N): the keys after the last full block are walked in bounded blocks of TAIL_N, a smaller
+    block than BLOCK_N (the decode kernel's int8 launch: see ``kernels.decode_attention.TAIL_N``)."""
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     slots = 0
@@ -176,11 +179,47 @@ def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride
                                          given_slots=slots, GIVEN=PREFETCH, WIDE_SLOTS=WIDE_SLOTS)
             if PREFETCH:
                 slots = ahead
-    if full_end < end:
-        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, full_end, end, q_pos, table_row, k_base, v_base,
-                                     stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=False, BOUNDED=True,
-                                     window=window, softcap_log2=softcap_log2, alibi_log2=alibi_log2,
-                                     WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI, k_scale_base=k_scale_base,
-                                     v_scale_base=v_scale_base, stride_scale_slot=stride_scale_slot,
-                                     KV_SCALES=KV_SCALES, WIDE_SLOTS=WIDE_SLOTS)
+    if TAIL_N == 0 or TAIL_N >= BLOCK_N:
+        if full_end < end:
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, full_end, end, q_pos, table_row, k_base, v_base,
+                                         stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=False,
+                                         BOUNDED=True, window=window, softcap_log2=softcap_log2,
+                                         alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                                         k_scale_base=k_scale_base, v_scale_base=v_scale_base,
+                                         stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES,
+                                         WIDE_SLOTS=WIDE_SLOTS)
+    else:
+        m_i, l_i, acc = _attend_tail(q, m_i, l_i, acc, full_end, end, q_pos, table_row, k_base, v_base,
+                                     stride_kv_slot, d_mask, scale_log2, TAIL_N, UPCAST, WHILE_LOOP, window,
+                                     softcap_log2, alibi_log2, WINDOW, SOFTCAP, ALIBI, k_scale_base, v_scale_base,
+                                     stride_scale_slot, KV_SCALES, WIDE_SLOTS)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_tail(q, m_i, l_i, acc, start, end, q_pos, table_row, k_base, v_base, stride_kv_slot, d_mask, scale_log2,
+                 TAIL_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, window, softcap_log2,
+                 alibi_log2, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, k_scale_base,
+                 v_scale_base, stride_scale_slot, KV_SCALES: tl.constexpr, WIDE_SLOTS: tl.constexpr):
+    """``attend_range``'s keys [start, end) after its full blocks, in bounded blocks of TAIL_N (not pipelined)."""
+    if WHILE_LOOP:
+        start_n = start
+        while start_n < end:
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
+                                         stride_kv_slot, d_mask, scale_log2, TAIL_N, UPCAST, CAUSAL=False,
+                                         BOUNDED=True, window=window, softcap_log2=softcap_log2,
+                                         alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                                         k_scale_base=k_scale_base, v_scale_base=v_scale_base,
+                                         stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES,
+                                         WIDE_SLOTS=WIDE_SLOTS)
+            start_n += TAIL_N
+    else:
+        for start_n in tl.range(start, end, TAIL_N, num_stages=1):
+            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
+                                         stride_kv_slot, d_mask, scale_log2, TAIL_N, UPCAST, CAUSAL=False,
+                                         BOUNDED=True, window=window, softcap_log2=softcap_log2,
+                                         alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                                         k_scale_base=k_scale_base, v_scale_base=v_scale_base,
+                                         stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES,
+                                         WIDE_SLOTS=WIDE_SLOTS)
     return m_i, l_i, acc

@@ -23,6 +23,13 @@ the trees in turn; the walk then taken wherever one split walked a request): the
 times at ``ROWWISE_PROGRAMS_PER_SM`` narrowed the walk to large batches afterwards (not re-measured
 through HTTP: it only leaves small batches the dot walk, faster there).
 
+A few requests with an int8 cache take their own launch (``cuda_launch``): where ``default_num_splits``
+gives 4 to 32 splits, twice as many splits of 32-key blocks over one warp, each split's keys after its
+last full block walked in 16-key blocks (``attend_range``'s TAIL_N); elsewhere 64-key blocks with 32-key
+tails. One H200, random Llama-2-7B, batch-1 decode through HTTP (``bench.serving_bench --workloads
+batch1``, one call): 254.3 tokens/s with the tails alone, 259.2 with this launch, 263.4 with a bfloat16
+cache (98.4%).
+
 Shared prefix (cascade attention, ``kernels.shared_prefix``). With ``shared = (b_prefix_len [B],
 source [2])`` the requests whose first P positions hold the same slots attend to them in the
 shared-prefix kernel (each prefix K/V block loaded once for a tile of requests), whose
@@ -70,6 +77,20 @@ CUDA_LAUNCH_INT8 = (64, 2, 2)
 # (dot walk -> rowwise): 512 x 416 keys 920.8 -> 764.0, 256 x 512 498.9 -> 454.8, 64 x 1024 218.2 -> 207.0 (15.5
 # programs an SM), but 16 x 1024 58.7 -> 76.8 and 9 x 2048 98.6 -> 132.5 (3.9 and 2.2 an SM)
 ROWWISE_PROGRAMS_PER_SM = 15
+# an int8 cache where default_num_splits gives a request 4 to MAX_SPLITS // 2 splits (few requests: short chunks at
+# short contexts, where a 64-key block cost about 4 us more than a 32-key one): twice the splits, 32-key blocks over
+# one warp, the keys after a split's last full block walked in 16-key blocks. One H200, 32 launches replayed from a
+# CUDA graph, each reading its own layer's cache (colder than the L2), us a layer, (64, 2, 2) -> this launch (bf16's
+# cache and launch):
+#   Llama-2-7B heads, batch 1 x 128 keys 9.7 -> 7.1 (5.7), x 384 10.7 -> 7.4 (6.5), x 1024 11.0 -> 10.0 (9.3),
+#   x 4096 21.6 -> 20.3 (21.6), x 32768 114.1 -> 117.6 (135.3); batch 4 x 384 17.7 -> 13.6 (11.4);
+#   Llama-3.1-8B heads, batch 2 x 384 13.4 -> 7.8 (7.1), batch 4 x 4096 25.0 -> 21.2 (22.9), batch 8 x 384
+#   14.6 -> 10.1 (10.2)
+CUDA_LAUNCH_INT8_FEW = (32, 1, 2)
+FEW_MIN_SPLITS = 4
+# the tail block of each int8 launch; (64, 2, 2) with 32-key tails, Llama-3.1-8B heads at batch 1 (64 splits):
+# x 128 keys 10.0 -> 8.4 us, x 384 10.1 -> 8.5, x 4096 11.1 both, x 32768 35.4 -> 36.0
+TAIL_N = {CUDA_LAUNCH_INT8_FEW[0]: 16, CUDA_LAUNCH_INT8[0]: 32}
 
 
 @triton.jit
@@ -84,7 +105,7 @@ def _decode_split_kernel(
     WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
     window, softcap_log2, alibi_ptr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
-    ROWWISE: tl.constexpr = False,
+    ROWWISE: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
 ):
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
@@ -129,7 +150,7 @@ def _decode_split_kernel(
                                      scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2, alibi_log2,
                                      WINDOW=False, SOFTCAP=SOFTCAP, ALIBI=ALIBI, k_scale_base=k_scale_base,
                                      v_scale_base=k_scale_base + v_scale_offset, stride_scale_slot=stride_scale_slot,
-                                     KV_SCALES=KV_SCALES)
+                                     KV_SCALES=KV_SCALES, TAIL_N=TAIL_N)
 
     has_keys = l_i > 0
     partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -250,9 +271,14 @@ def default_rowwise(kv_layer: torch.Tensor, batch: int, group: int, mods: ScoreM
     return rowwise_applies(kv_layer, group, mods) and splits == 1 and fills
 
 
-def cuda_launch(kv_layer: torch.Tensor) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the split kernel on CUDA for this cache's dtype."""
-    return CUDA_LAUNCH_INT8 if kv_layer.dtype == torch.int8 else CUDA_LAUNCH
+def cuda_launch(kv_layer: torch.Tensor, splits: int) -> tuple[int, int, int, int, int]:
+    """(splits, BLOCK_N, num_warps, num_stages, tail BLOCK_N) of the split kernel on CUDA for this cache's dtype
+    and ``default_num_splits``' count (the module's constants say where each is faster)."""
+    if kv_layer.dtype != torch.int8:
+        return (splits, *CUDA_LAUNCH, CUDA_LAUNCH[0])
+    if FEW_MIN_SPLITS <= splits <= MAX_SPLITS // 2:
+        return (2 * splits, *CUDA_LAUNCH_INT8_FEW, TAIL_N[CUDA_LAUNCH_INT8_FEW[0]])
+    return (splits, *CUDA_LAUNCH_INT8, TAIL_N[CUDA_LAUNCH_INT8[0]])
 
 
 def _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits, kv_scales) -> None:
@@ -297,18 +323,24 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torc
         return out
     kv_heads = kv_layer.shape[1] // 2
     splits = num_splits or default_num_splits(q.shape[0], kv_heads, q.device)
-    block_n, num_warps, num_stages = cuda_launch(kv_layer) if q.is_cuda else (32, 4, 1)
+    if q.is_cuda:      # a split count the caller gives is kept; the launch is the one for that count
+        chosen, block_n, num_warps, num_stages, tail_n = cuda_launch(kv_layer, splits)
+        splits = num_splits or chosen
+    else:
+        block_n, num_warps, num_stages, tail_n = 32, 4, 1, None
     launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits, block_n, num_warps, num_stages,
-           shared=shared, mods=mods, kv_scales=kv_scales)
+           shared=shared, mods=mods, kv_scales=kv_scales, tail_n=tail_n)
     return out
 
 
 def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits: int, block_n: int,
            num_warps: int, num_stages: int, shared=None, shared_launch: tuple[int, int, int, int] | None = None,
-           mods: ScoreMods | None = None, kv_scales=None, rowwise: bool | None = None) -> None:
+           mods: ScoreMods | None = None, kv_scales=None, rowwise: bool | None = None,
+           tail_n: int | None = None) -> None:
     """The stages with explicit launch parameters (``decode_attention`` picks them; benchmarks sweep them).
     ``rowwise``: the split kernel's walk without ``tl.dot`` (None: ``default_rowwise``; True only where it
-    applies)."""
+    applies). ``tail_n``: a split's keys after its last full block walked in blocks of this many when shorter than
+    ``block_n`` (None: one bounded block of ``block_n``)."""
     batch, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     group = q_heads // kv_heads
@@ -336,6 +368,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
         BLOCK_H=1 if rowwise else max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, SHARED=shared is not None,
         **mod_args, **mod_flags, **scale_args(kv_layer, kv_scales), ROWWISE=rowwise,
+        TAIL_N=tail_n if tail_n is not None and tail_n < block_n else 0,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if shared is not None:

@@ -248,13 +248,40 @@ def test_int8_values_become_float16_integers_exactly(device):
     assert torch.equal(y, x.to(torch.float16))
 
 
-def test_decode_launch_follows_the_cache_dtype():
-    """int8 caches take their own decode launch on CUDA (longer key blocks: half the bytes a key); others bf16's."""
-    from kernels.decode_attention import CUDA_LAUNCH, CUDA_LAUNCH_INT8, cuda_launch
+def test_decode_launch_follows_the_cache_dtype_and_the_split_count():
+    """int8 caches take their own decode launches on CUDA: twice the splits in 32-key blocks where a request takes
+    4 to 32 splits, else longer key blocks (half the bytes a key), each with a shorter tail block; others bf16's."""
+    from kernels.decode_attention import CUDA_LAUNCH, CUDA_LAUNCH_INT8, CUDA_LAUNCH_INT8_FEW, MAX_SPLITS, cuda_launch
 
-    assert cuda_launch(torch.zeros(1, 2, 8, dtype=torch.int8)) == CUDA_LAUNCH_INT8 != CUDA_LAUNCH
+    int8 = torch.zeros(1, 2, 8, dtype=torch.int8)
+    assert cuda_launch(int8, 4) == (8, *CUDA_LAUNCH_INT8_FEW, 16)
+    assert cuda_launch(int8, MAX_SPLITS // 2) == (MAX_SPLITS, *CUDA_LAUNCH_INT8_FEW, 16)
+    for splits in (1, 2, MAX_SPLITS):
+        assert cuda_launch(int8, splits) == (splits, *CUDA_LAUNCH_INT8, 32)
+    assert CUDA_LAUNCH_INT8 != CUDA_LAUNCH != CUDA_LAUNCH_INT8_FEW
     for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
-        assert cuda_launch(torch.zeros(1, 2, 8, dtype=dtype)) == CUDA_LAUNCH
+        for splits in (1, 16, MAX_SPLITS):
+            assert cuda_launch(torch.zeros(1, 2, 8, dtype=dtype), splits) == (splits, *CUDA_LAUNCH, CUDA_LAUNCH[0])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_tail_blocks_give_the_reference(device, kv_dtype, group):
+    """A split's keys after its last full block walked in shorter blocks (``tail_n``, int8's CUDA launches) give
+    the reference: chunks shorter than one block, of one block and a tail longer than one tail block, and
+    requests of one key; keys outside a request's own would read NaN."""
+    from kernels.decode_attention import launch
+
+    q, data, table, rows, seq_len, scale, scales = decode_case([1, 70, 33, 129], 4 * group, 4, 32, kv_dtype,
+                                                               device)
+    ref = decode_attention_ref(q, data, table, rows, seq_len, scale, kv_scales=scales)
+    for splits, block_n, tail_n in ((1, 64, 16), (3, 64, 32), (5, 32, 16)):
+        out = torch.empty_like(q)
+        launch(q, data, table, rows, seq_len, scale, out, splits, block_n, 2, 1, kv_scales=scales, tail_n=tail_n,
+               rowwise=False)
+        assert out.isfinite().all()
+        torch.testing.assert_close(out, ref, atol=TOL[0], rtol=TOL[1],
+                                   msg=f"splits {splits}, block {block_n}, tail {tail_n}")
 
 
 @pytest.mark.parametrize("rowwise", [True, False])
