@@ -61,6 +61,7 @@ def time_us(fn, replays: int = 20, calls: int | None = None) -> float:
     """Microseconds per call of ``fn``, from a CUDA graph of ``calls`` (default LAYERS) calls."""
     calls = calls or LAYERS
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())     # the inputs are written on the current stream
     with torch.cuda.stream(stream):
         for _ in range(2):
             fn()
