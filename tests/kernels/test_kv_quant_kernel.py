@@ -266,19 +266,22 @@ def test_decode_launch_follows_the_cache_dtype_and_the_split_count():
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("group", [1, 4])
-def test_decode_tail_blocks_give_the_reference(device, kv_dtype, group):
+@pytest.mark.parametrize("with_mods", [False, True])
+def test_decode_tail_blocks_give_the_reference(device, kv_dtype, group, with_mods):
     """A split's keys after its last full block walked in shorter blocks (``tail_n``, int8's CUDA launches) give
-    the reference: chunks shorter than one block, of one block and a tail longer than one tail block, and
-    requests of one key; keys outside a request's own would read NaN."""
+    the reference, with and without a window, soft-cap and ALiBi: chunks shorter than one block, of one block and
+    a tail longer than one tail block, and requests of one key; keys outside a request's own would read NaN."""
     from kernels.decode_attention import launch
+    from kernels.score_mods import ScoreMods, alibi_slopes
 
     q, data, table, rows, seq_len, scale, scales = decode_case([1, 70, 33, 129], 4 * group, 4, 32, kv_dtype,
                                                                device)
-    ref = decode_attention_ref(q, data, table, rows, seq_len, scale, kv_scales=scales)
+    mods = ScoreMods(window=50, softcap=1.0, alibi_slopes=alibi_slopes(4 * group).to(device)) if with_mods else None
+    ref = decode_attention_ref(q, data, table, rows, seq_len, scale, mods=mods, kv_scales=scales)
     for splits, block_n, tail_n in ((1, 64, 16), (3, 64, 32), (5, 32, 16)):
         out = torch.empty_like(q)
-        launch(q, data, table, rows, seq_len, scale, out, splits, block_n, 2, 1, kv_scales=scales, tail_n=tail_n,
-               rowwise=False)
+        launch(q, data, table, rows, seq_len, scale, out, splits, block_n, 2, 1, mods=mods, kv_scales=scales,
+               tail_n=tail_n, rowwise=False)
         assert out.isfinite().all()
         torch.testing.assert_close(out, ref, atol=TOL[0], rtol=TOL[1],
                                    msg=f"splits {splits}, block {block_n}, tail {tail_n}")
