@@ -152,7 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--server-log-dir")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    args.metrics_interval, args.rate, args.duration, args.server_arg = 0.5, 8.0, 0.0, []
+    args.peak_batch, args.rate, args.duration, args.server_arg = "on", 8.0, 0.0, []
     return args
 
 

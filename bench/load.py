@@ -284,7 +284,7 @@ class LoadRun:
     results: list[RequestResult]
     start_time: float
     duration_s: float                 # first scheduled send to the last stream's end
-    batch_size_samples: list[float]   # tgi_batch_current_size polled from /metrics (empty when off)
+    peak_batch_size: float | None     # the most rows of a step during the run (/metrics; None: off or no step)
 
 
 def parse_gauge(metrics_text: str, name: str) -> float | None:
@@ -293,18 +293,31 @@ def parse_gauge(metrics_text: str, name: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-async def poll_batch_size(session: aiohttp.ClientSession, url: str, interval_s: float,
-                          samples: list[float]) -> None:
-    """Append ``tgi_batch_current_size`` every ``interval_s`` until cancelled."""
-    while True:
-        try:
-            async with session.get(url + "/metrics") as response:
-                value = parse_gauge(await response.text(), "tgi_batch_current_size")
-            if value is not None:
-                samples.append(value)
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(interval_s)
+STEP_ROWS = "tgi_batch_next_size"     # the server's histogram of rows (requests) per step, one bucket per count
+
+
+def parse_buckets(metrics_text: str, name: str) -> dict[str, float]:
+    """An unlabelled Prometheus histogram's cumulative bucket counts by their ``le`` bound ({} when absent)."""
+    pattern = rf'^{re.escape(name)}_bucket{{le="([^"]+)"}} ([0-9.eE+-]+)$'
+    return {le: float(count) for le, count in re.findall(pattern, metrics_text, re.M)}
+
+
+def peak_rows(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The most rows of a step observed between two readings of ``STEP_ROWS`` (the smallest bound that holds
+    every new step), or None when no step was observed."""
+    steps = after.get("+Inf", 0.0) - before.get("+Inf", 0.0)
+    if steps <= 0:
+        return None
+    for le in sorted((le for le in after if le != "+Inf"), key=float):
+        if after[le] - before.get(le, 0.0) >= steps:
+            return float(le)
+    return math.inf
+
+
+async def read_step_rows(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """``STEP_ROWS``' buckets now, from /metrics."""
+    async with session.get(url + "/metrics") as response:
+        return parse_buckets(await response.text(), STEP_ROWS)
 
 
 async def _scheduled(session, url, request: PromptRequest, result: RequestResult,
@@ -317,26 +330,24 @@ async def _scheduled(session, url, request: PromptRequest, result: RequestResult
 
 
 async def run_load(url: str, prompts: list[PromptRequest], rate: float = math.inf, seed: int = 0,
-                   max_concurrency: int | None = None, metrics_interval_s: float = 0.0) -> LoadRun:
-    """Send every request at its arrival time (``arrival_offsets``) and wait for all of them."""
+                   max_concurrency: int | None = None, peak_batch: bool = False) -> LoadRun:
+    """Send every request at its arrival time (``arrival_offsets``) and wait for all of them. ``peak_batch``:
+    read the server's step-size histogram before and after, for the most rows any step of the run had (exact,
+    where polling ``tgi_batch_current_size`` could miss a short run)."""
     url = url.rstrip("/")
     offsets = arrival_offsets(len(prompts), rate, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    samples: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S),
                                      read_bufsize=2**20) as session:
-        poller = asyncio.create_task(poll_batch_size(session, url, metrics_interval_s, samples)) \
-            if metrics_interval_s > 0 else None
+        before = await read_step_rows(session, url) if peak_batch else {}
         start = time.perf_counter()
         results = [RequestResult(i, p.prompt_len, p.max_new_tokens, scheduled_time=start + offset)
                    for i, (p, offset) in enumerate(zip(prompts, offsets))]
         await asyncio.gather(*(_scheduled(session, url, p, r, limit) for p, r in zip(prompts, results)))
         duration = time.perf_counter() - start
-        if poller:
-            poller.cancel()
-            await asyncio.gather(poller, return_exceptions=True)
-    return LoadRun(results, start, duration, samples)
+        peak = peak_rows(before, await read_step_rows(session, url)) if peak_batch else None
+    return LoadRun(results, start, duration, peak)
 
 
 # ---- statistics (pure) --------------------------------------------------------------------
@@ -396,9 +407,7 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
 
 def summarize_run(run: LoadRun) -> dict:
     summary = summarize(run.results, run.duration_s)
-    samples = run.batch_size_samples
-    summary["peak_batch_size"] = max(samples) if samples else None
-    summary["batch_size_samples"] = len(samples)
+    summary["peak_batch_size"] = run.peak_batch_size
     return summary
 
 
@@ -412,7 +421,7 @@ def format_summary(title: str, s: dict) -> str:
             ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
             ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}")]
     if s.get("peak_batch_size") is not None:
-        rows.append(("Peak running batch (/metrics)", f"{s['peak_batch_size']:.0f}"))
+        rows.append(("Peak rows in a step (/metrics)", f"{s['peak_batch_size']:.0f}"))
     for label, key in [("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E latency", "e2e_latency_s")]:
         rows += [(f"{stat.capitalize()} {label} (ms)", f"{s[key][stat] * 1000:.2f}") for stat in ("mean", "p50", "p99")]
     lines = [f"{' ' + title + ' ':=^56}", *(f"{label:<40}{value:>16}" for label, value in rows), "=" * 56]
@@ -449,9 +458,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "requests/s")
     parser.add_argument("--seed", type=int, default=0, help="seed of lengths, prompt words and arrival times")
     parser.add_argument("--max-concurrency", type=int, help="most requests in flight (later arrivals wait)")
-    parser.add_argument("--metrics-interval", type=float, default=0.0,
-                        help="poll /metrics' tgi_batch_current_size every this many seconds and report the peak "
-                             "(0: off)")
+    parser.add_argument("--peak-batch", choices=["on", "off"], default="off",
+                        help="read /metrics' step-size histogram (tgi_batch_next_size) before and after the run "
+                             "and report the most rows (requests) of any step")
     parser.add_argument("--json", help="also write the summary and per-request numbers to this file")
     return parser.parse_args(argv)
 
@@ -467,7 +476,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     prompts = build_requests(ServerTokenizer(args.url), lengths_from_args(args), args.seed)
     run = asyncio.run(run_load(args.url, prompts, args.rate, args.seed, args.max_concurrency,
-                               args.metrics_interval))
+                               args.peak_batch == "on"))
     summary = summarize_run(run)
     print(format_summary(f"{len(prompts)} requests, rate {args.rate}", summary))
     if args.json:

@@ -15,7 +15,7 @@ Starts `launcher.py --model-id DIR` on a free loopback port and drives it with
             -> TPOT p50/p99, TTFT p50
   ablation  (--ablation) prompts uniform 16-1024, max_new_tokens uniform 16-1024, all at
             once, on a fresh server per `--admission peak|reserve` -> output tokens/s and
-            the peak of /metrics' tgi_batch_current_size
+            the most rows of any step (/metrics' tgi_batch_next_size)
 
 Then it stops the server and runs the peer (bench/peer.py: transformers `generate` for
 batch1, `generate_batch` for batch) and prints ours, the peer and the ratios.
@@ -53,7 +53,7 @@ class LoadSpec:
     prompts: list[load.PromptRequest]
     rate: float = math.inf
     max_concurrency: int | None = None
-    metrics_interval_s: float = 0.0
+    peak_batch: bool = False
 
     def peer_workload(self) -> Workload:
         lengths = {p.max_new_tokens for p in self.prompts}
@@ -90,7 +90,7 @@ def stop_server(server, args: argparse.Namespace) -> None:
 
 def run_spec(url: str, spec: LoadSpec, seed: int) -> load.LoadRun:
     return asyncio.run(load.run_load(url, spec.prompts, spec.rate, seed=seed, max_concurrency=spec.max_concurrency,
-                                     metrics_interval_s=spec.metrics_interval_s))
+                                     peak_batch=spec.peak_batch))
 
 
 def warm_up(url: str, tokenizer: load.ServerTokenizer) -> None:
@@ -116,11 +116,11 @@ def build_specs(args: argparse.Namespace, tokenizer: load.ServerTokenizer) -> di
                                    max_concurrency=1)
     if "batch" in args.workloads:
         specs["batch"] = LoadSpec("batch", requests_of(args.num_requests, args.prompt_len, args.output_len),
-                                  metrics_interval_s=args.metrics_interval)
+                                  peak_batch=args.peak_batch == "on")
     if "poisson" in args.workloads:
         count = max(1, round(args.rate * args.duration))
         specs["poisson"] = LoadSpec("poisson", requests_of(count, args.prompt_len, args.output_len), rate=args.rate,
-                                    metrics_interval_s=args.metrics_interval)
+                                    peak_batch=args.peak_batch == "on")
     return specs
 
 
@@ -160,7 +160,7 @@ def run_ablation(args: argparse.Namespace) -> dict:
                                               load.parse_length_range(args.ablation_output_len), args.seed)
                 prompts = load.build_requests(tokenizer, lengths, args.seed)
             warm_up(server.url, tokenizer)
-            spec = LoadSpec(f"ablation {rule}", prompts, metrics_interval_s=args.metrics_interval)
+            spec = LoadSpec(f"ablation {rule}", prompts, peak_batch=args.peak_batch == "on")
             numbers[rule] = measure(server.url, spec, args)
         finally:
             stop_server(server, args)
@@ -263,10 +263,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ablation-prompt-len", default="16-1024", help="ablation: prompt tokens")
     parser.add_argument("--ablation-output-len", default="16-1024", help="ablation: max_new_tokens")
     parser.add_argument("--seed", type=int, default=0, help="seed of lengths, prompt words and arrivals")
-    parser.add_argument("--metrics-interval", type=float, default=0.5,
-                        help="seconds between /metrics polls (peak tgi_batch_current_size); 0: off. A scrape "
-                             "renders about 2,000 samples (milliseconds of the front end's CPU): polling every "
-                             "50 ms cost the 512-request load 4-7%% of its throughput on one H100")
+    parser.add_argument("--peak-batch", choices=["on", "off"], default="on",
+                        help="the most rows (requests) of any step of each load, from /metrics' step-size "
+                             "histogram read before and after it (two scrapes, outside the timed run)")
     parser.add_argument("--max-concurrent-requests", type=int, default=1024, help="the launcher's flag")
     parser.add_argument("--server-args", default="", help="more launcher flags, one string "
                                                            "(e.g. '--max-batch-total-tokens 200000')")

@@ -44,7 +44,7 @@ def prompts(server):
 
 @pytest.fixture(scope="module")
 def runs(server, prompts):
-    all_at_once = load.run_load(server.url, prompts, metrics_interval_s=0.01)
+    all_at_once = load.run_load(server.url, prompts, peak_batch=True)
     poisson = load.run_load(server.url, prompts, rate=40.0, seed=3, max_concurrency=MAX_CONCURRENCY)
     return {"all at once": asyncio.run(all_at_once), "poisson": asyncio.run(poisson)}
 
@@ -116,11 +116,11 @@ def test_poisson_arrivals_and_max_concurrency(runs):
     assert all(r.scheduled_time == at_once.start_time for r in at_once.results)
 
 
-def test_batch_size_is_polled_from_metrics(runs):
-    samples = runs["all at once"].batch_size_samples
-    assert samples and 1 <= max(samples) <= 20
-    assert load.summarize_run(runs["all at once"])["peak_batch_size"] == max(samples)
-    assert runs["poisson"].batch_size_samples == []
+def test_the_peak_batch_comes_from_the_step_size_histogram(runs):
+    peak = runs["all at once"].peak_batch_size
+    assert peak is not None and 1 <= peak <= 20
+    assert load.summarize_run(runs["all at once"])["peak_batch_size"] == peak
+    assert runs["poisson"].peak_batch_size is None          # not asked for
 
 
 def test_failed_requests_are_counted_not_raised(server):
@@ -258,6 +258,21 @@ def test_arrival_offsets():
     assert np.mean(np.diff(offsets)) == pytest.approx(1 / 8.0, rel=0.05)
     with pytest.raises(ValueError):
         load.arrival_offsets(3, 0.0, seed=0)
+
+
+def test_peak_rows_from_two_readings_of_the_step_size_histogram():
+    def reading(counts):           # cumulative counts of the buckets le=1..4 and +Inf
+        text = "".join(f'tgi_batch_next_size_bucket{{le="{le}"}} {c}\n' for le, c in zip(["1.0", "2.0", "3.0", "4.0",
+                                                                                          "+Inf"], counts))
+        return load.parse_buckets("# HELP x\ntgi_batch_next_size_count 9.0\n" + text, "tgi_batch_next_size")
+
+    before = reading([2, 5, 5, 5, 5])             # 2 steps of one row, 3 of two
+    assert before == {"1.0": 2.0, "2.0": 5.0, "3.0": 5.0, "4.0": 5.0, "+Inf": 5.0}
+    assert load.peak_rows(before, reading([3, 6, 8, 8, 8])) == 3.0      # then steps of 1, 2, 3 and 3 rows
+    assert load.peak_rows(before, reading([2, 5, 5, 6, 6])) == 4.0
+    assert load.peak_rows(before, before) is None                        # no step in between
+    assert load.peak_rows({}, reading([0, 0, 0, 0, 2])) == math.inf      # past the largest bucket
+    assert load.parse_buckets("tgi_queue_size 1.0\n", "tgi_batch_next_size") == {}
 
 
 def test_parse_gauge():
