@@ -284,7 +284,8 @@ class LoadRun:
     results: list[RequestResult]
     start_time: float
     duration_s: float                 # first scheduled send to the last stream's end
-    peak_batch_size: float | None     # the most rows of a step during the run (/metrics; None: off or no step)
+    peak_batch_size: float | None     # the most rows of a step recorded during the run (/metrics; None: off,
+                                      # unreadable or no step)
 
 
 def parse_gauge(metrics_text: str, name: str) -> float | None:
@@ -315,9 +316,13 @@ def peak_rows(before: dict[str, float], after: dict[str, float]) -> float | None
 
 
 async def read_step_rows(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """``STEP_ROWS``' buckets now, from /metrics."""
-    async with session.get(url + "/metrics") as response:
-        return parse_buckets(await response.text(), STEP_ROWS)
+    """``STEP_ROWS``' buckets now, from /metrics ({} when it cannot be read: the peak is then None, and the
+    requests' own failures say what was wrong)."""
+    try:
+        async with session.get(url + "/metrics") as response:
+            return parse_buckets(await response.text(), STEP_ROWS) if response.status == 200 else {}
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return {}
 
 
 async def _scheduled(session, url, request: PromptRequest, result: RequestResult,

@@ -143,7 +143,7 @@ def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride
     block's slots in the block.
 
     TAIL_N (0: BLOCK_N): the keys after the last full block are walked in bounded blocks of TAIL_N, a smaller
-    block than BLOCK_N (the decode kernel's int8 launch: see ``kernels.decode_attention.TAIL_N``)."""
+    block than BLOCK_N (the decode kernel's int8 launches: ``kernels.decode_attention.cuda_launch``)."""
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     slots = 0

@@ -88,9 +88,10 @@ ROWWISE_PROGRAMS_PER_SM = 15
 #   14.6 -> 10.1 (10.2)
 CUDA_LAUNCH_INT8_FEW = (32, 1, 2)
 FEW_MIN_SPLITS = 4
-# the tail block of each int8 launch; (64, 2, 2) with 32-key tails, Llama-3.1-8B heads at batch 1 (64 splits):
+TAIL_N_INT8_FEW = 16
+# (64, 2, 2)'s tail block with an int8 cache; Llama-3.1-8B heads at batch 1 (64 splits), without -> with it:
 # x 128 keys 10.0 -> 8.4 us, x 384 10.1 -> 8.5, x 4096 11.1 both, x 32768 35.4 -> 36.0
-TAIL_N = {CUDA_LAUNCH_INT8_FEW[0]: 16, CUDA_LAUNCH_INT8[0]: 32}
+TAIL_N_INT8 = 32
 
 
 @triton.jit
@@ -277,8 +278,8 @@ def cuda_launch(kv_layer: torch.Tensor, splits: int) -> tuple[int, int, int, int
     if kv_layer.dtype != torch.int8:
         return (splits, *CUDA_LAUNCH, CUDA_LAUNCH[0])
     if FEW_MIN_SPLITS <= splits <= MAX_SPLITS // 2:
-        return (2 * splits, *CUDA_LAUNCH_INT8_FEW, TAIL_N[CUDA_LAUNCH_INT8_FEW[0]])
-    return (splits, *CUDA_LAUNCH_INT8, TAIL_N[CUDA_LAUNCH_INT8[0]])
+        return (2 * splits, *CUDA_LAUNCH_INT8_FEW, TAIL_N_INT8_FEW)
+    return (splits, *CUDA_LAUNCH_INT8, TAIL_N_INT8)
 
 
 def _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits, kv_scales) -> None:

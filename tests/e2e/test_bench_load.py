@@ -129,8 +129,10 @@ def test_failed_requests_are_counted_not_raised(server):
     run = asyncio.run(load.run_load(server.url, too_long))
     (result,) = run.results
     assert not result.success and "256" in result.error and result.token_times == []
-    missing = asyncio.run(load.run_load(server.url + "/no-such-route", too_long))
-    assert missing.results[0].error.startswith("HTTP 404")
+    missing = asyncio.run(load.run_load(server.url + "/no-such-route", too_long, peak_batch=True))
+    assert missing.results[0].error.startswith("HTTP 404") and missing.peak_batch_size is None
+    closed = asyncio.run(load.run_load("http://127.0.0.1:9", too_long, peak_batch=True))   # nothing listens
+    assert closed.results[0].error.startswith("ClientConnectorError") and closed.peak_batch_size is None
     summary = load.summarize_run(run)
     assert (summary["completed"], summary["failed"], summary["output_tokens"]) == (0, 1, 0)
     assert math.isnan(summary["ttft_s"]["p50"]) and "Failed requests" in load.format_summary("x", summary)
