@@ -71,7 +71,9 @@ def int4_candidates(M: int, N: int, K: int, sms: int) -> list[Int4Config]:
                 for stages in (3, 4):
                     for per_sm in (1, 2, 4):
                         split = fill_split_k(triton.cdiv(N, block_n), K, block_k, per_sm, sms)
-                        out.append(Int4Config(1, block_n, block_k, split, warps, stages))
+                        for sub_n in dict.fromkeys((block_n, 32, 64)):
+                            if sub_n <= block_n:
+                                out.append(Int4Config(1, block_n, block_k, split, warps, stages, sub_n=sub_n))
     elif M <= 16:
         for block_n in (64, 128):
             for warps in (4, 8):

@@ -17,21 +17,27 @@ wait, see ``_pdl``) and takes its eight nibbles one at a time (nibble j of every
 ``8p + j``, against x's columns ``8p + j``; no reshape of the tile, which would move it through shared
 memory):
 
-- decode, one row (``BLOCK_M = 1``): FMA products kept per word row in a ``[BLOCK_K / 8, BLOCK_N]``
-  accumulator and reduced over K once at the end. Inside one group each nibble is masked in place and read
-  as a denormal float (``_nibble_denormal``) against x scaled by the power of two that makes up for its bit
-  position: a logic op and an FMA a nibble, exact (``_row_tile``). A bfloat16 x is read as int32 pairs
-  (``X_PAIRS``), which the compiler pipelines with the weights (two-byte loads it does not);
+- decode, one row (``BLOCK_M = 1``): FMA products kept per word row in a ``[BLOCK_N / SUB_N, BLOCK_K / 8,
+  SUB_N]`` accumulator and reduced over K once at the end. Inside one group each nibble is masked in place and
+  read as a denormal float (``_nibble_denormal``) against x scaled by the power of two that makes up for its
+  bit position: a logic op and an FMA a nibble, exact (``_row_tile``). A bfloat16 x is read as int32 pairs
+  (``X_PAIRS``), which the compiler pipelines with the weights (two-byte loads it does not). The sub-tiles
+  (``Int4Config.sub_n``) are for the compiler's layout: a thread holds four adjacent words of a row (one 16-byte
+  load), so a 2-D [16, 64] tile gives each thread two word rows of four columns, and x's work (a load, a scale
+  and a sum a value) serves four columns (ncu on an H200: 5.3 instructions a nibble); [2, 16, 32] lets a thread
+  hold one word row in both sub-tiles, eight columns for each x value (``_config`` has the times);
 - several rows: eight ``tl.dot`` a tile (x padded to 16 rows for small batches; prefill in 32- or 64-row
-  tiles), each nibble turned into float32 by a mantissa trick (``_nibbles``: a mask, an or and a
-  subtraction; no int-to-float conversion);
+  tiles). A bfloat16 x with a group a tile (``BF16_NIBBLES``) multiplies bfloat16 ``128 + q``
+  (``_offset_nibbles``: on the GPU one PTX block turns two words into eight registers of nibble pairs, about one
+  instruction a nibble, no conversion; the offset joins the zero); other tiles turn each nibble into float32
+  by a mantissa trick (``_nibbles``: a mask, an or and a subtraction; no int-to-float conversion);
 - ``Int4Config.expand`` (several rows; not a default until a GPU sweep says so, ``bench.quant_gemm_bench``
   times it): one dot a tile instead of eight; each weight row reads its word (``k // 8``, eight rows to a
   word, the repeats from the cache) and shifts out its nibble, a [BLOCK_K, BLOCK_N] tile with no reshape;
 - a tile inside one group (``GROUP_PER_TILE``: no g_idx, BLOCK_K dividing the group) multiplies the raw
   values and applies the group's zero and scale to the product, ``(x @ q - sum(x) * z) * s``; other
   tiles gather each row's group and dequantize first;
-- decode splits K so that the SMs get about two programs each at one row, four at more (``_config``).
+- decode splits K so that the SMs get about two programs each (``_config``).
 
 Several splits store float32 partials that ``skinny_gemm``'s reduce kernel sums in split order (no
 atomics: bit-reproducible). ``int4_gemm_ref`` dequantizes to float32 and multiplies.
@@ -78,6 +84,7 @@ class Int4Config(NamedTuple):
     num_warps: int
     num_stages: int
     expand: bool = False   # the dot path with one [BLOCK_K, BLOCK_N] tile a step (each word read for 8 rows)
+    sub_n: int = 0         # one row: [block_n / sub_n, block_k / 8, sub_n] tiles (0: sub_n = block_n), see the module
 
 
 @triton.jit
@@ -90,6 +97,54 @@ def _nibbles(packed, J: tl.constexpr):
     half = packed >> (16 * (J // 4))
     i: tl.constexpr = J % 4
     return ((half & (15 << (4 * i))) | ((150 - 4 * i) << 23)).to(tl.float32, bitcast=True) - (1 << (23 - 4 * i))
+
+
+NIBBLE_OFFSET: tl.constexpr = tl.constexpr(128)   # bfloat16 0x4300 | q is 128 + q: the value _offset_nibbles gives
+# PTX of _offset_nibbles: two words w0, w1 ($8, $9) give eight registers ($0..$7), register j holding nibble j of w0
+# (low half) and of w1 (high half) as bfloat16 128 + q: the words' low halves paired (prmt), then the high halves,
+# each shifted by 0/4/8/12 bits and masked and or-ed with 0x4300 in one lop3 ((a & b) | c): 16 instructions
+_NIBBLE_PAIRS_PTX: tl.constexpr = tl.constexpr("""{
+.reg .b32 lo, hi, t;
+prmt.b32 lo, $8, $9, 0x5410;
+prmt.b32 hi, $8, $9, 0x7632;
+lop3.b32 $0, lo, 0x000f000f, 0x43004300, 0xea;
+shr.u32 t, lo, 4;
+lop3.b32 $1, t, 0x000f000f, 0x43004300, 0xea;
+shr.u32 t, lo, 8;
+lop3.b32 $2, t, 0x000f000f, 0x43004300, 0xea;
+shr.u32 t, lo, 12;
+lop3.b32 $3, t, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 $4, hi, 0x000f000f, 0x43004300, 0xea;
+shr.u32 t, hi, 4;
+lop3.b32 $5, t, 0x000f000f, 0x43004300, 0xea;
+shr.u32 t, hi, 8;
+lop3.b32 $6, t, 0x000f000f, 0x43004300, 0xea;
+shr.u32 t, hi, 12;
+lop3.b32 $7, t, 0x000f000f, 0x43004300, 0xea;
+}""")
+
+
+@triton.jit
+def _offset_nibbles(packed, HW_ASM: tl.constexpr):
+    """The eight nibbles of the words ``packed`` [BLOCK_K / 8, BLOCK_N] as eight bfloat16 tiles of the same shape,
+    tile j holding ``128 + q[8p + j, n]`` (exact: 8 significant bits), ready for a bfloat16 dot. On the GPU one
+    inline PTX block takes two words a time and writes each pair of values into one register, a bfloat16 pair
+    (16 instructions for 16 nibbles: ``_NIBBLE_PAIRS_PTX``); the interpreter shifts and masks the same values."""
+    if HW_ASM:
+        return tl.inline_asm_elementwise(
+            _NIBBLE_PAIRS_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [packed],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                   tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+    else:
+        return (_offset_nibble(packed, 0), _offset_nibble(packed, 1), _offset_nibble(packed, 2),
+                _offset_nibble(packed, 3), _offset_nibble(packed, 4), _offset_nibble(packed, 5),
+                _offset_nibble(packed, 6), _offset_nibble(packed, 7))
+
+
+@triton.jit
+def _offset_nibble(packed, J: tl.constexpr):
+    """128 + nibble J of the words as bfloat16 (the interpreter's int-to-bfloat16 cast keeps bits: via float32)."""
+    return (((packed >> (4 * J)) & 15) + NIBBLE_OFFSET).to(tl.float32).to(tl.bfloat16)
 
 
 @triton.jit
@@ -129,22 +184,23 @@ def _x_rows(x_rows, perm_ptr, m_mask, k, K, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
-def _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, cols, HAS_G_IDX: tl.constexpr):
-    """(q - zeros[g]) * scales[g] of rows ``k`` (a vector of weight rows), each with its own group g (float32)."""
+def _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, col_offsets, HAS_G_IDX: tl.constexpr):
+    """(q - zeros[g]) * scales[g] of rows ``k`` (a vector of weight rows), each with its own group g (float32);
+    ``col_offsets``: the tile's columns shaped as its column axis ([1, BLOCK_N], or [S, 1, SUB_N] one-row)."""
     if HAS_G_IDX:
         group = tl.load(g_idx_ptr + k, mask=k < K, other=0)
     else:
         group = tl.minimum(k, K - 1) // group_size
-    offsets = group[:, None].to(tl.int64) * N + cols[None, :]
+    offsets = group[:, None].to(tl.int64) * N + col_offsets
     return (q - tl.load(zeros_ptr + offsets).to(tl.float32)) * tl.load(scales_ptr + offsets).to(tl.float32)
 
 
 @triton.jit
-def _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, cols):
-    """The zero and scale [1, BLOCK_N] (float32) of the one group a tile lies in."""
+def _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, col_offsets):
+    """The zero and scale (float32, shaped as ``col_offsets``) of the one group a tile lies in."""
     group = k0 // group_size
-    z = tl.load(zeros_ptr + group * N + cols).to(tl.float32)[None, :]
-    s = tl.load(scales_ptr + group * N + cols).to(tl.float32)[None, :]
+    z = tl.load(zeros_ptr + group * N + col_offsets).to(tl.float32)
+    s = tl.load(scales_ptr + group * N + col_offsets).to(tl.float32)
     return z, s
 
 
@@ -171,12 +227,13 @@ def _nibble_denormal(packed, J: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(acc, x_row, perm_ptr, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
+def _row_tile(acc, x_row, perm_ptr, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, col_offsets,
               HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr):
-    """One row of x (decode at batch 1): FMA products into ``acc`` [BLOCK_K / 8, BLOCK_N], reduced over K once
-    after the loop. Inside one group: ``acc += (sum_j x_j q_j - sum_j x_j * z) * s`` per word row, with each
-    nibble taken in place as a denormal (``_nibble_denormal``: q * 2^(b - 149)) against x_j * 2^(149 - b - S):
+    """One row of x (decode at batch 1): FMA products into ``acc`` [BLOCK_N / SUB_N, BLOCK_K / 8, SUB_N] (x's
+    column [BLOCK_K / 8, 1] broadcast over the sub-tiles), reduced over K once after the loop. Inside one group:
+    ``acc += (sum_j x_j q_j - sum_j x_j * z) * s`` per word row, with each nibble taken in place as a denormal
+    (``_nibble_denormal``: q * 2^(b - 149)) against x_j * 2^(149 - b - S):
     the products are x_j q_j 2^-S exactly, so the sum rounds as the sum of x_j q_j would (powers of two commute
     with rounding while every value stays normal: |x| < 2^(S - 21), |x q| >= 2^(S - 126)), and the tile's sum
     is scaled back by 2^S once. Two operations a nibble (a logic op and an FMA) instead of four. Other tiles
@@ -191,10 +248,10 @@ def _row_tile(acc, x_row, perm_ptr, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0
             t += (x * _power_of_two(149 - _nibble_bit(j) - DENORMAL_SHIFT)) * _nibble_denormal(packed, j)
         else:
             q = _dequantized(_nibbles(packed, j), scales_ptr, zeros_ptr, g_idx_ptr, k0 + words * 8 + j, K, N,
-                             group_size, cols, HAS_G_IDX)
+                             group_size, col_offsets, HAS_G_IDX)
             t += x * q
     if GROUP_PER_TILE:
-        z, s = _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, cols)
+        z, s = _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, col_offsets)
         t = (t * _power_of_two(DENORMAL_SHIFT) - x_sum * z) * s
     return acc + t
 
@@ -202,37 +259,48 @@ def _row_tile(acc, x_row, perm_ptr, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0
 @triton.jit
 def _dot(x, w, UPCAST: tl.constexpr):
     if UPCAST:  # IEEE fp32 dots (the interpreter's half-precision dot is not exact)
-        return tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        return tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
     return tl.dot(x, w.to(x.dtype))
 
 
 @triton.jit
-def _rows_tile(acc, x_rows, perm_ptr, m_mask, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
+def _rows_tile(acc, x_rows, perm_ptr, m_mask, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
+               col_offsets,
                HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, BF16_NIBBLES: tl.constexpr,
+               HW_ASM: tl.constexpr):
     """Several rows of x: eight dots a tile, one per nibble j (x's columns 8p + j against nibble j of every
-    word), into ``acc`` [BLOCK_M, BLOCK_N]; inside one group ``(x @ q - sum(x) * z) * s`` as above."""
+    word), into ``acc`` [BLOCK_M, BLOCK_N]; inside one group ``(x @ q - sum(x) * z) * s`` as above. BF16_NIBBLES
+    (bfloat16 x, a group a tile): the dots take ``_offset_nibbles``' bfloat16 128 + q, and the offset joins the
+    zero, ``(x @ (q + 128) - sum(x) * (z + 128)) * s``; else each nibble is made float32 (``_nibbles``)."""
     words = tl.arange(0, BLOCK_K // 8)
     t = tl.zeros(acc.shape, dtype=tl.float32)
     x_sum = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+    if BF16_NIBBLES:
+        qs = _offset_nibbles(packed, HW_ASM)
     for j in tl.static_range(8):
         k = k0 + words * 8 + j
         x = _x_rows(x_rows, perm_ptr, m_mask, k, K, HAS_PERM)
-        q = _nibbles(packed, j)
+        if BF16_NIBBLES:
+            q = qs[j]
+        else:
+            q = _nibbles(packed, j)
         if GROUP_PER_TILE:
             x_sum += tl.sum(x.to(tl.float32), axis=1)[:, None]
         else:
-            q = _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, cols, HAS_G_IDX)
+            q = _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, col_offsets, HAS_G_IDX)
         t += _dot(x, q, UPCAST)
     if GROUP_PER_TILE:
-        z, s = _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, cols)
+        z, s = _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, col_offsets)
+        if BF16_NIBBLES:
+            z += NIBBLE_OFFSET
         t = (t - x_sum * z) * s
     return acc + t
 
 
 @triton.jit
 def _expanded_tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
-                   cols, HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
+                   col_offsets, HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     """Several rows of x, one dot a tile: weight row k holds its word ``k // 8`` (``_load_packed`` with EXPAND)
     and shifts out its own nibble, so the tile is [BLOCK_K, BLOCK_N] with no reshape; inside one group
@@ -241,50 +309,51 @@ def _expanded_tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr,
     q = (((packed >> ((k % 8) * 4)[:, None]) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     x = _x_rows(x_rows, perm_ptr, m_mask, k, K, HAS_PERM)
     if GROUP_PER_TILE:
-        z, s = _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, cols)
+        z, s = _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, col_offsets)
         x_sum = tl.sum(x.to(tl.float32), axis=1)[:, None]
         acc += (_dot(x, q, UPCAST) - x_sum * z) * s
     else:
-        acc += _dot(x, _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, cols, HAS_G_IDX),
+        acc += _dot(x, _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, col_offsets, HAS_G_IDX),
                     UPCAST)
     return acc
 
 
 @triton.jit
-def _load_packed(qw_ptr, k0, N, K, cols, BLOCK_K: tl.constexpr, EXPAND: tl.constexpr, EVEN_K: tl.constexpr):
+def _load_packed(qw_ptr, k0, N, K, col_offsets, BLOCK_K: tl.constexpr, EXPAND: tl.constexpr, EVEN_K: tl.constexpr):
     """The packed words of the K tile from ``k0`` (rows past K: 0): [BLOCK_K / 8, BLOCK_N], each word once; with
     EXPAND [BLOCK_K, BLOCK_N], row k holding word ``k // 8`` (the 8 rows of a word: one load from memory, the rest
     from the cache). Weights only (no kernel writes them), so the first tile may be read before the PDL wait."""
     if EXPAND:
         k = k0 + tl.arange(0, BLOCK_K)
-        packed = tl.load(qw_ptr + (k // 8)[:, None].to(tl.int64) * N + cols[None, :], mask=(k < K)[:, None],
+        packed = tl.load(qw_ptr + (k // 8)[:, None].to(tl.int64) * N + col_offsets, mask=(k < K)[:, None],
                          other=0, eviction_policy="evict_first")
     elif EVEN_K:
         words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + cols[None, :], eviction_policy="evict_first")
+        packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + col_offsets, eviction_policy="evict_first")
     else:
         words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + cols[None, :],
+        packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + col_offsets,
                          mask=(words < K // 8)[:, None], other=0, eviction_policy="evict_first")
     return packed
 
 
 @triton.jit
-def _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, cols,
+def _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, col_offsets,
           HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, EXPAND: tl.constexpr,
-          EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr):
+          EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, BF16_NIBBLES: tl.constexpr, HW_ASM: tl.constexpr):
     """``acc`` plus the product of the K tile from ``k0`` (its words ``packed``, from ``_load_packed``): the
     one-row or several-row product, or with EXPAND the one-dot tile of ``_expanded_tile``."""
     if EXPAND:  # (one return after the branches: Triton compiles the code after a constexpr if's return)
         acc = _expanded_tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
-                             group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
+                             group_size, col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
     elif BLOCK_M == 1:
         acc = _row_tile(acc, x_rows, perm_ptr, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
-                        cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_K, EVEN_K, X_PAIRS)
+                        col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_K, EVEN_K, X_PAIRS)
     else:
         acc = _rows_tile(acc, x_rows, perm_ptr, m_mask, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
-                         group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
+                         group_size, col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST,
+                         BF16_NIBBLES, HW_ASM)
     return acc
 
 
@@ -295,46 +364,49 @@ def _int4_gemm_kernel(
     HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, EXPAND: tl.constexpr,
-    NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, EXPAND: tl.constexpr, BF16_NIBBLES: tl.constexpr,
+    HW_ASM: tl.constexpr, SUB_N: tl.constexpr, NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    cols = offs_n % N                 # past-the-end columns re-read valid ones (no N mask on the weight loads)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    if BLOCK_M == 1:  # one row: its pointer, and products kept per word row until the end
+    # past-the-end columns re-read valid ones (no N mask on the weight loads)
+    if BLOCK_M == 1:  # one row: its pointer, products kept per word row until the end, sub-tiles of SUB_N columns
         x_rows = x_ptr + pid_m.to(tl.int64) * stride_xm
-        acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+        sub = tl.arange(0, BLOCK_N // SUB_N)[:, None] * SUB_N + tl.arange(0, SUB_N)[None, :]
+        col_offsets = ((pid_n * BLOCK_N + sub) % N)[:, None, :]
+        acc = tl.zeros([BLOCK_N // SUB_N, BLOCK_K // 8, SUB_N], dtype=tl.float32)
     else:
         x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        col_offsets = (offs_n % N)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # The first tile's words are read before waiting for the previous kernel (weights are never written), so with
     # PDL their load overlaps that kernel's tail; every split has at least one tile (split_layout).
-    packed = _load_packed(qw_ptr, k_begin, N, K, cols, BLOCK_K, EXPAND, EVEN_K)
+    packed = _load_packed(qw_ptr, k_begin, N, K, col_offsets, BLOCK_K, EXPAND, EVEN_K)
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
     acc = _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k_begin, N, K,
-                group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST, EXPAND, EVEN_K,
-                X_PAIRS)
+                group_size, col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST, EXPAND,
+                EVEN_K, X_PAIRS, BF16_NIBBLES, HW_ASM)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
         k0 = k_begin + BLOCK_K
         while k0 < k_end:
-            packed = _load_packed(qw_ptr, k0, N, K, cols, BLOCK_K, EXPAND, EVEN_K)
+            packed = _load_packed(qw_ptr, k0, N, K, col_offsets, BLOCK_K, EXPAND, EVEN_K)
             acc = _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
-                        group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST, EXPAND, EVEN_K,
-                X_PAIRS)
+                        group_size, col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST,
+                        EXPAND, EVEN_K, X_PAIRS, BF16_NIBBLES, HW_ASM)
             k0 += BLOCK_K
     else:           # pipelined weight loads on the GPU
         for k0 in tl.range(k_begin + BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            packed = _load_packed(qw_ptr, k0, N, K, cols, BLOCK_K, EXPAND, EVEN_K)
+            packed = _load_packed(qw_ptr, k0, N, K, col_offsets, BLOCK_K, EXPAND, EVEN_K)
             acc = _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
-                        group_size, cols, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST, EXPAND, EVEN_K,
-                X_PAIRS)
+                        group_size, col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST,
+                        EXPAND, EVEN_K, X_PAIRS, BF16_NIBBLES, HW_ASM)
     if BLOCK_M == 1:
-        acc = tl.sum(acc, axis=0)[None, :]
+        acc = tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])
     store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split,
                HAS_BIAS, SPLIT)
 
@@ -364,18 +436,25 @@ def fill_split_k(tiles: int, K: int, block_k: int, programs_per_sm: int, num_sms
     return split
 
 
-def _config(M: int, N: int, K: int, num_sms: int) -> Int4Config:
-    """One row: FMA on [128, 64] tiles (a group of 128 a tile), 4 warps, 3 stages, K split for about two programs
-    an SM: the best of a sweep on one H100 for every Llama-2-7B shape (bench.quant_gemm_bench: 2.02 ms of
-    linear layers a step; K tiles of 256 or 512 leave a group's fold and lose, as do 32 or 128 columns and 8
-    warps). Up to 16 rows (not tuned): 16-row dots, split for about 4 programs an SM. More rows: 32- or 64-row
-    tiles of 128 columns, K in 128s, split while the tiles leave SMs idle."""
+def _config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> Int4Config:
+    """One row: FMA on [128, 64] tiles (a group of 128 a tile) as two sub-tiles of 32 columns, 4 warps, 3 stages,
+    K split for about two programs an SM: the best of a sweep on one H100 for every Llama-2-7B shape
+    (bench.quant_gemm_bench: 2.02 ms of linear layers a step; K tiles of 256 or 512 leave a group's fold and lose,
+    as do 32 or 128 columns and 8 warps), then the sub-tiles from a sweep on one H200 (128 or 256 columns in
+    sub-tiles of 64 lost). 2-16 rows of bfloat16: 16-row dots on 128 columns, split for about two programs an SM.
+    One H200, a random GPTQ Llama-2-7B's piped decode step (bench.profile_step) at 1 / 4 / 16 rows: 2.56 / 5.54 /
+    9.27 ms before (one 2-D tile; 64 columns, four programs an SM), 2.52 / 4.59 / 6.98 ms with these. Other dtypes
+    keep the 64 columns (not measured wider; float32 dots on 128 columns need 296 KB of shared memory, past the
+    H200's 227 KB). More rows: 32- or 64-row tiles of 128 columns, K in 128s, split while the tiles leave SMs
+    idle."""
+    if M == 1:
+        return Int4Config(1, 64, 128, fill_split_k(triton.cdiv(N, 64), K, 128, 1.9, num_sms), 4, 3, sub_n=32)
     if M <= 16:
-        block_m, block_n, block_k, per_sm = (1 if M == 1 else 16), 64, 128, (1.9 if M == 1 else 4)
+        block_m, block_n, per_sm = (16, 128, 2) if dtype == torch.bfloat16 else (16, 64, 4)
     else:
-        block_m, block_n, block_k, per_sm = (32 if M <= 64 else 64), 128, 128, 1
+        block_m, block_n, per_sm = (32 if M <= 64 else 64), 128, 1
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    return Int4Config(block_m, block_n, block_k, fill_split_k(tiles, K, block_k, per_sm, num_sms), 4, 3)
+    return Int4Config(block_m, block_n, 128, fill_split_k(tiles, K, 128, per_sm, num_sms), 4, 3)
 
 
 def _check(x, weight: Int4Weight, bias) -> None:
@@ -407,9 +486,13 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = Int4Config(*config) if config is not None else _config(M, N, K, device_sms(x.device))
+    cfg = Int4Config(*config) if config is not None else _config(M, N, K, device_sms(x.device), x.dtype)
     if cfg.expand and (cfg.block_m < 16 or cfg.block_k < 16):
         raise ValueError(f"config {tuple(cfg)}: the expanded dot path takes block_m and block_k of at least 16")
+    sub_n = cfg.sub_n or cfg.block_n
+    if cfg.block_n % sub_n or (sub_n != cfg.block_n and cfg.block_m != 1):
+        raise ValueError(f"config {tuple(cfg)}: sub_n must divide block_n, and sub-tiles are the one-row path's "
+                         f"(block_m 1)")
     if cfg.block_m > 1 and not cfg.expand and cfg.block_k % 128:
         raise ValueError(f"config {tuple(cfg)}: the dot path (block_m > 1) takes block_k in multiples of 128 "
                          f"(eight dots of block_k / 8 rows, at least 16 each)")
@@ -419,16 +502,17 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
     pdl = launch_options(x)
+    group_per_tile = weight.g_idx is None and (group_size % cfg.block_k == 0 or group_size >= K)
     _int4_gemm_kernel[grid](
         x, weight.qweight, weight.scales, weight.zeros, _or(weight.g_idx, weight.qweight),
         _or(weight.perm, weight.qweight), bias_arg, partial, M, N, K, k_per_split, x.stride(0),
         partial.stride(-2), partial.stride(0) if splits > 1 else 0, group_size,
-        HAS_G_IDX=weight.g_idx is not None, HAS_PERM=weight.perm is not None,
-        GROUP_PER_TILE=weight.g_idx is None and (group_size % cfg.block_k == 0 or group_size >= K),
+        HAS_G_IDX=weight.g_idx is not None, HAS_PERM=weight.perm is not None, GROUP_PER_TILE=group_per_tile,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), EVEN_K=K % cfg.block_k == 0,
         X_PAIRS=_pairs_fit(x, K, cfg.block_k, weight),
-        EXPAND=cfg.expand, NUM_STAGES=cfg.num_stages,
+        EXPAND=cfg.expand, BF16_NIBBLES=group_per_tile and x.dtype == torch.bfloat16, HW_ASM=x.is_cuda, SUB_N=sub_n,
+        NUM_STAGES=cfg.num_stages,
         WHILE_LOOP=not x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     reduce_split_k(partial, bias, out, pdl)
@@ -473,7 +557,7 @@ def _dequantize_kernel(qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, N, K, 
     for j in tl.static_range(8):
         k = words * 8 + j
         w = _dequantized(_nibbles(packed, j), scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size,
-                         cols % N, HAS_G_IDX)
+                         (cols % N)[None, :], HAS_G_IDX)
         tl.store(out_ptr + k[:, None].to(tl.int64) * N + cols[None, :], round_to(w, out_ptr.dtype.element_ty),
                  mask=mask)
 

@@ -11,6 +11,7 @@ N, K = 40, 288         # N: a masked last column block of 16; K: 9 tiles of 32, 
 CONFIGS = {
     "fma": Int4Config(1, 16, 32, 1, 4, 1),
     "fma_split2": Int4Config(1, 16, 64, 2, 4, 1),      # tiles of 64: 3 + 2 (the last masked)
+    "fma_sub": Int4Config(1, 32, 64, 2, 4, 1, False, 16),   # two sub-tiles of 16 columns, the second block's masked
     "dot": Int4Config(16, 16, 128, 1, 4, 1),
     "dot_split3": Int4Config(16, 16, 128, 3, 4, 1),    # tiles 1 + 1 + 1
     "expand_split2": Int4Config(16, 16, 32, 2, 4, 1, True),   # one-dot tiles of 32: 5 + 4 (group 32: a tile each)
@@ -104,9 +105,24 @@ def test_default_configs_split_decode_and_tile_prefill():
     one, few = _config(1, 4096, 4096, 132), _config(8, 4096, 4096, 132)
     mid, many = _config(128, 4096, 4096, 132), _config(512, 4096, 4096, 132)
     assert one.block_m == 1 and one.split_k == 4      # 64 column blocks x 4 splits: about 2 programs an SM
-    assert few.block_m == 16
+    assert one.block_n == 64 and one.sub_n == 32
+    assert few.block_m == 16 and few.block_n == 128 and few.split_k == 8   # 32 column blocks: 256 programs
+    assert _config(8, 4096, 4096, 132, torch.float32).block_n == 64   # measured wider for bfloat16 only
     assert mid.block_m == 64 and mid.split_k == 4     # 2 x 32 tiles: split until the SMs are busy
     assert many.block_m == 64 and many.split_k == 1
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_tiles_inside_a_group_multiply_offset_bfloat16_nibbles(device, rows):
+    """The dot path on bfloat16 x with a group a tile multiplies 128 + q and folds the offset into the zero
+    (``_offset_nibbles``; on the GPU its PTX): four tiles of 128 rows, each its own group, split or not."""
+    weight, _ = make_weight(48, 512, 128, torch.bfloat16, device, seed=3)
+    x = torch.randn(rows, 512, device=device).to(torch.bfloat16)
+    bias = torch.randn(48, device=device).to(torch.bfloat16)
+    expected = (x.float() @ int4_dequantize(weight).T + bias.float())
+    for config in (Int4Config(16, 16, 128, 1, 4, 1), Int4Config(16, 32, 128, 2, 4, 1)):
+        out = int4_gemm(x, weight, bias, config=config)
+        torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=1e-2)
 
 
 def test_bad_inputs_are_clear_errors(device):
@@ -122,6 +138,10 @@ def test_bad_inputs_are_clear_errors(device):
         int4_gemm(torch.randn(2, K, device=device), weight, config=Int4Config(1, 16, 32, 1, 4, 1, True))
     with pytest.raises(ValueError, match="the dot path .* takes block_k in multiples of 128"):
         int4_gemm(torch.randn(2, K, device=device), weight, config=Int4Config(16, 16, 64, 1, 4, 1))
+    with pytest.raises(ValueError, match="sub_n must divide block_n"):
+        int4_gemm(torch.randn(1, K, device=device), weight, config=Int4Config(1, 32, 32, 1, 4, 1, False, 24))
+    with pytest.raises(ValueError, match="sub-tiles are the one-row path's"):
+        int4_gemm(torch.randn(2, K, device=device), weight, config=Int4Config(16, 32, 128, 1, 4, 1, False, 16))
 
 
 @pytest.mark.parametrize("uniform", [True, False])
