@@ -100,28 +100,22 @@ def _nibbles(packed, J: tl.constexpr):
 
 
 NIBBLE_OFFSET: tl.constexpr = tl.constexpr(128)   # bfloat16 0x4300 | q is 128 + q: the value _offset_nibbles gives
-# PTX of _offset_nibbles: two words w0, w1 ($8, $9) give eight registers ($0..$7), register j holding nibble j of w0
-# (low half) and of w1 (high half) as bfloat16 128 + q: the words' low halves paired (prmt), then the high halves,
-# each shifted by 0/4/8/12 bits and masked and or-ed with 0x4300 in one lop3 ((a & b) | c): 16 instructions
-_NIBBLE_PAIRS_PTX: tl.constexpr = tl.constexpr("""{
-.reg .b32 lo, hi, t;
-prmt.b32 lo, $8, $9, 0x5410;
-prmt.b32 hi, $8, $9, 0x7632;
-lop3.b32 $0, lo, 0x000f000f, 0x43004300, 0xea;
-shr.u32 t, lo, 4;
-lop3.b32 $1, t, 0x000f000f, 0x43004300, 0xea;
-shr.u32 t, lo, 8;
-lop3.b32 $2, t, 0x000f000f, 0x43004300, 0xea;
-shr.u32 t, lo, 12;
-lop3.b32 $3, t, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 $4, hi, 0x000f000f, 0x43004300, 0xea;
-shr.u32 t, hi, 4;
-lop3.b32 $5, t, 0x000f000f, 0x43004300, 0xea;
-shr.u32 t, hi, 8;
-lop3.b32 $6, t, 0x000f000f, 0x43004300, 0xea;
-shr.u32 t, hi, 12;
-lop3.b32 $7, t, 0x000f000f, 0x43004300, 0xea;
-}""")
+
+
+def _nibble_pairs_ptx() -> str:
+    """PTX of _offset_nibbles: two words w0, w1 ($8, $9) give eight registers ($0..$7), register j holding nibble j
+    of w0 (low half) and of w1 (high half) as bfloat16 128 + q: the words' low halves paired (prmt), then the high
+    halves, each shifted by 0/4/8/12 bits and masked and or-ed with 0x4300 in one lop3 ((a & b) | c)."""
+    lines = [".reg .b32 lo, hi, t;", "prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+    for j in range(8):
+        half = "lo" if j < 4 else "hi"
+        if j % 4:
+            lines.append(f"shr.u32 t, {half}, {4 * (j % 4)};")
+        lines.append(f"lop3.b32 ${j}, {'t' if j % 4 else half}, 0x000f000f, 0x43004300, 0xea;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_NIBBLE_PAIRS_PTX: tl.constexpr = tl.constexpr(_nibble_pairs_ptx())   # 16 instructions for 16 nibbles
 
 
 @triton.jit

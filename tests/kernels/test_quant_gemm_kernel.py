@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels.quant_gemm import (Int4Config, Int4Weight, _config, dequantized_linear, int4_dequantize,
-                                int4_dequantize_kn, int4_gemm, int4_gemm_ref)
+from kernels.quant_gemm import (_NIBBLE_PAIRS_PTX, Int4Config, Int4Weight, _config, dequantized_linear,
+                                int4_dequantize, int4_dequantize_kn, int4_gemm, int4_gemm_ref)
 from weights.quant_formats import act_order_g_idx, pack_int4
 
 TOL = {torch.float16: (2e-2, 1e-2), torch.bfloat16: (1.5e-1, 2e-2), torch.float32: (1e-4, 1e-5)}
@@ -123,6 +123,44 @@ def test_tiles_inside_a_group_multiply_offset_bfloat16_nibbles(device, rows):
     for config in (Int4Config(16, 16, 128, 1, 4, 1), Int4Config(16, 32, 128, 2, 4, 1)):
         out = int4_gemm(x, weight, bias, config=config)
         torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=1e-2)
+
+
+def _run_ptx(text: str, registers: dict[str, int]) -> dict[str, int]:
+    """The prmt (default mode) / shr.u32 / lop3.b32 lines of an inline PTX block on 32-bit unsigned values."""
+    def value(arg):
+        return int(arg, 16) if arg.startswith("0x") else int(arg) if arg.isdigit() else registers[arg]
+    for line in text.strip("{}\n").splitlines():
+        op, args = line.rstrip(";").split(" ", 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        if op == ".reg":
+            continue
+        if op == "prmt.b32":
+            pool = value(src[0]) | value(src[1]) << 32
+            selector = value(src[2])
+            assert all((selector >> (4 * i)) & 8 == 0 for i in range(4))      # no sign replication
+            registers[dst] = sum(((pool >> (8 * ((selector >> (4 * i)) & 7))) & 255) << (8 * i) for i in range(4))
+        elif op == "shr.u32":
+            registers[dst] = value(src[0]) >> value(src[1])
+        elif op == "lop3.b32":
+            a, b, c, lut = (value(x) for x in src)
+            registers[dst] = sum(((lut >> (((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1))) & 1) << i
+                                 for i in range(32))
+        else:
+            raise AssertionError(f"unexpected PTX {line!r}")
+    return registers
+
+
+def test_nibble_pair_ptx_gives_offset_bfloat16_nibbles_of_both_words():
+    """The GPU's PTX for ``_offset_nibbles``, run here line by line: register j holds nibble j of the first word
+    (low half) and of the second (high half) as bfloat16 128 + q, for random words and the extremes."""
+    g = torch.Generator().manual_seed(0)
+    words = [0, 0xFFFFFFFF, 0x76543210, 0x89ABCDEF] + torch.randint(0, 2**32, (60,), generator=g).tolist()
+    for w0, w1 in zip(words[0::2], words[1::2]):
+        out = _run_ptx(_NIBBLE_PAIRS_PTX.value, {"$8": w0, "$9": w1})
+        for j in range(8):
+            halves = torch.tensor([out[f"${j}"] & 0xFFFF, out[f"${j}"] >> 16], dtype=torch.int32)
+            got = (halves << 16).view(torch.float32).tolist()
+            assert got == [128 + ((w0 >> (4 * j)) & 15), 128 + ((w1 >> (4 * j)) & 15)], (hex(w0), hex(w1), j)
 
 
 def test_bad_inputs_are_clear_errors(device):
