@@ -24,7 +24,7 @@ memory):
   (``X_PAIRS``), which the compiler pipelines with the weights (two-byte loads it does not). The sub-tiles
   (``Int4Config.sub_n``) are for the compiler's layout: a thread holds four adjacent words of a row (one 16-byte
   load), so a 2-D [16, 64] tile gives each thread two word rows of four columns, and x's work (a load, a scale
-  and a sum a value) serves four columns (ncu on an H200: 5.3 instructions a nibble); [2, 16, 32] lets a thread
+  and a sum a value) serves four columns (on an H200: 5.6 instructions a nibble by ncu); [2, 16, 32] lets a thread
   hold one word row in both sub-tiles, eight columns for each x value (``_config`` has the times);
 - several rows: eight ``tl.dot`` a tile (x padded to 16 rows for small batches; prefill in 32- or 64-row
   tiles). A bfloat16 x with a group a tile (``BF16_NIBBLES``) multiplies bfloat16 ``128 + q``
