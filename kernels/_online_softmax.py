@@ -189,37 +189,31 @@ def attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride
                                          stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES,
                                          WIDE_SLOTS=WIDE_SLOTS)
     else:
-        m_i, l_i, acc = _attend_tail(q, m_i, l_i, acc, full_end, end, q_pos, table_row, k_base, v_base,
-                                     stride_kv_slot, d_mask, scale_log2, TAIL_N, UPCAST, WHILE_LOOP, window,
-                                     softcap_log2, alibi_log2, WINDOW, SOFTCAP, ALIBI, k_scale_base, v_scale_base,
-                                     stride_scale_slot, KV_SCALES, WIDE_SLOTS)
+        m_i, l_i, acc = attend_bounded_blocks(q, m_i, l_i, acc, full_end, end, q_pos, table_row, k_base, v_base,
+                                              stride_kv_slot, d_mask, scale_log2, TAIL_N, UPCAST, False, window,
+                                              softcap_log2, alibi_log2, WINDOW, SOFTCAP, ALIBI, k_scale_base,
+                                              v_scale_base, stride_scale_slot, KV_SCALES, WIDE_SLOTS)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _attend_tail(q, m_i, l_i, acc, start, end, q_pos, table_row, k_base, v_base, stride_kv_slot, d_mask, scale_log2,
-                 TAIL_N: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOP: tl.constexpr, window, softcap_log2,
-                 alibi_log2, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, k_scale_base,
-                 v_scale_base, stride_scale_slot, KV_SCALES: tl.constexpr, WIDE_SLOTS: tl.constexpr):
-    """``attend_range``'s keys [start, end) after its full blocks, in bounded blocks of TAIL_N (not pipelined)."""
-    if WHILE_LOOP:
-        start_n = start
-        while start_n < end:
-            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
-                                         stride_kv_slot, d_mask, scale_log2, TAIL_N, UPCAST, CAUSAL=False,
-                                         BOUNDED=True, window=window, softcap_log2=softcap_log2,
-                                         alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                                         k_scale_base=k_scale_base, v_scale_base=v_scale_base,
-                                         stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES,
-                                         WIDE_SLOTS=WIDE_SLOTS)
-            start_n += TAIL_N
-    else:
-        for start_n in tl.range(start, end, TAIL_N, num_stages=1):
-            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
-                                         stride_kv_slot, d_mask, scale_log2, TAIL_N, UPCAST, CAUSAL=False,
-                                         BOUNDED=True, window=window, softcap_log2=softcap_log2,
-                                         alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                                         k_scale_base=k_scale_base, v_scale_base=v_scale_base,
-                                         stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES,
-                                         WIDE_SLOTS=WIDE_SLOTS)
+def attend_bounded_blocks(q, m_i, l_i, acc, start, end, q_pos, table_row, k_base, v_base, stride_kv_slot, d_mask,
+                          scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, CAUSAL: tl.constexpr, window,
+                          softcap_log2, alibi_log2, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                          ALIBI: tl.constexpr, k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES: tl.constexpr,
+                          WIDE_SLOTS: tl.constexpr):
+    """``attend_block`` with the bounds mask (and the causal one with CAUSAL) over the key positions [start, end)
+    in blocks of BLOCK_N: a ``while`` loop on every device (one or two blocks: a pipelined ``for`` adds a prologue
+    and a drain around them). ``attend_range``'s keys after its full blocks (TAIL_N), the prefill kernel's
+    diagonal."""
+    start_n = start
+    while start_n < end:
+        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
+                                     stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=CAUSAL,
+                                     BOUNDED=True, window=window, softcap_log2=softcap_log2,
+                                     alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                                     k_scale_base=k_scale_base, v_scale_base=v_scale_base,
+                                     stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES,
+                                     WIDE_SLOTS=WIDE_SLOTS)
+        start_n += BLOCK_N
     return m_i, l_i, acc

@@ -21,7 +21,7 @@ A query block at positions ``[s, s + TOKENS)`` walks two key ranges, BLOCK_N pos
 1. ``[first, d)``: visible to every row, walked without the causal mask or the bounds mask
    (``_online_softmax.attend_range``; whole blocks, but where a window moves ``first``);
 2. ``[d, min(seq_len, s + TOKENS))``, the diagonal and the keys before it that did not fill a
-   block, with the causal mask (``_attend_diagonal``: one or two blocks, in a ``while`` loop).
+   block, with the causal mask (``attend_bounded_blocks``: one or two blocks, in a ``while`` loop).
    One H200, Llama-3.1-8B heads, against ``[s, ...)`` here and range 1's partial block walked
    on its own, in one run (``bench.prefill_attention_bench``, two runs each): a whole 32k-token
    prompt 481 / 477 -> 495 / 493 TFLOP/s, 100k 482 / 484 -> 489 / 490; inside a 32k-token prefill
@@ -73,7 +73,7 @@ from ._checks import (
     upcast_dots,
 )
 from ._kv_quant import KV_DTYPES, check_kv, dot_query, gather_kv_ref, scale_args, wide_slots
-from ._online_softmax import attend_block, attend_range
+from ._online_softmax import attend_block, attend_bounded_blocks, attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 from .decode_attention import _decode_merge_kernel
@@ -168,10 +168,10 @@ def _prefill_attention_kernel(
                                  False, SOFTCAP, ALIBI, k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES,
                                  PREFETCH, WIDE_SLOTS)
     if split == num_splits - 1:
-        m_i, l_i, acc = _attend_diagonal(q, m_i, l_i, acc, diag_start, key_end, q_pos, table_row, k_base,
-                                         v_base, stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST,
-                                         window, softcap_log2, alibi_log2, WINDOW, SOFTCAP, ALIBI,
-                                         k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES, WIDE_SLOTS)
+        m_i, l_i, acc = attend_bounded_blocks(q, m_i, l_i, acc, diag_start, key_end, q_pos, table_row, k_base,
+                                              v_base, stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, True,
+                                              window, softcap_log2, alibi_log2, WINDOW, SOFTCAP, ALIBI,
+                                              k_scale_base, v_scale_base, stride_scale_slot, KV_SCALES, WIDE_SLOTS)
     if SPLIT:       # a partial result for the merge kernel
         _store_split(m_i, l_i, acc, split, tokens, heads, m_mask, offs_d, d_mask, split_out_ptr, split_lse_ptr,
                      stride_split_token, stride_split_head, stride_split_split, stride_slse_token, stride_slse_head)
@@ -201,26 +201,6 @@ def _split_part(start, end, split, num_splits, BLOCK_N: tl.constexpr):
     per = tl.cdiv(tl.cdiv(end - start, num_splits), BLOCK_N) * BLOCK_N
     lo = tl.minimum(start + split * per, end)
     return lo, tl.minimum(lo + per, end)
-
-
-@triton.jit
-def _attend_diagonal(q, m_i, l_i, acc, start, end, q_pos, table_row, k_base, v_base, stride_kv_slot, d_mask,
-                     scale_log2, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, window, softcap_log2, alibi_log2,
-                     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, k_scale_base, v_scale_base,
-                     stride_scale_slot, KV_SCALES: tl.constexpr, WIDE_SLOTS: tl.constexpr):
-    """``attend_block`` with the causal and bounds masks over the key positions [start, end): a ``while`` loop on
-    every device (one or two blocks: a pipelined ``for`` adds a prologue and a drain around them)."""
-    start_n = start
-    while start_n < end:
-        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, start_n, end, q_pos, table_row, k_base, v_base,
-                                     stride_kv_slot, d_mask, scale_log2, BLOCK_N, UPCAST, CAUSAL=True,
-                                     BOUNDED=True, window=window, softcap_log2=softcap_log2,
-                                     alibi_log2=alibi_log2, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                                     k_scale_base=k_scale_base, v_scale_base=v_scale_base,
-                                     stride_scale_slot=stride_scale_slot, KV_SCALES=KV_SCALES,
-                                     WIDE_SLOTS=WIDE_SLOTS)
-        start_n += BLOCK_N
-    return m_i, l_i, acc
 
 
 @triton.jit

@@ -484,9 +484,9 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
     if cfg.expand and (cfg.block_m < 16 or cfg.block_k < 16):
         raise ValueError(f"config {tuple(cfg)}: the expanded dot path takes block_m and block_k of at least 16")
     sub_n = cfg.sub_n or cfg.block_n
-    if cfg.block_n % sub_n or (sub_n != cfg.block_n and cfg.block_m != 1):
-        raise ValueError(f"config {tuple(cfg)}: sub_n must divide block_n, and sub-tiles are the one-row path's "
-                         f"(block_m 1)")
+    if sub_n <= 0 or cfg.block_n % sub_n or (sub_n != cfg.block_n and cfg.block_m != 1):
+        raise ValueError(f"config {tuple(cfg)}: sub_n must be positive and divide block_n, and sub-tiles are the "
+                         f"one-row path's (block_m 1)")
     if cfg.block_m > 1 and not cfg.expand and cfg.block_k % 128:
         raise ValueError(f"config {tuple(cfg)}: the dot path (block_m > 1) takes block_k in multiples of 128 "
                          f"(eight dots of block_k / 8 rows, at least 16 each)")
@@ -505,7 +505,8 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
         HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), EVEN_K=K % cfg.block_k == 0,
         X_PAIRS=_pairs_fit(x, K, cfg.block_k, weight),
-        EXPAND=cfg.expand, BF16_NIBBLES=group_per_tile and x.dtype == torch.bfloat16, HW_ASM=x.is_cuda, SUB_N=sub_n,
+        EXPAND=cfg.expand, HW_ASM=x.is_cuda, SUB_N=sub_n,
+        BF16_NIBBLES=group_per_tile and x.dtype == torch.bfloat16 and cfg.block_m > 1 and not cfg.expand,
         NUM_STAGES=cfg.num_stages,
         WHILE_LOOP=not x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)

@@ -176,8 +176,9 @@ def test_bad_inputs_are_clear_errors(device):
         int4_gemm(torch.randn(2, K, device=device), weight, config=Int4Config(1, 16, 32, 1, 4, 1, True))
     with pytest.raises(ValueError, match="the dot path .* takes block_k in multiples of 128"):
         int4_gemm(torch.randn(2, K, device=device), weight, config=Int4Config(16, 16, 64, 1, 4, 1))
-    with pytest.raises(ValueError, match="sub_n must divide block_n"):
-        int4_gemm(torch.randn(1, K, device=device), weight, config=Int4Config(1, 32, 32, 1, 4, 1, False, 24))
+    for sub_n in (24, -16):
+        with pytest.raises(ValueError, match="sub_n must be positive and divide block_n"):
+            int4_gemm(torch.randn(1, K, device=device), weight, config=Int4Config(1, 32, 32, 1, 4, 1, False, sub_n))
     with pytest.raises(ValueError, match="sub-tiles are the one-row path's"):
         int4_gemm(torch.randn(2, K, device=device), weight, config=Int4Config(16, 32, 128, 1, 4, 1, False, 16))
 
