@@ -74,6 +74,10 @@ def int4_candidates(M: int, N: int, K: int, sms: int) -> list[Int4Config]:
                         for sub_n in dict.fromkeys((block_n, 32, 64)):
                             if sub_n <= block_n:
                                 out.append(Int4Config(1, block_n, block_k, split, warps, stages, sub_n=sub_n))
+        for per_sm in (1, 2, 4):   # 256 columns in loads of 4 or 8 word rows (Int4Config.rows)
+            split = max(1, round(per_sm * sms / triton.cdiv(N, 256)))
+            for rows in (4, 8):
+                out.append(Int4Config(1, 256, 128, split, 4, 3, sub_n=128, rows=rows))
     elif M <= 16:
         for block_n in (64, 128):
             for warps in (4, 8):

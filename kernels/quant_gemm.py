@@ -17,15 +17,18 @@ wait, see ``_pdl``) and takes its eight nibbles one at a time (nibble j of every
 ``8p + j``, against x's columns ``8p + j``; no reshape of the tile, which would move it through shared
 memory):
 
-- decode, one row (``BLOCK_M = 1``): FMA products kept per word row in a ``[BLOCK_N / SUB_N, BLOCK_K / 8,
-  SUB_N]`` accumulator and reduced over K once at the end. Inside one group each nibble is masked in place and
+- decode, one row (``BLOCK_M = 1``): FMA products kept per word row in a ``[BLOCK_N / SUB_N, ROWS, SUB_N]``
+  accumulator and reduced over its rows once at the end. Inside one group each nibble is masked in place and
   read as a denormal float (``_nibble_denormal``) against x scaled by the power of two that makes up for its
   bit position: a logic op and an FMA a nibble, exact (``_row_tile``). A bfloat16 x is read as int32 pairs
-  (``X_PAIRS``), which the compiler pipelines with the weights (two-byte loads it does not). The sub-tiles
-  (``Int4Config.sub_n``) are for the compiler's layout: a thread holds four adjacent words of a row (one 16-byte
-  load), so a 2-D [16, 64] tile gives each thread two word rows of four columns, and x's work (a load, a scale
-  and a sum a value) serves four columns (on an H200: 5.6 instructions a nibble by ncu); [2, 16, 32] lets a thread
-  hold one word row in both sub-tiles, eight columns for each x value (``_config`` has the times);
+  (``X_PAIRS``), which the compiler pipelines with the weights (two-byte loads it does not). The shapes steer
+  the compiler's layout (sm_90 SASS of Triton 3.6, compiled offline): the [2, 16, 32] tile of 64 columns gives a
+  thread two word rows of four columns (16-byte loads), and x's work (a load, a scale and a sum a value) serves
+  four columns: 312 instructions a loop step of 64 nibbles a thread. ``Int4Config.rows`` splits a tile's
+  ``BLOCK_K / 8`` word rows into loads of ROWS rows whose products add into the same registers; with the zero
+  and scale read in the words' full shape (eight bfloat16 a 16-byte load), a thread holds eight columns of
+  one row a load: 256 columns in four loads of 4 rows take 859 instructions a step of 256 nibbles (3.4 a
+  nibble, against 4.9). Fewer instructions are not always faster: ``_config`` has the times;
 - several rows: eight ``tl.dot`` a tile (x padded to 16 rows for small batches; prefill in 32- or 64-row
   tiles). A bfloat16 x with a group a tile (``BF16_NIBBLES``) multiplies bfloat16 ``128 + q``
   (``_offset_nibbles``: on the GPU one PTX block turns two words into eight registers of nibble pairs, about one
@@ -84,7 +87,8 @@ class Int4Config(NamedTuple):
     num_warps: int
     num_stages: int
     expand: bool = False   # the dot path with one [BLOCK_K, BLOCK_N] tile a step (each word read for 8 rows)
-    sub_n: int = 0         # one row: [block_n / sub_n, block_k / 8, sub_n] tiles (0: sub_n = block_n), see the module
+    sub_n: int = 0         # one row: [rows, block_n / sub_n, sub_n] loads (0: sub_n = block_n), see the module
+    rows: int = 0          # one row: word rows a load, block_k / (8 rows) loads a tile (0: block_k / 8, one load)
 
 
 @triton.jit
@@ -144,7 +148,7 @@ def _offset_nibble(packed, J: tl.constexpr):
 @triton.jit
 def _x_columns(x_row, perm_ptr, k0, words, j: tl.constexpr, K, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
                X_PAIRS: tl.constexpr):
-    """One row of x at weight rows ``k0 + 8 * words + j`` as a float32 column [BLOCK_K / 8, 1]. EVEN_K (every
+    """One row of x at weight rows ``k0 + 8 * words + j`` as float32 (shaped as ``words``). EVEN_K (every
     row < K) without perm: no masks, one pointer a word row and j an immediate offset; X_PAIRS (bfloat16 x,
     EVEN_K, no perm): the int32 holding columns j and j + 1 (even j), read once for both, its half shifted or
     masked into a float32 (bfloat16 is float32's upper half). Four-byte loads are pipelined with the weight
@@ -165,7 +169,7 @@ def _x_columns(x_row, perm_ptr, k0, words, j: tl.constexpr, K, HAS_PERM: tl.cons
         if HAS_PERM:
             k = tl.load(perm_ptr + k, mask=mask, other=0)
         x = tl.load(x_row + k, mask=mask, other=0.0)
-    return x.to(tl.float32)[:, None]
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -179,13 +183,14 @@ def _x_rows(x_rows, perm_ptr, m_mask, k, K, HAS_PERM: tl.constexpr):
 
 @triton.jit
 def _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, col_offsets, HAS_G_IDX: tl.constexpr):
-    """(q - zeros[g]) * scales[g] of rows ``k`` (a vector of weight rows), each with its own group g (float32);
-    ``col_offsets``: the tile's columns shaped as its column axis ([1, BLOCK_N], or [S, 1, SUB_N] one-row)."""
+    """(q - zeros[g]) * scales[g] of weight rows ``k``, each with its own group g (float32); ``k`` is shaped as the
+    tile's row axis and ``col_offsets`` as its column axis ([BLOCK_K or BLOCK_K / 8, 1] and [1, BLOCK_N], or one-row
+    [ROWS, 1, 1] and [1, C, SUB_N])."""
     if HAS_G_IDX:
         group = tl.load(g_idx_ptr + k, mask=k < K, other=0)
     else:
         group = tl.minimum(k, K - 1) // group_size
-    offsets = group[:, None].to(tl.int64) * N + col_offsets
+    offsets = group.to(tl.int64) * N + col_offsets
     return (q - tl.load(zeros_ptr + offsets).to(tl.float32)) * tl.load(scales_ptr + offsets).to(tl.float32)
 
 
@@ -221,32 +226,40 @@ def _nibble_denormal(packed, J: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(acc, x_row, perm_ptr, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, col_offsets,
-              HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
-              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr):
-    """One row of x (decode at batch 1): FMA products into ``acc`` [BLOCK_N / SUB_N, BLOCK_K / 8, SUB_N] (x's
-    column [BLOCK_K / 8, 1] broadcast over the sub-tiles), reduced over K once after the loop. Inside one group:
-    ``acc += (sum_j x_j q_j - sum_j x_j * z) * s`` per word row, with each nibble taken in place as a denormal
-    (``_nibble_denormal``: q * 2^(b - 149)) against x_j * 2^(149 - b - S):
-    the products are x_j q_j 2^-S exactly, so the sum rounds as the sum of x_j q_j would (powers of two commute
-    with rounding while every value stays normal: |x| < 2^(S - 21), |x q| >= 2^(S - 126)), and the tile's sum
-    is scaled back by 2^S once. Two operations a nibble (a logic op and an FMA) instead of four. Other tiles
-    dequantize each nibble (``_nibbles``) with its own group."""
-    words = tl.arange(0, BLOCK_K // 8)
+def _row_tile(acc, x_row, perm_ptr, packed, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
+              col_offsets, HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
+              BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr):
+    """One row of x (decode at batch 1): FMA products into ``acc`` [ROWS, C, SUB_N], reduced over its rows once
+    after the loop. The tile's word rows come in ``BLOCK_K / (8 ROWS)`` loads of ROWS rows (``packed``: the first,
+    read by the caller), each load's products added into the same ``t``, so a thread's rows of one group share its
+    fold. Inside one group: ``acc += (sum_j x_j q_j - sum_j x_j * z) * s`` per column, with each nibble taken in
+    place as a denormal (``_nibble_denormal``: q * 2^(b - 149)) against x_j * 2^(149 - b - S): the products are
+    x_j q_j 2^-S exactly, so the sum rounds as the sum of x_j q_j would (powers of two commute with rounding while
+    every value stays normal: |x| < 2^(S - 21), |x q| >= 2^(S - 126)); the fold takes the 2^S into the scale and
+    2^-S into x's sum (the same roundings). Two operations a nibble (a logic op and an FMA) instead of four. Other
+    tiles dequantize each nibble (``_nibbles``) with its own group."""
+    rows = tl.arange(0, ROWS)
     t = tl.zeros(acc.shape, dtype=tl.float32)
-    x_sum = tl.zeros([BLOCK_K // 8, 1], dtype=tl.float32)
-    for j in tl.static_range(8):
-        x = _x_columns(x_row, perm_ptr, k0, words, j, K, HAS_PERM, EVEN_K, X_PAIRS)
-        if GROUP_PER_TILE:
-            x_sum += x
-            t += (x * _power_of_two(149 - _nibble_bit(j) - DENORMAL_SHIFT)) * _nibble_denormal(packed, j)
-        else:
-            q = _dequantized(_nibbles(packed, j), scales_ptr, zeros_ptr, g_idx_ptr, k0 + words * 8 + j, K, N,
-                             group_size, col_offsets, HAS_G_IDX)
-            t += x * q
+    x_sum = tl.zeros([1, ROWS, 1], dtype=tl.float32)
+    for r in tl.static_range(BLOCK_K // (8 * ROWS)):
+        words = r * ROWS + rows
+        if r > 0:
+            packed = _load_words(qw_ptr, (k0 // 8 + words)[None, :, None], N, K, col_offsets, EVEN_K)
+        for j in tl.static_range(8):
+            x = _x_columns(x_row, perm_ptr, k0, words, j, K, HAS_PERM, EVEN_K, X_PAIRS)[None, :, None]
+            if GROUP_PER_TILE:
+                x_sum += x
+                t += (x * _power_of_two(149 - _nibble_bit(j) - DENORMAL_SHIFT)) * _nibble_denormal(packed, j)
+            else:
+                q = _dequantized(_nibbles(packed, j), scales_ptr, zeros_ptr, g_idx_ptr,
+                                 (k0 + words * 8 + j)[None, :, None], K, N, group_size, col_offsets, HAS_G_IDX)
+                t += x * q
     if GROUP_PER_TILE:
-        z, s = _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, col_offsets)
-        t = (t * _power_of_two(DENORMAL_SHIFT) - x_sum * z) * s
+        if ROWS < BLOCK_K // 8:   # several loads: the zero and scale read in the words' full shape (see _config)
+            z, s = _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, col_offsets + rows[None, :, None] * 0)
+        else:
+            z, s = _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, col_offsets)
+        t = (t - x_sum * _power_of_two(-DENORMAL_SHIFT) * z) * (s * _power_of_two(DENORMAL_SHIFT))
     return acc + t
 
 
@@ -282,7 +295,8 @@ def _rows_tile(acc, x_rows, perm_ptr, m_mask, packed, scales_ptr, zeros_ptr, g_i
         if GROUP_PER_TILE:
             x_sum += tl.sum(x.to(tl.float32), axis=1)[:, None]
         else:
-            q = _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, col_offsets, HAS_G_IDX)
+            q = _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k[:, None], K, N, group_size, col_offsets,
+                             HAS_G_IDX)
         t += _dot(x, q, UPCAST)
     if GROUP_PER_TILE:
         z, s = _group_of_tile(scales_ptr, zeros_ptr, k0, N, group_size, col_offsets)
@@ -307,43 +321,52 @@ def _expanded_tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr,
         x_sum = tl.sum(x.to(tl.float32), axis=1)[:, None]
         acc += (_dot(x, q, UPCAST) - x_sum * z) * s
     else:
-        acc += _dot(x, _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, col_offsets, HAS_G_IDX),
-                    UPCAST)
+        acc += _dot(x, _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k[:, None], K, N, group_size, col_offsets,
+                                    HAS_G_IDX), UPCAST)
     return acc
 
 
 @triton.jit
-def _load_packed(qw_ptr, k0, N, K, col_offsets, BLOCK_K: tl.constexpr, EXPAND: tl.constexpr, EVEN_K: tl.constexpr):
-    """The packed words of the K tile from ``k0`` (rows past K: 0): [BLOCK_K / 8, BLOCK_N], each word once; with
-    EXPAND [BLOCK_K, BLOCK_N], row k holding word ``k // 8`` (the 8 rows of a word: one load from memory, the rest
-    from the cache). Weights only (no kernel writes them), so the first tile may be read before the PDL wait."""
+def _load_words(qw_ptr, words, N, K, col_offsets, EVEN_K: tl.constexpr):
+    """The packed words at word rows ``words`` (shaped as the tile's row axis) and ``col_offsets`` (rows past K:
+    0). Weights only (no kernel writes them), so the first tile may be read before the PDL wait."""
+    offsets = words.to(tl.int64) * N + col_offsets
+    if EVEN_K:
+        return tl.load(qw_ptr + offsets, eviction_policy="evict_first")
+    return tl.load(qw_ptr + offsets, mask=words < K // 8, other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _load_packed(qw_ptr, k0, N, K, col_offsets, BLOCK_K: tl.constexpr, EXPAND: tl.constexpr, EVEN_K: tl.constexpr,
+                 ROWS: tl.constexpr):
+    """The K tile from ``k0``'s packed words: [BLOCK_K / 8, BLOCK_N], each word once; with EXPAND [BLOCK_K,
+    BLOCK_N], row k holding word ``k // 8`` (the 8 rows of a word: one load from memory, the rest from the cache);
+    one row (ROWS > 0): its first ROWS word rows, [ROWS, C, SUB_N] (``_row_tile`` reads the rest)."""
     if EXPAND:
         k = k0 + tl.arange(0, BLOCK_K)
         packed = tl.load(qw_ptr + (k // 8)[:, None].to(tl.int64) * N + col_offsets, mask=(k < K)[:, None],
                          other=0, eviction_policy="evict_first")
-    elif EVEN_K:
-        words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + col_offsets, eviction_policy="evict_first")
+    elif ROWS > 0:
+        packed = _load_words(qw_ptr, (k0 // 8 + tl.arange(0, ROWS))[None, :, None], N, K, col_offsets, EVEN_K)
     else:
-        words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + col_offsets,
-                         mask=(words < K // 8)[:, None], other=0, eviction_policy="evict_first")
+        packed = _load_words(qw_ptr, (k0 // 8 + tl.arange(0, BLOCK_K // 8))[:, None], N, K, col_offsets, EVEN_K)
     return packed
 
 
 @triton.jit
-def _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size, col_offsets,
-          HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
+def _tile(acc, packed, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
+          col_offsets, HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, EXPAND: tl.constexpr,
-          EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, BF16_NIBBLES: tl.constexpr, HW_ASM: tl.constexpr):
+          EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, BF16_NIBBLES: tl.constexpr, HW_ASM: tl.constexpr,
+          ROWS: tl.constexpr):
     """``acc`` plus the product of the K tile from ``k0`` (its words ``packed``, from ``_load_packed``): the
     one-row or several-row product, or with EXPAND the one-dot tile of ``_expanded_tile``."""
     if EXPAND:  # (one return after the branches: Triton compiles the code after a constexpr if's return)
         acc = _expanded_tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
                              group_size, col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST)
     elif BLOCK_M == 1:
-        acc = _row_tile(acc, x_rows, perm_ptr, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
-                        col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_K, EVEN_K, X_PAIRS)
+        acc = _row_tile(acc, x_rows, perm_ptr, packed, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
+                        group_size, col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_K, ROWS, EVEN_K, X_PAIRS)
     else:
         acc = _rows_tile(acc, x_rows, perm_ptr, m_mask, packed, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
                          group_size, col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST,
@@ -359,7 +382,8 @@ def _int4_gemm_kernel(
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, EXPAND: tl.constexpr, BF16_NIBBLES: tl.constexpr,
-    HW_ASM: tl.constexpr, SUB_N: tl.constexpr, NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    HW_ASM: tl.constexpr, SUB_N: tl.constexpr, ROWS: tl.constexpr, NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -368,37 +392,37 @@ def _int4_gemm_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     # past-the-end columns re-read valid ones (no N mask on the weight loads)
-    if BLOCK_M == 1:  # one row: its pointer, products kept per word row until the end, sub-tiles of SUB_N columns
+    if BLOCK_M == 1:  # one row: its pointer, products kept per load row until the end, sub-tiles of SUB_N columns
         x_rows = x_ptr + pid_m.to(tl.int64) * stride_xm
         sub = tl.arange(0, BLOCK_N // SUB_N)[:, None] * SUB_N + tl.arange(0, SUB_N)[None, :]
         col_offsets = ((pid_n * BLOCK_N + sub) % N)[:, None, :]
-        acc = tl.zeros([BLOCK_N // SUB_N, BLOCK_K // 8, SUB_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N // SUB_N, ROWS, SUB_N], dtype=tl.float32)
     else:
         x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
         col_offsets = (offs_n % N)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # The first tile's words are read before waiting for the previous kernel (weights are never written), so with
     # PDL their load overlaps that kernel's tail; every split has at least one tile (split_layout).
-    packed = _load_packed(qw_ptr, k_begin, N, K, col_offsets, BLOCK_K, EXPAND, EVEN_K)
+    packed = _load_packed(qw_ptr, k_begin, N, K, col_offsets, BLOCK_K, EXPAND, EVEN_K, ROWS)
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
-    acc = _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k_begin, N, K,
+    acc = _tile(acc, packed, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k_begin, N, K,
                 group_size, col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST, EXPAND,
-                EVEN_K, X_PAIRS, BF16_NIBBLES, HW_ASM)
+                EVEN_K, X_PAIRS, BF16_NIBBLES, HW_ASM, ROWS)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
         k0 = k_begin + BLOCK_K
         while k0 < k_end:
-            packed = _load_packed(qw_ptr, k0, N, K, col_offsets, BLOCK_K, EXPAND, EVEN_K)
-            acc = _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
+            packed = _load_packed(qw_ptr, k0, N, K, col_offsets, BLOCK_K, EXPAND, EVEN_K, ROWS)
+            acc = _tile(acc, packed, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
                         group_size, col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST,
-                        EXPAND, EVEN_K, X_PAIRS, BF16_NIBBLES, HW_ASM)
+                        EXPAND, EVEN_K, X_PAIRS, BF16_NIBBLES, HW_ASM, ROWS)
             k0 += BLOCK_K
     else:           # pipelined weight loads on the GPU
         for k0 in tl.range(k_begin + BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            packed = _load_packed(qw_ptr, k0, N, K, col_offsets, BLOCK_K, EXPAND, EVEN_K)
-            acc = _tile(acc, packed, x_rows, perm_ptr, m_mask, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
+            packed = _load_packed(qw_ptr, k0, N, K, col_offsets, BLOCK_K, EXPAND, EVEN_K, ROWS)
+            acc = _tile(acc, packed, x_rows, perm_ptr, m_mask, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K,
                         group_size, col_offsets, HAS_G_IDX, HAS_PERM, GROUP_PER_TILE, BLOCK_M, BLOCK_K, UPCAST,
-                        EXPAND, EVEN_K, X_PAIRS, BF16_NIBBLES, HW_ASM)
+                        EXPAND, EVEN_K, X_PAIRS, BF16_NIBBLES, HW_ASM, ROWS)
     if BLOCK_M == 1:
         acc = tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])
     store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split,
@@ -430,18 +454,28 @@ def fill_split_k(tiles: int, K: int, block_k: int, programs_per_sm: int, num_sms
     return split
 
 
-def _config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> Int4Config:
+def _config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfloat16,
+            group_per_tile: bool = True) -> Int4Config:
     """One row: FMA on [128, 64] tiles (a group of 128 a tile) as two sub-tiles of 32 columns, 4 warps, 3 stages,
     K split for about two programs an SM: the best of a sweep on one H100 for every Llama-2-7B shape
     (bench.quant_gemm_bench: 2.02 ms of linear layers a step; K tiles of 256 or 512 leave a group's fold and lose,
     as do 32 or 128 columns and 8 warps), then the sub-tiles from a sweep on one H200 (128 or 256 columns in
-    sub-tiles of 64 lost). 2-16 rows of bfloat16: 16-row dots on 128 columns, split for about two programs an SM.
+    sub-tiles of 64 lost). A bfloat16 row on a weight wide enough that 256-column blocks fill half the SMs (N >
+    16,640 on 132 SMs: Llama-2-7B's gate_up) takes 256 columns in four loads of 4 word rows a tile, split to
+    about two programs an SM: one H200, gate_up 23.85 -> 20.58 us a launch (.diag/s59 probe); the same tile lost
+    on qkv (15.4 against 14.1), o_proj (9.3 against 7.1) and down (15.2 against 14.4), whose programs are shorter.
+    Only for weights with a group a tile (``group_per_tile``): with g_idx each nibble reads its group's zero and
+    scale, and 256 columns of those loads, staged for 3 pipeline stages, outgrow the shared memory.
+    2-16 rows of bfloat16: 16-row dots on 128 columns, split for about two programs an SM.
     One H200, a random GPTQ Llama-2-7B's piped decode step (bench.profile_step) at 1 / 4 / 16 rows: 2.56 / 5.54 /
     9.27 ms before (one 2-D tile; 64 columns, four programs an SM), 2.52 / 4.59 / 6.98 ms with these. Other dtypes
     keep the 64 columns (not measured wider; float32 dots on 128 columns need 296 KB of shared memory, past the
     H200's 227 KB). More rows: 32- or 64-row tiles of 128 columns, K in 128s, split while the tiles leave SMs
     idle."""
     if M == 1:
+        wide_blocks = triton.cdiv(N, 256)
+        if dtype == torch.bfloat16 and group_per_tile and 2 * wide_blocks >= num_sms:
+            return Int4Config(1, 256, 128, max(1, round(1.9 * num_sms / wide_blocks)), 4, 3, sub_n=128, rows=4)
         return Int4Config(1, 64, 128, fill_split_k(triton.cdiv(N, 64), K, 128, 1.9, num_sms), 4, 3, sub_n=32)
     if M <= 16:
         block_m, block_n, per_sm = (16, 128, 2) if dtype == torch.bfloat16 else (16, 64, 4)
@@ -480,23 +514,31 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = Int4Config(*config) if config is not None else _config(M, N, K, device_sms(x.device), x.dtype)
+    group_size = weight.group_size if weight.g_idx is None else K
+    cfg = (Int4Config(*config) if config is not None
+           else _config(M, N, K, device_sms(x.device), x.dtype,
+                        _group_per_tile(weight, group_size, K, 128)))   # _config's tiles: 128 rows
     if cfg.expand and (cfg.block_m < 16 or cfg.block_k < 16):
         raise ValueError(f"config {tuple(cfg)}: the expanded dot path takes block_m and block_k of at least 16")
     sub_n = cfg.sub_n or cfg.block_n
     if sub_n <= 0 or cfg.block_n % sub_n or (sub_n != cfg.block_n and cfg.block_m != 1):
         raise ValueError(f"config {tuple(cfg)}: sub_n must be positive and divide block_n, and sub-tiles are the "
                          f"one-row path's (block_m 1)")
+    rows = cfg.rows or cfg.block_k // 8
+    if cfg.block_m == 1 and (rows < 1 or rows & (rows - 1) or (cfg.block_k // 8) % rows):
+        raise ValueError(f"config {tuple(cfg)}: rows must be a power of two dividing block_k / 8 (the word rows "
+                         f"of one load)")
+    if cfg.rows and cfg.block_m != 1:
+        raise ValueError(f"config {tuple(cfg)}: rows is the one-row path's (block_m 1)")
     if cfg.block_m > 1 and not cfg.expand and cfg.block_k % 128:
         raise ValueError(f"config {tuple(cfg)}: the dot path (block_m > 1) takes block_k in multiples of 128 "
                          f"(eight dots of block_k / 8 rows, at least 16 each)")
     splits, k_per_split = split_layout(K, cfg)
     partial = split_k_partials(out, splits)
-    group_size = weight.group_size if weight.g_idx is None else K
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)
     pdl = launch_options(x)
-    group_per_tile = weight.g_idx is None and (group_size % cfg.block_k == 0 or group_size >= K)
+    group_per_tile = _group_per_tile(weight, group_size, K, cfg.block_k)
     _int4_gemm_kernel[grid](
         x, weight.qweight, weight.scales, weight.zeros, _or(weight.g_idx, weight.qweight),
         _or(weight.perm, weight.qweight), bias_arg, partial, M, N, K, k_per_split, x.stride(0),
@@ -505,7 +547,7 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
         HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, UPCAST=upcast_dots(x), EVEN_K=K % cfg.block_k == 0,
         X_PAIRS=_pairs_fit(x, K, cfg.block_k, weight),
-        EXPAND=cfg.expand, HW_ASM=x.is_cuda, SUB_N=sub_n,
+        EXPAND=cfg.expand, HW_ASM=x.is_cuda, SUB_N=sub_n, ROWS=rows if cfg.block_m == 1 else 0,
         BF16_NIBBLES=group_per_tile and x.dtype == torch.bfloat16 and cfg.block_m > 1 and not cfg.expand,
         NUM_STAGES=cfg.num_stages,
         WHILE_LOOP=not x.is_cuda,
@@ -551,7 +593,7 @@ def _dequantize_kernel(qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, N, K, 
     packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0)
     for j in tl.static_range(8):
         k = words * 8 + j
-        w = _dequantized(_nibbles(packed, j), scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size,
+        w = _dequantized(_nibbles(packed, j), scales_ptr, zeros_ptr, g_idx_ptr, k[:, None], K, N, group_size,
                          (cols % N)[None, :], HAS_G_IDX)
         tl.store(out_ptr + k[:, None].to(tl.int64) * N + cols[None, :], round_to(w, out_ptr.dtype.element_ty),
                  mask=mask)
@@ -567,6 +609,12 @@ def int4_dequantize_kn(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
         weight.qweight, weight.scales, weight.zeros, _or(weight.g_idx, weight.qweight), out, n, k, group_size,
         HAS_G_IDX=weight.g_idx is not None, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4)
     return out
+
+
+def _group_per_tile(weight: Int4Weight, group_size: int, K: int, block_k: int) -> bool:
+    """Whether every K tile of ``block_k`` rows lies inside one group (no g_idx; the group a multiple of the tile,
+    or all of K): the tiles that fold the group's zero and scale once (``GROUP_PER_TILE``)."""
+    return weight.g_idx is None and (group_size % block_k == 0 or group_size >= K)
 
 
 def _pairs_fit(x: torch.Tensor, K: int, block_k: int, weight: Int4Weight) -> bool:

@@ -12,6 +12,7 @@ CONFIGS = {
     "fma": Int4Config(1, 16, 32, 1, 4, 1),
     "fma_split2": Int4Config(1, 16, 64, 2, 4, 1),      # tiles of 64: 3 + 2 (the last masked)
     "fma_sub": Int4Config(1, 32, 64, 2, 4, 1, False, 16),   # two sub-tiles of 16 columns, the second block's masked
+    "fma_rows": Int4Config(1, 32, 64, 2, 4, 1, False, 16, 2),   # four loads of 2 word rows a tile, the last masked
     "dot": Int4Config(16, 16, 128, 1, 4, 1),
     "dot_split3": Int4Config(16, 16, 128, 3, 4, 1),    # tiles 1 + 1 + 1
     "expand_split2": Int4Config(16, 16, 32, 2, 4, 1, True),   # one-dot tiles of 32: 5 + 4 (group 32: a tile each)
@@ -55,16 +56,19 @@ def test_int4_gemm_matches_reference(device, dtype, rows, group, act_order, has_
     torch.testing.assert_close(out, int4_gemm_ref(x, weight, bias), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("config", [Int4Config(1, 64, 128, 2, 4, 1), Int4Config(1, 64, 128, 2, 4, 1, False, 32, 4)],
+                         ids=["one_load", "four_loads"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("magnitude", [1e-6, 1.0, 1e4])
-def test_one_row_tiles_inside_a_group_round_as_float32(device, dtype, magnitude):
+def test_one_row_tiles_inside_a_group_round_as_float32(device, dtype, magnitude, config):
     """The decode path's fast tiles (one row, a group a tile, whole K tiles: nibbles read in place as denormals
-    against x scaled by powers of two; bfloat16 x read as int32 pairs) give the float32 product of the same
-    inputs up to the output's own rounding, for tiny and large activations and exact zeros alike."""
+    against x scaled by powers of two; bfloat16 x read as int32 pairs), in one load of word rows or in four,
+    give the float32 product of the same inputs up to the output's own rounding, for tiny and large activations
+    and exact zeros alike."""
     weight, _ = make_weight(128, 512, 128, dtype, device)
     x = (torch.randn(1, 512, device=device) * magnitude).to(dtype)
     x[0, ::7] = 0
-    out = int4_gemm(x, weight, config=Int4Config(1, 64, 128, 2, 4, 1))
+    out = int4_gemm(x, weight, config=config)
     w = int4_dequantize(Int4Weight(weight.qweight, weight.scales.float(), weight.zeros.float(), None,
                                    weight.group_size))
     exact = x.double() @ w.double().T
@@ -105,7 +109,12 @@ def test_default_configs_split_decode_and_tile_prefill():
     one, few = _config(1, 4096, 4096, 132), _config(8, 4096, 4096, 132)
     mid, many = _config(128, 4096, 4096, 132), _config(512, 4096, 4096, 132)
     assert one.block_m == 1 and one.split_k == 4      # 64 column blocks x 4 splits: about 2 programs an SM
-    assert one.block_n == 64 and one.sub_n == 32
+    assert one.block_n == 64 and one.sub_n == 32 and one.rows == 0
+    wide = _config(1, 22016, 4096, 132)    # gate_up: 86 blocks of 256 columns fill half the SMs
+    assert (wide.block_n, wide.sub_n, wide.rows, wide.split_k) == (256, 128, 4, 3)
+    assert _config(1, 22016, 4096, 132, torch.float32).block_n == 64   # measured for bfloat16 only
+    # g_idx: each nibble's zero and scale loads, staged for 256 columns, need 296 KB of shared memory (sm_90)
+    assert _config(1, 22016, 4096, 132, group_per_tile=False).block_n == 64
     assert few.block_m == 16 and few.block_n == 128 and few.split_k == 8   # 32 column blocks: 256 programs
     assert _config(8, 4096, 4096, 132, torch.float32).block_n == 64   # measured wider for bfloat16 only
     assert mid.block_m == 64 and mid.split_k == 4     # 2 x 32 tiles: split until the SMs are busy
@@ -181,6 +190,11 @@ def test_bad_inputs_are_clear_errors(device):
             int4_gemm(torch.randn(1, K, device=device), weight, config=Int4Config(1, 32, 32, 1, 4, 1, False, sub_n))
     with pytest.raises(ValueError, match="sub-tiles are the one-row path's"):
         int4_gemm(torch.randn(2, K, device=device), weight, config=Int4Config(16, 32, 128, 1, 4, 1, False, 16))
+    for rows in (3, 8, -2):   # not a power of two; more than block_k / 8 = 4; negative
+        with pytest.raises(ValueError, match="rows must be a power of two dividing block_k / 8"):
+            int4_gemm(torch.randn(1, K, device=device), weight, config=Int4Config(1, 32, 32, 1, 4, 1, False, 0, rows))
+    with pytest.raises(ValueError, match="rows is the one-row path's"):
+        int4_gemm(torch.randn(2, K, device=device), weight, config=Int4Config(16, 32, 128, 1, 4, 1, False, 0, 4))
 
 
 @pytest.mark.parametrize("uniform", [True, False])
