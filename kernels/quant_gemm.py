@@ -87,7 +87,7 @@ class Int4Config(NamedTuple):
     num_warps: int
     num_stages: int
     expand: bool = False   # the dot path with one [BLOCK_K, BLOCK_N] tile a step (each word read for 8 rows)
-    sub_n: int = 0         # one row: [rows, block_n / sub_n, sub_n] loads (0: sub_n = block_n), see the module
+    sub_n: int = 0         # one row: [block_n / sub_n, rows, sub_n] loads (0: sub_n = block_n), see the module
     rows: int = 0          # one row: word rows a load, block_k / (8 rows) loads a tile (0: block_k / 8, one load)
 
 
@@ -185,7 +185,7 @@ def _x_rows(x_rows, perm_ptr, m_mask, k, K, HAS_PERM: tl.constexpr):
 def _dequantized(q, scales_ptr, zeros_ptr, g_idx_ptr, k, K, N, group_size, col_offsets, HAS_G_IDX: tl.constexpr):
     """(q - zeros[g]) * scales[g] of weight rows ``k``, each with its own group g (float32); ``k`` is shaped as the
     tile's row axis and ``col_offsets`` as its column axis ([BLOCK_K or BLOCK_K / 8, 1] and [1, BLOCK_N], or one-row
-    [ROWS, 1, 1] and [1, C, SUB_N])."""
+    [1, ROWS, 1] and [BLOCK_N / SUB_N, 1, SUB_N])."""
     if HAS_G_IDX:
         group = tl.load(g_idx_ptr + k, mask=k < K, other=0)
     else:
@@ -229,15 +229,15 @@ def _nibble_denormal(packed, J: tl.constexpr):
 def _row_tile(acc, x_row, perm_ptr, packed, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, N, K, group_size,
               col_offsets, HAS_G_IDX: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_PER_TILE: tl.constexpr,
               BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr):
-    """One row of x (decode at batch 1): FMA products into ``acc`` [ROWS, C, SUB_N], reduced over its rows once
-    after the loop. The tile's word rows come in ``BLOCK_K / (8 ROWS)`` loads of ROWS rows (``packed``: the first,
-    read by the caller), each load's products added into the same ``t``, so a thread's rows of one group share its
-    fold. Inside one group: ``acc += (sum_j x_j q_j - sum_j x_j * z) * s`` per column, with each nibble taken in
-    place as a denormal (``_nibble_denormal``: q * 2^(b - 149)) against x_j * 2^(149 - b - S): the products are
-    x_j q_j 2^-S exactly, so the sum rounds as the sum of x_j q_j would (powers of two commute with rounding while
-    every value stays normal: |x| < 2^(S - 21), |x q| >= 2^(S - 126)); the fold takes the 2^S into the scale and
-    2^-S into x's sum (the same roundings). Two operations a nibble (a logic op and an FMA) instead of four. Other
-    tiles dequantize each nibble (``_nibbles``) with its own group."""
+    """One row of x (decode at batch 1): FMA products into ``acc`` [BLOCK_N / SUB_N, ROWS, SUB_N], reduced over its
+    rows once after the loop. The tile's word rows come in ``BLOCK_K / (8 ROWS)`` loads of ROWS rows (``packed``:
+    the first, read by the caller), each load's products added into the same ``t``, so a thread's rows of one group
+    share its fold. Inside one group: ``acc += (sum_j x_j q_j - sum_j x_j * z) * s`` per column, with each nibble
+    taken in place as a denormal (``_nibble_denormal``: q * 2^(b - 149)) against x_j * 2^(149 - b - S): the products
+    are x_j q_j 2^-S exactly, so the sum rounds as the sum of x_j q_j would (powers of two commute with rounding
+    while every value stays normal: |x| < 2^(S - 21), |x q| >= 2^(S - 126)); the fold takes the 2^S into the scale
+    and 2^-S into x's sum (the same roundings). Two operations a nibble (a logic op and an FMA) instead of four.
+    Other tiles dequantize each nibble (``_nibbles``) with its own group."""
     rows = tl.arange(0, ROWS)
     t = tl.zeros(acc.shape, dtype=tl.float32)
     x_sum = tl.zeros([1, ROWS, 1], dtype=tl.float32)
@@ -341,7 +341,7 @@ def _load_packed(qw_ptr, k0, N, K, col_offsets, BLOCK_K: tl.constexpr, EXPAND: t
                  ROWS: tl.constexpr):
     """The K tile from ``k0``'s packed words: [BLOCK_K / 8, BLOCK_N], each word once; with EXPAND [BLOCK_K,
     BLOCK_N], row k holding word ``k // 8`` (the 8 rows of a word: one load from memory, the rest from the cache);
-    one row (ROWS > 0): its first ROWS word rows, [ROWS, C, SUB_N] (``_row_tile`` reads the rest)."""
+    one row (ROWS > 0): its first ROWS word rows, [BLOCK_N / SUB_N, ROWS, SUB_N] (``_row_tile`` reads the rest)."""
     if EXPAND:
         k = k0 + tl.arange(0, BLOCK_K)
         packed = tl.load(qw_ptr + (k // 8)[:, None].to(tl.int64) * N + col_offsets, mask=(k < K)[:, None],
