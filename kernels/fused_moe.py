@@ -342,6 +342,8 @@ ONE_TOKEN_TOKENS = 1         # a batch of this many tokens takes the one-token p
 # us (8 of 8 gate|up choices tried) and Qwen1.5-MoE-A2.7B's (with its shared expert) 52.04 -> 51.82; down
 # (4, 128, 3) took Qwen1.5-MoE's 52.04 -> 50.84 and Qwen3's 36.42 -> 36.33 (11 tried). Outputs bit-equal
 # (the same K order). Earlier, bench.moe_bench --routing-ab: Qwen3's block 36.8 us with (8, 256, 3) / (8, 64, 3).
+# Both sweeps ran while the gate|up launch without a shared expert loaded its weights 2 bytes at a time (the stand-in
+# stride in _fused_moe_one_token): its tile has not been swept since.
 ONE_TOKEN_TILES = (2, 512, 3)
 ONE_TOKEN_DOWN_TILES = (4, 128, 3)
 
@@ -361,8 +363,14 @@ def _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared: S
     # the shared expert, when there is one, is the gate|up launch's last pair
     shared_inter = shared.down.shape[1] if shared is not None else 0
     shared_act = torch.empty((1, shared_inter), dtype=x.dtype, device=x.device) if shared is not None else act
+    # Without a shared expert its arguments are unread stand-ins, but the row stride still enters the kernel's
+    # choice of each pair's stride: the experts' own (a multiple of 16, like theirs) keeps the compiler's proof that
+    # every row starts 16-aligned, so the weight loads stay 16-byte vectors. A stand-in of 1 (specialised as the
+    # constant 1) lost that proof, and the weights came in 2-byte loads: Qwen3-30B-A3B's launch took 20.5-22.7 us
+    # on one H200 against 15.2-15.3 with this stride (four turns each, one run; offline SASS for sm_90: LDG.U16 ->
+    # LDGSTS.128).
     gate_up_shared = (shared.gate_up, shared_act, shared_inter, shared.gate_up.stride(0)) if shared is not None \
-        else (w_gate_up, act, 0, 1)                  # unread stand-ins
+        else (w_gate_up, act, 0, w_gate_up.stride(1))
     _one_token_gate_up_kernel[(top_k + (shared is not None), triton.cdiv(max(inter, shared_inter), block_n))](
         x, w_gate_up, ids, act, inter, hidden, w_gate_up.stride(0), w_gate_up.stride(1), *gate_up_shared, top_k,
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=4, **pdl)

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import fused_moe as fused_moe_module
 from kernels.fused_moe import (ALIGN_MAX_PAIRS, SharedExpert, align_by_expert, align_by_expert_torch, fused_moe,
                                fused_moe_ref)
 from kernels.moe_route import moe_route, moe_route_ref
@@ -116,6 +117,29 @@ def test_only_the_chosen_experts_weights_are_read(device):
     out = fused_moe(x, w_gate_up, w_down, weights, ids)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, fused_moe_ref(x, w_gate_up, w_down, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_the_one_token_gate_up_launch_passes_no_stride_of_one_without_a_shared_expert(device, monkeypatch):
+    """Without a shared expert the gate|up launch's shared-expert arguments are unread, but its row stride enters
+    the kernel's choice of each pair's stride. Triton compiles an int argument equal to 1 as the constant 1, and
+    that stand-in lost the proof that every weight row starts 16-aligned: 2-byte weight loads instead of 16-byte
+    ones (one H200, Qwen3-30B-A3B's launch 20.5 -> 15.2 us with the experts' own stride there)."""
+    real, launches = fused_moe_module._one_token_gate_up_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(args)
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(fused_moe_module, "_one_token_gate_up_kernel", Recorder())
+    x, w_gate_up, w_down, weights, ids = moe_inputs(device, torch.bfloat16, 1, 8, 2)
+    out = fused_moe(x, w_gate_up, w_down, weights, ids)
+    (args,) = launches
+    stride_wn, shared_stride_wn = args[7], args[11]       # the experts' row stride; the shared expert's (unread)
+    assert shared_stride_wn == stride_wn == w_gate_up.stride(1)
+    torch.testing.assert_close(out, fused_moe_ref(x, w_gate_up, w_down, weights, ids), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,block_m", [
