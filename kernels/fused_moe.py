@@ -363,12 +363,11 @@ def _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared: S
     # the shared expert, when there is one, is the gate|up launch's last pair
     shared_inter = shared.down.shape[1] if shared is not None else 0
     shared_act = torch.empty((1, shared_inter), dtype=x.dtype, device=x.device) if shared is not None else act
-    # Without a shared expert its arguments are unread stand-ins, but the row stride still enters the kernel's
-    # choice of each pair's stride: the experts' own (a multiple of 16, like theirs) keeps the compiler's proof that
-    # every row starts 16-aligned, so the weight loads stay 16-byte vectors. A stand-in of 1 (specialised as the
-    # constant 1) lost that proof, and the weights came in 2-byte loads: Qwen3-30B-A3B's launch took 20.5-22.7 us
-    # on one H200 against 15.2-15.3 with this stride (four turns each, one run; offline SASS for sm_90: LDG.U16 ->
-    # LDGSTS.128).
+    # Without a shared expert its arguments are unread stand-ins. The kernel still picks each pair's row stride at
+    # run time from two arguments, and the compiler proves rows 16-byte aligned only when both are multiples of 16:
+    # so the stand-in is the experts' own row stride. A stand-in of 1 (Triton compiles an int 1 as the constant 1)
+    # lost that proof, and the weights came in 2-byte loads: Qwen3-30B-A3B's launch took 20.5-22.7 us on one H200
+    # against 15.2-15.3 with this stride (four turns each, one run; offline SASS for sm_90: LDG.U16 -> LDGSTS.128).
     gate_up_shared = (shared.gate_up, shared_act, shared_inter, shared.gate_up.stride(0)) if shared is not None \
         else (w_gate_up, act, 0, w_gate_up.stride(1))
     _one_token_gate_up_kernel[(top_k + (shared is not None), triton.cdiv(max(inter, shared_inter), block_n))](
