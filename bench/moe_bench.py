@@ -189,7 +189,7 @@ def moe_layer_ab(config, layers: int = 8, replays: int = 20) -> dict[str, float]
     return results
 
 
-ONE_TOKEN_SWEEP = (((8, 256, 3), (8, 128, 3)), ((4, 512, 3), (8, 64, 3)), ((4, 512, 3), (8, 256, 3)))
+ONE_TOKEN_SWEEP = (((8, 256, 3, 4), (8, 128, 3)), ((4, 512, 3, 4), (8, 64, 3)), ((4, 512, 3, 4), (8, 256, 3)))
 
 
 def main(argv=None) -> dict:

@@ -6,8 +6,8 @@ positions ``0..b_seq_len[b] - 1`` whose K/V rows are ``kv_layer[req_to_token[b_r
 Stage 1, grid (request, kv head, split): the program loads the ``Hq // Hk`` q heads that
 share its kv head (padded to 16 rows for ``tl.dot``), so each K/V row is read once, and
 walks its chunk of positions ``[split * chunk, (split + 1) * chunk)`` with
-``chunk = ceil(b_seq_len[b] / num_splits)``; it writes the normalised partial output and
-the log2-sum-exp of its chunk (``-inf`` for an empty chunk).
+``chunk = max(ceil(b_seq_len[b] / num_splits), min_chunk)``; it writes the normalised partial output and
+the log2-sum-exp of its chunk (an empty chunk only its ``-inf``).
 Stage 2, grid (request, q head): merges the splits by their log-sum-exp.
 The chunk is derived on the device from ``b_seq_len``, so no host lengths are needed and
 the launch can be captured in a CUDA graph.
@@ -51,6 +51,7 @@ import triton.language as tl
 
 from . import score_mods, shared_prefix
 from ._checks import (
+    FLOAT_DTYPES,
     check_last_dim_contiguous,
     check_shape,
     check_tensor,
@@ -73,6 +74,15 @@ CUDA_LAUNCH = (32, 2, 2)
 # heads, 547 us a layer at batch 256 x 512 keys against 704 with bf16's launch (a bf16 cache: 735), and 19.2
 # against 21.5 us at batch 1 x 4096 keys (bf16 cache: 26.8); the best of 8 launches at both shapes
 CUDA_LAUNCH_INT8 = (64, 2, 2)
+# a split of a bf16 (float) cache walks at least one BLOCK_N of keys: at short contexts fewer splits (the rest empty)
+# than default_num_splits' count, which the CUDA graphs fix for every context. One H200, 32 launches replayed from a
+# CUDA graph, default count and launch, us a layer without -> with (.diag/s61_min_chunk.py, stop 61): Qwen3-30B-A3B
+# heads (32 q / 4 kv, 64 splits) at batch 1 x 128 keys 5.53 -> 4.61, x 512 5.56 -> 4.68, batch 4 x 128 6.65 -> 5.41;
+# Llama-3.1-8B heads batch 1 x 128 6.39 -> 5.06; Llama-2-7B heads batch 1 x 128 5.37 -> 4.58; the same (within
+# 0.1) from 2,048 keys up, and at every other measured shape. 64 keys a split was slower than 32 below 2,048 keys.
+# Not taken with an int8 cache, where its launches lost up to 1 us (Llama-2-7B heads batch 1 x 512 6.81 -> 7.68),
+# nor with fp8 (not measured).
+MIN_CHUNK_FLOAT = CUDA_LAUNCH[0]
 # the rowwise int8 walk from this many (request, kv head) programs per SM: one H200, Llama-2-7B heads, us a layer
 # (dot walk -> rowwise): 512 x 416 keys 920.8 -> 764.0, 256 x 512 498.9 -> 454.8, 64 x 1024 218.2 -> 207.0 (15.5
 # programs an SM), but 16 x 1024 58.7 -> 76.8 and 9 x 2048 98.6 -> 132.5 (3.9 and 2.2 an SM)
@@ -100,7 +110,7 @@ def _decode_split_kernel(
     scale_log2,
     stride_q_batch, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
     stride_mid_batch, stride_mid_head, stride_mid_split, stride_lse_batch, stride_lse_head,
-    kv_heads, group_size, head_dim, num_splits,
+    kv_heads, group_size, head_dim, num_splits, min_chunk,
     b_first_ptr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
     WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
@@ -118,7 +128,7 @@ def _decode_split_kernel(
     first = tl.load(b_first_ptr + b) if SHARED else 0       # positions before it: the shared-prefix kernel
     if WINDOW:      # the window's keys are one contiguous range for the one query: a bound, no mask
         first = tl.maximum(first, seq_len - window)
-    chunk = tl.cdiv(seq_len - first, num_splits)
+    chunk = tl.maximum(tl.cdiv(seq_len - first, num_splits), min_chunk)
     start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -157,7 +167,8 @@ def _decode_split_kernel(
     partial = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     mid_offs = b.to(tl.int64) * stride_mid_batch + heads[:, None] * stride_mid_head + split * stride_mid_split
-    tl.store(mid_out_ptr + mid_offs + offs_d[None, :], partial, mask=h_mask[:, None] & d_mask[None, :])
+    # an empty chunk writes only its -inf (the merge reads no partial behind one)
+    tl.store(mid_out_ptr + mid_offs + offs_d[None, :], partial, mask=(h_mask & has_keys)[:, None] & d_mask[None, :])
     lse_offs = b.to(tl.int64) * stride_lse_batch + heads * stride_lse_head + split
     tl.store(mid_lse_ptr + lse_offs, lse, mask=h_mask)
 
@@ -235,7 +246,8 @@ def _decode_merge_kernel(
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # a request with no keys
     weight = tl.exp2(lse - lse_max)
     mid_offs = b * stride_mid_batch + head * stride_mid_head + offs_s[:, None] * stride_mid_split
-    partial = tl.load(mid_out_ptr + mid_offs + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+    has_keys = lse > float("-inf")      # an empty split wrote no partial (``_decode_split_kernel``)
+    partial = tl.load(mid_out_ptr + mid_offs + offs_d[None, :], mask=(s_mask & has_keys)[:, None] & d_mask[None, :],
                       other=0.0)
     total = tl.sum(weight, 0)
     merged = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -282,6 +294,11 @@ def cuda_launch(kv_layer: torch.Tensor, splits: int) -> tuple[int, int, int, int
     return (splits, *CUDA_LAUNCH_INT8, TAIL_N_INT8)
 
 
+def default_min_chunk(kv_layer: torch.Tensor) -> int:
+    """The fewest keys a split walks on CUDA with this cache (``MIN_CHUNK_FLOAT``'s comment: where it is faster)."""
+    return MIN_CHUNK_FLOAT if kv_layer.dtype in FLOAT_DTYPES else 0
+
+
 def _check(q, kv_layer, req_to_token, b_req_row, b_seq_len, num_splits, kv_scales) -> None:
     check_tensor("q", q, 3)
     device = q.device
@@ -324,24 +341,27 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torc
         return out
     kv_heads = kv_layer.shape[1] // 2
     splits = num_splits or default_num_splits(q.shape[0], kv_heads, q.device)
-    if q.is_cuda:      # a split count the caller gives is kept; the launch is the one for that count
+    min_chunk = 0
+    if q.is_cuda:      # a split count the caller gives is kept (every split walked); the launch is that count's
         chosen, block_n, num_warps, num_stages, tail_n = cuda_launch(kv_layer, splits)
         splits = num_splits or chosen
+        min_chunk = 0 if num_splits else default_min_chunk(kv_layer)
     else:
         block_n, num_warps, num_stages, tail_n = 32, 4, 1, None
     launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits, block_n, num_warps, num_stages,
-           shared=shared, mods=mods, kv_scales=kv_scales, tail_n=tail_n)
+           shared=shared, mods=mods, kv_scales=kv_scales, tail_n=tail_n, min_chunk=min_chunk)
     return out
 
 
 def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits: int, block_n: int,
            num_warps: int, num_stages: int, shared=None, shared_launch: tuple[int, int, int, int] | None = None,
            mods: ScoreMods | None = None, kv_scales=None, rowwise: bool | None = None,
-           tail_n: int | None = None) -> None:
+           tail_n: int | None = None, min_chunk: int = 0) -> None:
     """The stages with explicit launch parameters (``decode_attention`` picks them; benchmarks sweep them).
     ``rowwise``: the split kernel's walk without ``tl.dot`` (None: ``default_rowwise``; True only where it
     applies). ``tail_n``: a split's keys after its last full block walked in blocks of this many when shorter than
-    ``block_n`` (None: one bounded block of ``block_n``)."""
+    ``block_n`` (None: one bounded block of ``block_n``). ``min_chunk``: the fewest keys a split walks, so that a
+    short context takes fewer splits than ``splits`` (the rest find no keys and write only their ``-inf``)."""
     batch, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     group = q_heads // kv_heads
@@ -365,7 +385,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
         scale_log2,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), req_to_token.stride(0),
         *mid_strides,
-        kv_heads, group, head_dim, splits, first,
+        kv_heads, group, head_dim, splits, min_chunk, first,
         BLOCK_H=1 if rowwise else max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, SHARED=shared is not None,
         **mod_args, **mod_flags, **scale_args(kv_layer, kv_scales), ROWWISE=rowwise,

@@ -336,15 +336,17 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
 
 
 ONE_TOKEN_TOKENS = 1         # a batch of this many tokens takes the one-token path (benches set 0: never)
-# (BLOCK_N, BLOCK_K, num_stages) of gate|up and of down (for 8 experts; BLOCK_K scales as 8 / k). One MoE block at
-# batch 1 on one H100, both launches in a CUDA graph (random weights, 8 expert choices in turn), each tile beside
-# the earlier (4, 512, 3) / (8, 128, 3), in one run: gate|up (2, 512, 3) took Qwen3-30B-A3B's block 36.42 -> 34.56
-# us (8 of 8 gate|up choices tried) and Qwen1.5-MoE-A2.7B's (with its shared expert) 52.04 -> 51.82; down
-# (4, 128, 3) took Qwen1.5-MoE's 52.04 -> 50.84 and Qwen3's 36.42 -> 36.33 (11 tried). Outputs bit-equal
-# (the same K order). Earlier, bench.moe_bench --routing-ab: Qwen3's block 36.8 us with (8, 256, 3) / (8, 64, 3).
-# Both sweeps ran while the gate|up launch without a shared expert loaded its weights 2 bytes at a time (the stand-in
-# stride in _fused_moe_one_token): its tile has not been swept since.
-ONE_TOKEN_TILES = (2, 512, 3)
+# (BLOCK_N, BLOCK_K, num_stages, num_warps) of gate|up and (BLOCK_N, BLOCK_K, num_stages) of down (for 8 experts;
+# down's BLOCK_K scales as 8 / k). One MoE block at batch 1 (router, routing, both launches), 16 blocks of their own
+# weights in one CUDA graph, one H200 (stop 61, .diag/s61_tiles.py: bench.moe_bench.moe_layer_ab, three rounds, us a
+# block): gate|up (2, 1024, 4, 2) against the earlier (2, 512, 3, 4) took Qwen3-30B-A3B's block 29.0-29.1 -> 26.1
+# and Qwen1.5-MoE-A2.7B's (with its shared expert) 46.7-47.1 -> 45.0-45.1; of the others tried (4, 256, 2, 2) gave
+# 27.9-28.0 / 45.8-45.9, (8, 256, 2, 4) 27.8-28.0 / 44.6-44.7, (2, 512, 3, 2) 27.9-28.0 / 43.0-43.1. Mixtral-8x7B's
+# block (4 blocks, two rounds, another call) lost 0.7%: 174.2 -> 175.3-175.7 us (its experts are 14,336 wide).
+# The earlier tile was swept while the gate|up launch without a shared expert loaded its weights 2 bytes at a time
+# (the stand-in stride in _fused_moe_one_token). Down (4, 128, 3): one H100, beside (8, 128, 3), Qwen1.5-MoE's
+# block 52.04 -> 50.84 us and Qwen3's 36.42 -> 36.33 (11 tried).
+ONE_TOKEN_TILES = (2, 1024, 4, 2)
 ONE_TOKEN_DOWN_TILES = (4, 128, 3)
 
 
@@ -353,7 +355,7 @@ def _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared: S
     """``fused_moe`` of one token: two matrix-vector launches, the shared expert's in them (module docstring)."""
     two_inter, hidden = w_gate_up.shape[1:]
     inter, top_k = two_inter // 2, topk_ids.shape[1]
-    block_n, block_k, stages = ONE_TOKEN_TILES if x.is_cuda else (16, 64, 1)
+    block_n, block_k, stages, warps = ONE_TOKEN_TILES if x.is_cuda else (16, 64, 1, 4)
     # ids and weights before the gate|up launch: the down launch reads them before its PDL wait (two launches back)
     ids = topk_ids.reshape(-1).contiguous()
     router_weights = topk_weights.reshape(-1).contiguous().float()
@@ -372,7 +374,7 @@ def _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared: S
         else (w_gate_up, act, 0, w_gate_up.stride(1))
     _one_token_gate_up_kernel[(top_k + (shared is not None), triton.cdiv(max(inter, shared_inter), block_n))](
         x, w_gate_up, ids, act, inter, hidden, w_gate_up.stride(0), w_gate_up.stride(1), *gate_up_shared, top_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=4, **pdl)
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps, **pdl)
     one_token_down(act, w_down, ids, router_weights, out, (shared, shared_act) if shared is not None else None)
     return out
 
