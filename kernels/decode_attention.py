@@ -341,11 +341,11 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torc
         return out
     kv_heads = kv_layer.shape[1] // 2
     splits = num_splits or default_num_splits(q.shape[0], kv_heads, q.device)
-    min_chunk = 0
-    if q.is_cuda:      # a split count the caller gives is kept (every split walked); the launch is that count's
+    # a split count the caller gives is kept, every split walked; the launch is that count's
+    min_chunk = default_min_chunk(kv_layer) if q.is_cuda and not num_splits else 0
+    if q.is_cuda:
         chosen, block_n, num_warps, num_stages, tail_n = cuda_launch(kv_layer, splits)
         splits = num_splits or chosen
-        min_chunk = 0 if num_splits else default_min_chunk(kv_layer)
     else:
         block_n, num_warps, num_stages, tail_n = 32, 4, 1, None
     launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits, block_n, num_warps, num_stages,
@@ -362,6 +362,8 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
     applies). ``tail_n``: a split's keys after its last full block walked in blocks of this many when shorter than
     ``block_n`` (None: one bounded block of ``block_n``). ``min_chunk``: the fewest keys a split walks, so that a
     short context takes fewer splits than ``splits`` (the rest find no keys and write only their ``-inf``)."""
+    if not (isinstance(min_chunk, int) and min_chunk >= 0):
+        raise ValueError(f"min_chunk must be an int >= 0 (keys a split walks at least), got {min_chunk!r}")
     batch, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     group = q_heads // kv_heads

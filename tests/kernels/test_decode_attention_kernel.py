@@ -57,6 +57,13 @@ def test_a_split_walks_at_least_min_chunk_keys(device, min_chunk):
     torch.testing.assert_close(out, decode_attention_ref(*args), atol=4e-3, rtol=4e-3)
 
 
+@pytest.mark.parametrize("min_chunk", [-1, 2.5, None])
+def test_a_bad_min_chunk_is_a_clear_error(device, min_chunk):
+    args = decode_inputs([5], 4, 2, 32, torch.float32, device)
+    with pytest.raises(ValueError, match="min_chunk must be an int >= 0"):
+        launch(*args, torch.empty_like(args[0]), 2, 32, 4, 1, min_chunk=min_chunk)
+
+
 def test_a_min_chunk_longer_than_every_context_walks_each_request_in_one_split(device):
     """Bit for bit the one-split walk, where 8 splits of ceil(len / 8) keys differ from it: the splits are taken."""
     args = decode_inputs([40, 77, 130], 4, 2, 32, torch.float32, device)
