@@ -6,15 +6,18 @@ takes ``PDL`` follows one rule, which keeps that safe in any order of kernels:
 
 - ``wait_for_prior_kernel`` (``griddepcontrol.wait``) runs before the program reads or
   writes any tensor that another kernel may write or read, with two exceptions:
-  - weights, which no kernel writes (the skinny GEMM prefetches its first weight tile);
+  - weights, which no kernel writes (the skinny GEMM prefetches its first weight tile, the
+    norms their weights, the rotary kernel its cos/sin rows);
   - what launches at least two back wrote (or the stream before them: a copy, an earlier
     forward), read through L2 only (``cache_modifier=".cg"``: the L1 cache is not kept
     coherent). When this kernel starts, every program of the launch just before it has
     passed its own wait (the rule below), or that launch, not ours, has completed; either
     way every launch before it has completed and its writes are in L2. The one-token MoE
     down kernel reads the chosen experts (the routing's, with the gate|up launch between)
-    and their first weight tile before its wait. ``tests/gpu/test_pdl_reads.py`` races
-    delayed writers against the decode attention and that down kernel on the GPU.
+    and their first weight tile before its wait; the rotary kernel its positions and slots,
+    and the decode attention its requests' rows and lengths (the step's inputs, written
+    before the layer's norm and projection). ``tests/gpu/test_pdl_reads.py`` races delayed
+    writers against the decode attention, the rotary kernel and that down kernel on the GPU.
 - ``allow_next_kernel`` (``griddepcontrol.launch_dependents``) runs right after the wait:
   once every program of this kernel has passed it, the next kernel may launch, take the
   SMs this kernel has left idle, and prefetch its own weights.

@@ -118,14 +118,17 @@ def _decode_split_kernel(
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
     ROWWISE: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
 ):
-    wait_for_prior_kernel(PDL)
-    allow_next_kernel(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(b_seq_len_ptr + b)
-    table_row = req_to_token_ptr + tl.load(b_req_row_ptr + b).to(tl.int64) * stride_table_row
-    first = tl.load(b_first_ptr + b) if SHARED else 0       # positions before it: the shared-prefix kernel
+    # Before the PDL wait (kernels._pdl): the request's length, row and shared prefix, the step's inputs (written
+    # before the layer's first launch, two or more back: read through L2); the table, q and the cache after it
+    seq_len = tl.load(b_seq_len_ptr + b, cache_modifier=".cg")
+    table_row = req_to_token_ptr + tl.load(b_req_row_ptr + b, cache_modifier=".cg").to(tl.int64) * stride_table_row
+    # positions before it: the shared-prefix kernel
+    first = tl.load(b_first_ptr + b, cache_modifier=".cg") if SHARED else 0
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
     if WINDOW:      # the window's keys are one contiguous range for the one query: a bound, no mask
         first = tl.maximum(first, seq_len - window)
     chunk = tl.maximum(tl.cdiv(seq_len - first, num_splits), min_chunk)

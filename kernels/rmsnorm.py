@@ -30,11 +30,12 @@ def _rmsnorm_kernel(
     hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_prior_kernel(PDL)
-    allow_next_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)     # a weight: before the wait (kernels._pdl)
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     h = x.to(tl.float32)
     if HAS_RESIDUAL:
@@ -45,7 +46,6 @@ def _rmsnorm_kernel(
         h = summed.to(tl.float32)
     variance = tl.sum(h * h, axis=0) / hidden
     normed = round_to(h * tl.math.rsqrt(variance + eps), x.dtype).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, round_to(w * normed, x.dtype), mask=mask)
 
 

@@ -38,14 +38,21 @@ from .rmsnorm import rmsnorm_ref
 
 
 @triton.jit
-def _head_rmsnorm(x1, x2, weight_ptr, eps, offs_d, half):
-    """Heads [BLOCK_H, D] held as two halves, each RMS-normed over D and scaled by ``weight`` [D], rounded
-    as ``kernels.rmsnorm`` (and transformers' RMSNorm): the normalised value to the dtype, then the product."""
+def _norm_weight(weight_ptr, offs_d, half):
+    """The halves [1, BLOCK_HALF] of a head norm's weight [D], in float32 (read before the PDL wait: a weight)."""
+    w1 = tl.load(weight_ptr + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(weight_ptr + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
+    return w1, w2
+
+
+@triton.jit
+def _head_rmsnorm(x1, x2, w1, w2, eps, half):
+    """Heads [BLOCK_H, D] held as two halves, each RMS-normed over D and scaled by the weight's halves ``w1``,
+    ``w2`` (``_norm_weight``), rounded as ``kernels.rmsnorm`` (and transformers' RMSNorm): the normalised value
+    to the dtype, then the product."""
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     rstd = tl.math.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * half) + eps)[:, None]
-    w1 = tl.load(weight_ptr + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(weight_ptr + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
     n1 = round_to(w1 * round_to(a * rstd, x1.dtype).to(tl.float32), x1.dtype)
     n2 = round_to(w2 * round_to(b * rstd, x1.dtype).to(tl.float32), x1.dtype)
     return n1, n2
@@ -54,10 +61,10 @@ def _head_rmsnorm(x1, x2, weight_ptr, eps, offs_d, half):
 @triton.jit
 def _write_heads(src_ptr, src_stride_head, dst_ptr, dst_stride_head, heads, head_block, cos, sin, offs_d, half,
                   BLOCK_H: tl.constexpr, ROTATE: tl.constexpr, scale_ptr=None, stride_scale_head=0,
-                  KV_SCALES: tl.constexpr = 0, norm_ptr=None, eps=0.0, NORM: tl.constexpr = False):
+                  KV_SCALES: tl.constexpr = 0, norm_weight=None, eps=0.0, NORM: tl.constexpr = False):
     """dst heads of the block <- the src heads rotated (``ROTATE``) or copied as they are; into a quantized
     cache (``KV_SCALES``) quantized, int8's per-head scales written at ``scale_ptr``. ``NORM``: each head
-    RMS-normed over the head dim with the weight at ``norm_ptr`` first (``_head_rmsnorm``)."""
+    RMS-normed over the head dim first, with ``norm_weight``'s halves (``_head_rmsnorm``)."""
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (offs_h[:, None] < heads) & (offs_d[None, :] < half)
     src1 = src_ptr + offs_h[:, None] * src_stride_head + offs_d[None, :]
@@ -65,7 +72,7 @@ def _write_heads(src_ptr, src_stride_head, dst_ptr, dst_stride_head, heads, head
     x1 = tl.load(src1, mask=mask, other=0.0)
     x2 = tl.load(src1 + half, mask=mask, other=0.0)
     if NORM:
-        x1, x2 = _head_rmsnorm(x1, x2, norm_ptr, eps, offs_d, half)
+        x1, x2 = _head_rmsnorm(x1, x2, norm_weight[0], norm_weight[1], eps, half)
     if ROTATE:
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
@@ -102,29 +109,35 @@ def _rotary_store_kv_kernel(
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
     ROTARY: tl.constexpr = True, q_norm_ptr=None, k_norm_ptr=None, eps=0.0, HEAD_NORM: tl.constexpr = False,
 ):
-    wait_for_prior_kernel(PDL)
-    allow_next_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_HALF)
+    # Before the PDL wait (kernels._pdl): the positions and slots, which the step's inputs hold (written before
+    # the norm and the qkv projection, two or more launches back: read through L2), the cos/sin rows and the head
+    # norms' weights (never written), so that only q, k and v are read after it
     if ROTARY:
-        pos = tl.load(positions_ptr + token).to(tl.int64)
+        pos = tl.load(positions_ptr + token, cache_modifier=".cg").to(tl.int64)
         cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=offs_d < half, other=0.0)[None, :]
         sin = tl.load(cache_ptr + pos * stride_cache + half + offs_d, mask=offs_d < half, other=0.0)[None, :]
-        if head_block * BLOCK_H < q_heads:
-            q_row = q_ptr + token * stride_q_token
-            _write_heads(q_row, stride_q_head, q_row, stride_q_head, q_heads, head_block,
-                          cos, sin, offs_d, half, BLOCK_H, True, norm_ptr=q_norm_ptr, eps=eps, NORM=HEAD_NORM)
     else:                       # no rotation: positions, the cache and q are not read (cos/sin unused)
         cos = tl.zeros([1, BLOCK_HALF], dtype=tl.float32)
         sin = cos
+    slot = tl.load(slots_ptr + token, cache_modifier=".cg").to(tl.int64)
+    q_norm = _norm_weight(q_norm_ptr, offs_d, half) if HEAD_NORM else None
+    k_norm = _norm_weight(k_norm_ptr, offs_d, half) if HEAD_NORM else None
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
+    if ROTARY:
+        if head_block * BLOCK_H < q_heads:
+            q_row = q_ptr + token * stride_q_token
+            _write_heads(q_row, stride_q_head, q_row, stride_q_head, q_heads, head_block,
+                          cos, sin, offs_d, half, BLOCK_H, True, norm_weight=q_norm, eps=eps, NORM=HEAD_NORM)
     if head_block * BLOCK_H < kv_heads:
-        slot = tl.load(slots_ptr + token).to(tl.int64)
         slot_row = kv_ptr + slot * stride_kv_slot
         k_scales = scales_ptr + slot * stride_scale_slot
         _write_heads(k_ptr + token * stride_k_token, stride_k_head, slot_row, stride_kv_head, kv_heads, head_block,
                       cos, sin, offs_d, half, BLOCK_H, ROTARY, k_scales, stride_scale_head, KV_SCALES,
-                      k_norm_ptr, eps, HEAD_NORM)
+                      k_norm, eps, HEAD_NORM)
         _write_heads(v_ptr + token * stride_v_token, stride_v_head, slot_row + kv_heads * stride_kv_head,
                       stride_kv_head, kv_heads, head_block, cos, sin, offs_d, half, BLOCK_H, False,
                       k_scales + v_scale_offset, stride_scale_head, KV_SCALES)

@@ -1,12 +1,16 @@
 """Reads before the PDL wait (``kernels._pdl``) on the GPU.
 
 A launch may read before ``griddepcontrol.wait`` only what launches at least two back wrote. The decode
-attention reads everything after its wait; the newest key and value rows are written by the launch just
-before it (``rotary_store_kv``). Here the launch just before is a stand-in that lets the next launch start,
+attention reads its request's row and length before its wait (the step's inputs) and everything else after
+it; the newest key and value rows are written by the launch just before it (``rotary_store_kv``). Here the launch just before is a stand-in that lets the next launch start,
 then waits ``DELAY_NS`` and only then writes the newest rows: an attention that read its keys before its
 wait (all of them, or a block gathered early without the newest position read again after it) would attend
 to the old rows. A control kernel that does read before its wait shows the window is real (it sees the old
 row). Every kernel runs once before (compiled: a compile between the two launches would close the window).
+
+The rotary kernel reads the positions and slots before its wait (the step's inputs, written before the norm and
+the qkv projection) and q, k, v after it (the projection, the launch just before): a late writer of the positions
+and slots two launches back, then one of q, k, v just before. So does the decode attention with its lengths.
 
 The one-token MoE down kernel reads the chosen experts and their router weights before its wait (written two
 launches back) and the gate|up output after it (the launch just before): two late writers in a row, each
@@ -21,6 +25,7 @@ import triton.language as tl
 from kernels._pdl import allow_next_kernel, use_pdl, wait_for_prior_kernel
 from kernels.decode_attention import decode_attention, decode_attention_ref
 from kernels.fused_moe import one_token_down
+from kernels.rotary import rotary_store_kv
 
 DELAY_NS = 2_000_000   # far longer than the host takes to launch the next kernel
 BLOCK = 1024
@@ -108,6 +113,87 @@ def test_decode_attention_sees_the_newest_key_written_by_the_launch_before(seq_l
     kv_layer[newest] = fresh
     torch.testing.assert_close(out, decode_attention_ref(q, kv_layer, table, rows, lengths, scale),
                                atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("seq_len", [20, 384])
+def test_decode_attention_reads_the_length_two_back_and_the_newest_key_written_by_the_launch_before(seq_len):
+    q, kv_layer, table, _, _, scale = one_request(seq_len, 32, 4, 128, torch.bfloat16, "cuda")
+    meta = torch.tensor([0, seq_len - 8], dtype=torch.int32, device="cuda")    # (row, length): the old length
+    rows, lengths = meta[0:1], meta[1:2]
+    new_meta = torch.tensor([0, seq_len], dtype=torch.int32, device="cuda")
+    newest = int(table[0, seq_len - 1])
+    fresh = torch.randn(8, 128, device="cuda").to(torch.bfloat16) * 4
+
+    def launches(meta_src):
+        late_copy(meta_src, meta)                       # the step's inputs, two launches back
+        late_copy(fresh, kv_layer[newest])              # the rotary launch, just before
+        out = decode_attention(q, kv_layer, table, rows, lengths, scale)
+        torch.cuda.synchronize()
+        return out
+
+    launches(meta.clone())                              # compiled, the old length kept
+    raced = launches(new_meta)
+    assert meta.equal(new_meta)
+    settled = decode_attention(q, kv_layer, table, rows, lengths, scale)
+    assert raced.equal(settled), "the decode attention read its length or the newest key before they were written"
+    old_length = decode_attention(q, kv_layer, table, rows, torch.tensor([seq_len - 8], dtype=torch.int32,
+                                                                         device="cuda"), scale)
+    assert not raced.equal(old_length), "the old length gives the same output: the race proves nothing"
+    # the control: the length written by the launch just before (the order the rule forbids) is read old
+    meta[1] = seq_len - 8
+    late_copy(new_meta, meta)
+    out = decode_attention(q, kv_layer, table, rows, lengths, scale)
+    torch.cuda.synchronize()
+    assert meta.equal(new_meta)
+    assert out.equal(old_length), "the length was read after the launch before wrote it: the window is shut"
+
+
+def rope_cache(positions: int, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+    angles = torch.arange(positions, device="cuda").float()[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
+@pytest.mark.parametrize("head_norms", [False, True])
+def test_rotary_reads_positions_and_slots_two_back_and_q_k_v_written_by_the_launch_before(head_norms):
+    tokens, q_heads, kv_heads, head_dim = 3, 32, 4, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    width = (q_heads + 2 * kv_heads) * head_dim
+    qkv = torch.empty(tokens, width, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, :q_heads * head_dim].view(tokens, q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim:(q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (q_heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    new_qkv = torch.randn(tokens, width, device="cuda", generator=g).to(torch.bfloat16)
+    meta = torch.tensor([[5, 6, 7], [1, 2, 3]], dtype=torch.int64, device="cuda")       # (positions, slots): old
+    new_meta = torch.tensor([[900, 17, 3000], [9, 10, 11]], dtype=torch.int64, device="cuda")
+    cache = rope_cache(4096, head_dim)
+    kv_layer = torch.zeros(16, 2 * kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    norms = (torch.rand(head_dim, device="cuda", generator=g).to(torch.bfloat16) + 0.5,
+             torch.rand(head_dim, device="cuda", generator=g).to(torch.bfloat16) + 0.5, 1e-6) if head_norms else None
+
+    def launches(meta_src, meta_first=True):
+        kv_layer.zero_()
+        writers = [(meta_src, meta), (new_qkv, qkv)]        # the step's inputs two launches back, then q, k, v
+        for src, dst in writers if meta_first else writers[::-1]:
+            late_copy(src, dst)
+        rotary_store_kv(q, k, v, meta[0], cache, kv_layer, meta[1], head_norms=norms)
+        torch.cuda.synchronize()
+        return q.clone(), kv_layer.clone()
+
+    launches(meta.clone())                                   # compiled, the old positions and slots kept
+    raced_q, raced_kv = launches(new_meta)
+    assert meta.equal(new_meta)
+    qkv.copy_(new_qkv)
+    kv_layer.zero_()
+    rotary_store_kv(q, k, v, meta[0], cache, kv_layer, meta[1], head_norms=norms)
+    assert raced_q.equal(q) and raced_kv.equal(kv_layer), "the rotary read something before it was written"
+    assert raced_kv[9:12].abs().sum() > 0 and raced_kv[1:4].abs().sum() == 0
+    # the control: the positions and slots written by the launch just before are read old
+    meta.copy_(torch.tensor([[5, 6, 7], [1, 2, 3]], device="cuda"))
+    control_q, control_kv = launches(new_meta, meta_first=False)
+    assert meta.equal(new_meta)
+    assert not control_q.equal(raced_q) and control_kv[1:4].abs().sum() > 0, \
+        "the positions were read after the launch before wrote them: the window is shut"
 
 
 def down_inputs(top_k: int, experts: int, inter: int, seed: int):
