@@ -43,7 +43,10 @@ memory):
 - decode splits K so that the SMs get about two programs each (``_config``).
 
 Several splits store float32 partials that ``skinny_gemm``'s reduce kernel sums in split order (no
-atomics: bit-reproducible). ``int4_gemm_ref`` dequantizes to float32 and multiplies.
+atomics: bit-reproducible). Summing them in each tile's last program instead (an acq_rel counter per
+tile, bit-equal) was slower on one H200 (stop 62: random GPTQ Llama-2-7B, ``bench.profile_step``, GPU
+step at batch 1 2.40 -> 2.51 ms, at batch 8 5.47-5.48 -> 6.03-6.04). ``int4_gemm_ref`` dequantizes to
+float32 and multiplies.
 """
 from __future__ import annotations
 
