@@ -2,11 +2,12 @@
 
 A launch may read before ``griddepcontrol.wait`` only what launches at least two back wrote. The decode
 attention reads its request's row and length before its wait (the step's inputs) and everything else after
-it; the newest key and value rows are written by the launch just before it (``rotary_store_kv``). Here the launch just before is a stand-in that lets the next launch start,
-then waits ``DELAY_NS`` and only then writes the newest rows: an attention that read its keys before its
-wait (all of them, or a block gathered early without the newest position read again after it) would attend
-to the old rows. A control kernel that does read before its wait shows the window is real (it sees the old
-row). Every kernel runs once before (compiled: a compile between the two launches would close the window).
+it; the newest key and value rows are written by the launch just before it (``rotary_store_kv``). Here the
+launch just before is a stand-in that lets the next launch start, then waits ``DELAY_NS`` and only then
+writes the newest rows: an attention that read its keys before its wait (all of them, or a block gathered
+early without the newest position read again after it) would attend to the old rows. A control kernel that
+does read before its wait shows the window is real (it sees the old row). Every kernel runs once before
+(compiled: a compile between the two launches would close the window).
 
 The rotary kernel reads the positions and slots before its wait (the step's inputs, written before the norm and
 the qkv projection) and q, k, v after it (the projection, the launch just before): a late writer of the positions
