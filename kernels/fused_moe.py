@@ -344,10 +344,13 @@ ONE_TOKEN_TOKENS = 1         # a batch of this many tokens takes the one-token p
 # 27.9-28.0 / 45.8-45.9, (8, 256, 2, 4) 27.8-28.0 / 44.6-44.7, (2, 512, 3, 2) 27.9-28.0 / 43.0-43.1. Mixtral-8x7B's
 # block (4 blocks, two rounds, another call) lost 0.7%: 174.2 -> 175.3-175.7 us (its experts are 14,336 wide).
 # The earlier tile was swept while the gate|up launch without a shared expert loaded its weights 2 bytes at a time
-# (the stand-in stride in _fused_moe_one_token). Down (4, 128, 3): one H100, beside (8, 128, 3), Qwen1.5-MoE's
-# block 52.04 -> 50.84 us and Qwen3's 36.42 -> 36.33 (11 tried).
+# (the stand-in stride in _fused_moe_one_token). Down (4, 256, 2) against the earlier (4, 128, 3), whole blocks as
+# above with this gate|up (stop 63, .diag/s63_down_tiles.py, one H200, three rounds): Qwen3 26.0 -> 25.1-25.2 us,
+# Qwen1.5-MoE 45.0-45.6 -> 44.4-44.6, Mixtral (two rounds) 176.1-176.3 -> 165.1-165.5; of the others tried
+# (4, 256, 3) gave 25.5 / 44.1-44.5 / 165.7-166.1, (8, 128, 3) 26.2-26.3 / 45.4-45.6 / 165.0-165.3, (2, 256, 2)
+# 26.2-26.3 / 47.6 / 167.4-167.8. Qwen3's 16-layer bench.moe_bench: 1,045.9 / 1,047.7 -> 1,051.5 / 1,050.4 tokens/s.
 ONE_TOKEN_TILES = (2, 1024, 4, 2)
-ONE_TOKEN_DOWN_TILES = (4, 128, 3)
+ONE_TOKEN_DOWN_TILES = (4, 256, 2)
 
 
 def _fused_moe_one_token(x, w_gate_up, w_down, topk_weights, topk_ids, shared: SharedExpert | None

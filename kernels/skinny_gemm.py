@@ -121,6 +121,9 @@ def _skinny_gemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
     # The first weight tile is read before waiting for the previous kernel (weights are never
     # written), so with PDL its load overlaps that kernel's tail; every split has at least one tile.
+    # Reading 2 or 4 tiles before the wait was slower on one H200 (stop 63, every one-row config, A P2 P4 twice):
+    # Qwen3-30B-A3B's 16-layer bench.moe_bench 1,047.3 / 1,047.7 -> 1,041.7 / 1,038.4 (2) and 1,005.2 / 1,004.6
+    # (4) tokens/s; Llama-2-7B's batch-1 step (bench.profile_step) 3.647 -> 3.697 (2) and 3.939 ms (4).
     w_first = _load_weight_tile(w_ptrs, offs_k, k_begin, K, EVEN_K, USE_DOT)
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
