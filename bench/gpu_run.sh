@@ -4,7 +4,8 @@
 #                                         e2e, tp (2 GPUs), compare, cpu, prefix, shared, stall, prefill, kvquant,
 #                                         gemma, llama_attn (Llama's attention kernels per tree of COMPARE_TREES), dense,
 #                                         moe, bloom, wquant_tests and wquant (quantized checkpoints: GPTQ, AWQ, FP8),
-#                                         moe_routing (the MoE launch work, step by step),
+#                                         moe_routing (the MoE launch work, step by step), launch_cost (what
+#                                         a batch-1 step's small launches cost: Qwen3-30B-A3B, Llama-2-7B),
 #                                         wquant_families (quantized Phi-3 / StarCoder2), spec (speculative
 #                                         decoding), spec_medusa (the demo's Medusa heads against n-gram
 #                                         lookup), verify_attn (the attention launches of verify rows),
@@ -246,6 +247,19 @@ for stage in $stages; do
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         rm -rf "$MOE_DIR/$name"-*l
       done ;;
+    launch_cost)
+      # a batch-1 decode step with its norms, rotary, split merge or MoE routing skipped, one variant a process
+      # (bench.launch_cost): what fusing them away could save at best, on Qwen3-30B-A3B (16 layers) and Llama-2-7B
+      ensure_7b; rc=0
+      dir=${MOE_DIR:-/tmp/moe}/qwen3-30b-a3b-16l
+      [ -f "$dir/config.json" ] || python3 -m weights.random_checkpoint --config qwen3-30b-a3b --out "$dir" \
+        --dtype bfloat16 --device cuda --num-layers 16 2>&1 | tail -1
+      for spec in "$dir:base,norms,rotary,merge,route,all,base" "$MODEL_7B:base,norms,rotary,merge,all,base"; do
+        python3 -m bench.launch_cost --model-dir "${spec%%:*}" --variants "${spec#*:}" \
+          --json "$OUT/launch_cost_$(basename "${spec%%:*}").json" 2>&1 | tee -a "$OUT/launch_cost.log" | tail -9
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      done
+      rm -rf "$dir" ;;
     moe_routing)
       # What each step of the MoE launch work brings to batch-1 decode (bench.moe_bench --routing-ab): from torch's
       # routing and alignment, through the routing kernels, the one-token expert kernels and Qwen2-MoE's shared

@@ -4,6 +4,17 @@ Rounding follows Hugging Face ``LlamaRMSNorm``: normalise in float32, round to t
 activation dtype, then multiply by the weight and round again. The fused variant first
 forms ``residual + x`` in the activation dtype (as HF's ``residual + hidden``) and
 writes it back into ``residual``.
+
+The norm stays a launch of its own. Run inside the skinny GEMM that reads it (every program
+summing the residual tile, the rms applied in the epilogue, the sum written to a new tensor),
+it was slower on one H200 (2026-11-30, µs a GEMM, chains in a CUDA graph with PDL, norm + GEMM
+-> fused): Llama-2-7B gate|up 44.5 -> 47.6 and Qwen3-30B-A3B q|k|v 7.6 -> 9.2 at one row, where
+the extra registers (72 -> 96 and 48 -> 59 a thread) leave fewer programs resident to hide the
+weights' latency; 31.7 -> 51.6 and 49.3 -> 89.6 at two rows; only Llama-2-7B's q|k|v gained,
+25.9 -> 24.7. Whole batch-1 steps (``bench.profile_step``): Llama-2-7B 3.708 -> 3.910 ms,
+Qwen3-30B-A3B (16 layers) 0.928 -> 0.952. ``bench.launch_cost`` bounds what removing the norm
+launches could save: 0.060 ms of Qwen3's 0.930, nothing of Llama-2-7B's 3.707 (PDL hides them
+behind its larger GEMMs).
 """
 from __future__ import annotations
 

@@ -1,0 +1,50 @@
+"""bench.launch_cost on the CPU: the skips it patches in and out, and its runs (no timing assertion)."""
+import json
+
+import pytest
+import torch
+
+from bench import launch_cost
+from engine.ops import TorchOps, TritonOps
+from kernels import decode_attention
+
+
+def test_skips_patch_both_backends_and_restore_them():
+    ops = TorchOps()
+    x, residual, weight = torch.randn(2, 8), torch.randn(2, 8), torch.ones(8)
+    originals = {name: getattr(TritonOps, name) for name in ("add_rmsnorm", "moe_route", "rotary_store_kv")}
+    merge = decode_attention._decode_merge_kernel
+    replaced = launch_cost.apply_skips({"norms", "route", "merge", "rotary"})
+    try:
+        assert ops.add_rmsnorm(x, residual, weight, 1e-6) is x and ops.rmsnorm(x, weight, 1e-6) is x
+        weights, ids = ops.moe_route(torch.randn(3, 16), 4, True)
+        assert ids.tolist() == [[0, 1, 2, 3]] * 3 and torch.all(weights == 0.25)
+        again = ops.moe_route(torch.randn(3, 16), 4, True)      # the same tensors: no launch a call in a graph
+        assert again[0] is weights and again[1] is ids
+        assert ops.rotary_store_kv(None, None, None, None, None, None, None) is None
+        assert decode_attention._decode_merge_kernel is not merge
+        assert TritonOps.add_rmsnorm is not originals["add_rmsnorm"]
+    finally:
+        launch_cost.restore(replaced)
+    assert {name: getattr(TritonOps, name) for name in originals} == originals
+    assert decode_attention._decode_merge_kernel is merge
+    before = residual.clone()
+    assert not torch.equal(ops.add_rmsnorm(x, residual, weight, 1e-6), x)
+    assert torch.equal(residual, before + x)
+
+
+@pytest.mark.parametrize("variants", ["base,bogus", "norms,rope"])
+def test_an_unknown_variant_is_refused_before_any_run(variants):
+    with pytest.raises(ValueError, match="unknown variant"):
+        launch_cost.main(["--model-dir", "weights/demo", "--variants", variants])
+
+
+def test_each_variant_runs_in_a_process_of_its_own(tmp_path):
+    out = tmp_path / "cost.json"
+    results = launch_cost.main(["--model-dir", "weights/demo", "--variants", "base,norms", "--context", "8",
+                                "--repeats", "2", "--json", str(out)])
+    assert [r["variant"] for r in results] == ["base", "norms"]
+    assert all(r["gpu_ms"] > 0 and r["piped_ms"] > 0 for r in results)
+    assert results[0]["saved_ms"] == 0.0
+    assert results[1]["saved_ms"] == pytest.approx(results[0]["gpu_ms"] - results[1]["gpu_ms"], abs=1e-3)
+    assert json.loads(out.read_text()) == results
