@@ -39,12 +39,25 @@ def test_an_unknown_variant_is_refused_before_any_run(variants):
         launch_cost.main(["--model-dir", "weights/demo", "--variants", variants])
 
 
-def test_each_variant_runs_in_a_process_of_its_own(tmp_path):
+def test_a_variant_runs_in_a_process_of_its_own():
+    result = launch_cost.run_variant("norms", ["--model-dir", "weights/demo", "--batch-sizes", "1", "--context", "8",
+                                               "--repeats", "2"])
+    assert result["variant"] == "norms" and result["gpu_ms"] > 0 and result["piped_ms"] > 0
+
+
+def test_each_variant_is_measured_against_the_mean_of_the_base_runs(tmp_path, monkeypatch):
+    timings = iter([1.0, 0.75, 1.1])
+    ran = []
+
+    def run_variant(variant, profile_args):
+        ran.append((variant, profile_args))
+        return {"variant": variant, "gpu_ms": next(timings), "piped_ms": 2.0}
+
+    monkeypatch.setattr(launch_cost, "run_variant", run_variant)
     out = tmp_path / "cost.json"
-    results = launch_cost.main(["--model-dir", "weights/demo", "--variants", "base,norms", "--context", "8",
-                                "--repeats", "2", "--json", str(out)])
-    assert [r["variant"] for r in results] == ["base", "norms"]
-    assert all(r["gpu_ms"] > 0 and r["piped_ms"] > 0 for r in results)
-    assert results[0]["saved_ms"] == 0.0
-    assert results[1]["saved_ms"] == pytest.approx(results[0]["gpu_ms"] - results[1]["gpu_ms"], abs=1e-3)
+    results = launch_cost.main(["--model-dir", "m", "--variants", "base,norms,base", "--context", "8", "--json",
+                                str(out)])
+    assert [v for v, _ in ran] == ["base", "norms", "base"]
+    assert ran[0][1] == ["--model-dir", "m", "--batch-sizes", "1", "--context", "8", "--repeats", "50"]
+    assert [r["saved_ms"] for r in results] == [0.05, 0.3, -0.05]
     assert json.loads(out.read_text()) == results
