@@ -124,6 +124,23 @@ def report(results: list[dict]) -> list[dict]:
     return results
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
+    return value
+
+
+def _variants(text: str) -> list[str]:
+    variants = text.split(",")
+    for variant in variants:
+        try:
+            skips_of(variant)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return variants
+
+
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--one"]:
@@ -131,16 +148,16 @@ def main(argv=None) -> list[dict]:
         return []
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="checkpoint directory")
-    parser.add_argument("--variants", default="base,norms,rotary,merge,route,all,base",
+    parser.add_argument("--variants", type=_variants, default="base,norms,rotary,merge,route,all,base",
                         help=f"comma-separated, in order, from: {', '.join(VARIANTS)}")
-    parser.add_argument("--batch-size", type=int, default=1, help="decode rows a step")
-    parser.add_argument("--context", type=int, default=128, help="tokens each request holds before decoding")
-    parser.add_argument("--repeats", type=int, default=50, help="timed repetitions per measurement")
+    parser.add_argument("--batch-size", type=_positive, default=1, help="decode rows a step")
+    parser.add_argument("--context", type=_positive, default=128, help="tokens each request holds before decoding")
+    parser.add_argument("--repeats", type=_positive, default=50, help="timed repetitions per measurement")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
-    variants = args.variants.split(",")
-    for variant in variants:
-        skips_of(variant)                      # a bad name fails before any run
+    if not (Path(args.model_dir) / "config.json").is_file():
+        parser.error(f"--model-dir {args.model_dir} has no config.json: give a checkpoint directory")
+    variants = args.variants
     profile_args = ["--model-dir", args.model_dir, "--batch-sizes", str(args.batch_size),
                     "--context", str(args.context), "--repeats", str(args.repeats)]
     results = report([run_variant(v, profile_args) for v in variants])

@@ -33,10 +33,18 @@ def test_skips_patch_both_backends_and_restore_them():
     assert torch.equal(residual, before + x)
 
 
-@pytest.mark.parametrize("variants", ["base,bogus", "norms,rope"])
-def test_an_unknown_variant_is_refused_before_any_run(variants):
-    with pytest.raises(ValueError, match="unknown variant"):
-        launch_cost.main(["--model-dir", "weights/demo", "--variants", variants])
+@pytest.mark.parametrize("args,message", [
+    (["--variants", "base,bogus"], "unknown variant 'bogus'"),
+    (["--variants", "norms,rope"], "unknown variant 'rope'"),
+    (["--batch-size", "0"], "--batch-size: must be a whole number >= 1"),
+    (["--repeats", "-2"], "--repeats: must be a whole number >= 1"),
+    (["--model-dir", "/nonexistent"], "has no config.json"),
+])
+def test_bad_arguments_are_refused_before_any_run(monkeypatch, capsys, args, message):
+    monkeypatch.setattr(launch_cost, "run_variant", lambda *a: pytest.fail("a variant ran"))
+    with pytest.raises(SystemExit) as exited:
+        launch_cost.main(["--model-dir", "weights/demo", *args])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_a_variant_runs_in_a_process_of_its_own():
@@ -55,9 +63,9 @@ def test_each_variant_is_measured_against_the_mean_of_the_base_runs(tmp_path, mo
 
     monkeypatch.setattr(launch_cost, "run_variant", run_variant)
     out = tmp_path / "cost.json"
-    results = launch_cost.main(["--model-dir", "m", "--variants", "base,norms,base", "--context", "8", "--json",
-                                str(out)])
+    results = launch_cost.main(["--model-dir", "weights/demo", "--variants", "base,norms,base", "--context", "8",
+                                "--json", str(out)])
     assert [v for v, _ in ran] == ["base", "norms", "base"]
-    assert ran[0][1] == ["--model-dir", "m", "--batch-sizes", "1", "--context", "8", "--repeats", "50"]
+    assert ran[0][1] == ["--model-dir", "weights/demo", "--batch-sizes", "1", "--context", "8", "--repeats", "50"]
     assert [r["saved_ms"] for r in results] == [0.05, 0.3, -0.05]
     assert json.loads(out.read_text()) == results
