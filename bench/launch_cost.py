@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from bench import positive_int
+
 SKIPS = {
     "norms": "RMSNorm / LayerNorm launches, their residual adds with them (the norm returns its input)",
     "rotary": "the rotary + KV store launch (Qwen3's q/k norms inside it)",
@@ -124,13 +126,6 @@ def report(results: list[dict]) -> list[dict]:
     return results
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
-    return value
-
-
 def _variants(text: str) -> list[str]:
     variants = text.split(",")
     for variant in variants:
@@ -150,9 +145,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--model-dir", required=True, help="checkpoint directory")
     parser.add_argument("--variants", type=_variants, default="base,norms,rotary,merge,route,all,base",
                         help=f"comma-separated, in order, from: {', '.join(VARIANTS)}")
-    parser.add_argument("--batch-size", type=_positive, default=1, help="decode rows a step")
-    parser.add_argument("--context", type=_positive, default=128, help="tokens each request holds before decoding")
-    parser.add_argument("--repeats", type=_positive, default=50, help="timed repetitions per measurement")
+    parser.add_argument("--batch-size", type=positive_int, default=1, help="decode rows a step")
+    parser.add_argument("--context", type=positive_int, default=128, help="tokens each request holds before decoding")
+    parser.add_argument("--repeats", type=positive_int, default=50, help="timed repetitions per measurement")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
     if not (Path(args.model_dir) / "config.json").is_file():

@@ -56,6 +56,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from bench import positive_int
+
 WEIGHT_BYTES_PER_S = 3.0e12
 KV_BYTES_PER_S = 2.6e12
 MATMUL_FLOPS = 560e12
@@ -229,24 +231,17 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
-    return value
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.schedule_replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", choices=["mixed", "load512", "shared", "beside"], default="mixed",
                         help="the load (above)")
     parser.add_argument("--tree", help="replay this checkout's scheduler (and launcher defaults) instead of ours")
-    parser.add_argument("--stall-free-tokens", type=_positive,
+    parser.add_argument("--stall-free-tokens", type=positive_int,
                         help="the scheduler's stall_free_tokens (default: the tree's launcher default)")
     parser.add_argument("--stall-free-row-tokens", type=_non_negative,
                         help="the scheduler's stall_free_row_tokens (default: the tree's launcher default)")
-    parser.add_argument("--max-prefill-tokens", type=_positive, help="the step budget (default: the launcher's)")
+    parser.add_argument("--max-prefill-tokens", type=positive_int, help="the step budget (default: the launcher's)")
     parser.add_argument("--arrivals-log",
                         help="a server log of this load: requests arrive when it shows them validated")
     parser.add_argument("--spread", type=_non_negative, default=0.0,
