@@ -260,6 +260,11 @@ class PrefillLaunch(NamedTuple):
 #   the same run: whole 32k 326 -> 388 TFLOP/s, 100k 325 -> 382, 2,048-token chunks at 32k / 100k keys
 #   241 -> 338 / 298 -> 431, whole 4k 226 -> 220. 4 stages do not fit in shared memory with the prefetch.
 #   float32 (IEEE dots: the parity tests) runs 64 rows: 128 made the GPU parity tests too slow to finish.
+#   Tried and not kept (stop 65): a program walking two query tiles' common keys together, ordered so one tile's
+#   softmax runs while the other's P.V dot is in flight (Triton waits on each scores dot at once). A stand-alone
+#   toy on contiguous K/V went 575 -> 647 TFLOP/s with it (one H200), but this kernel did not: whole 32k
+#   500 -> 492-500, 100k 495 -> 497-501, sweeping 9 such launches (the best 128 rows x 2, 64 keys, 8 warps, 3
+#   stages; no spill in its loop). The patch and numbers: stop 65's note.
 # - 64 and 256: not timed yet; from ptxas's report for sm_90a (no spill: 8 warps, 64 / 32 keys a step;
 #   float32 smaller tiles).
 CUDA_LAUNCHES = {64: PrefillLaunch(128, 64, 8, 2), 128: PrefillLaunch(128, 128, 8, 3, prefetch=True),
