@@ -32,10 +32,17 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from array import array
+from collections import OrderedDict
 
 # A text of at least twice this many characters is cut into pieces of about this many (each piece is
-# one task of the batch call's thread pool; ~4 characters a token)
-PIECE_CHARS = 16_384
+# one task of the batch call's thread pool; ~4 characters a token). Small enough that prompts which share
+# a system prompt or a conversation share their first pieces (``PieceCache``): 16,384 before, and on a
+# 2-core CPU a 32,000-token text encoded in 28-31 ms in pieces of either size.
+PIECE_CHARS = 2_048
+# Pieces a ``PieceCache`` keeps (about 2,000 characters and 500 ids each: some 16 MB in all)
+CACHED_PIECES = 4_096
 # How far past a piece's nominal end the cut may move to find a space between two ASCII letters
 CUT_SEARCH_CHARS = 4_096
 _CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
@@ -98,14 +105,59 @@ class PieceCutter:
         return ids
 
 
-def encode_ids(backend, cutter: PieceCutter | None, texts: list[str], special: bool) -> list[list[int]]:
-    """Each text's ids from one ``encode_batch_fast`` call, long texts cut by ``cutter`` (None: whole)."""
-    pieces = [cutter.cut(text) if cutter is not None else [text] for text in texts]
+class PieceCache:
+    """The ids of recently encoded pieces, by the text encoded: without special tokens a piece's ids depend on its
+    text alone, and cut where ``PieceCutter.cut`` cuts (the first cut searched from ``piece_chars`` on, each next
+    one from the last), texts that begin alike are cut alike up to where they differ. A burst of prompts behind
+    one system prompt encodes its pieces once. At most ``max_pieces``, the least recently used dropped first;
+    the validation threads share it."""
+
+    def __init__(self, max_pieces: int = CACHED_PIECES):
+        self.max_pieces = max_pieces
+        self.hits = self.misses = 0
+        self._ids: OrderedDict[str, array] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def take(self, texts: list[str]) -> dict[str, array]:
+        """The cached ids of those of ``texts`` (distinct) that are cached, each marked recently used."""
+        found = {}
+        with self._lock:
+            for text in texts:
+                ids = self._ids.get(text)
+                if ids is not None:
+                    self._ids.move_to_end(text)
+                    found[text] = ids
+            self.hits += len(found)
+            self.misses += len(texts) - len(found)
+        return found
+
+    def put(self, encoded: dict[str, array]) -> None:
+        with self._lock:
+            self._ids.update(encoded)
+            while len(self._ids) > self.max_pieces:
+                self._ids.popitem(last=False)
+
+
+def encode_ids(backend, cutter: PieceCutter | None, texts: list[str], special: bool,
+               cache: PieceCache | None = None) -> list[list[int]]:
+    """Each text's ids from one ``encode_batch_fast`` call, long texts cut by ``cutter`` (None: whole) and each
+    distinct piece encoded once, none that ``cache`` holds (the pieces encoded go into it)."""
+    pieces = [cutter.encoded(cutter.cut(text)) if cutter is not None else [text] for text in texts]
     if all(len(p) == 1 for p in pieces):
         return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=special)]
-    flat = [piece for p in pieces for piece in cutter.encoded(p)]
-    encodings = iter(backend.encode_batch_fast(flat, add_special_tokens=False))
-    return [cutter.join([next(encodings).ids for _ in p], special) for p in pieces]
+    distinct = list(dict.fromkeys(piece for p in pieces for piece in p))
+    known = cache.take(distinct) if cache is not None else {}
+    missing = [piece for piece in distinct if piece not in known]
+    if missing:
+        encodings = backend.encode_batch_fast(missing, add_special_tokens=False)
+        fresh = {piece: array("i", e.ids) for piece, e in zip(missing, encodings)}
+        if cache is not None:
+            cache.put(fresh)
+        known.update(fresh)
+    return [cutter.join([known[piece] for piece in p], special) for p in pieces]
 
 
 KEEP_SPACE, DROP_SPACE = "keep", "drop"

@@ -11,7 +11,8 @@ tokens) would take turns with the event loop. A prompt needs only its ids: those
 through ``encode_batch_fast``, which skips the character offsets (half the work of a
 long prompt); /tokenize asks for offsets and gets ``encode_batch``. A long prompt is cut into
 pieces that the batch call encodes side by side, where the tokenizer allows it exactly
-(``tgi_compat.text_pieces``).
+(``tgi_compat.text_pieces``), and the pieces it encoded lately are not encoded again
+(``PieceCache``: prompts behind one system prompt, a conversation's earlier turns).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import queue
 import threading
 from concurrent.futures import Future
 
-from .text_pieces import PieceCutter, encode_ids
+from .text_pieces import PieceCache, PieceCutter, encode_ids
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class TokenizerAdapter:
         # encode_batch pads and truncates if the tokenizer.json asks for it; encode alone does not
         batchable = self._backend.padding is None and self._backend.truncation is None
         self.cutter = PieceCutter.for_tokenizer(self._backend) if batchable else None   # None: texts whole
+        self.piece_cache = PieceCache() if self.cutter is not None else None
         self._encoder = _BatchingEncoder(self, workers, batchable)
 
     def close(self) -> None:
@@ -209,6 +211,7 @@ class _BatchingEncoder:
     def _encode_batch(self, texts: list[str], special: bool, offsets: bool) -> list[Encoding]:
         backend = self._adapter._backend
         if not offsets:
-            return [Encoding(ids) for ids in encode_ids(backend, self._adapter.cutter, texts, special)]
+            return [Encoding(ids) for ids in encode_ids(backend, self._adapter.cutter, texts, special,
+                                                        self._adapter.piece_cache)]
         encodings = backend.encode_batch(texts, add_special_tokens=special)
         return [Encoding(e.ids, text=text, raw=e) for text, e in zip(texts, encodings)]

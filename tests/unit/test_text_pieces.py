@@ -4,11 +4,12 @@ SentencePiece style: Metaspace or the Prepend/Replace normalizers over merges th
 tokenizers whose ids a cut could change are left whole."""
 import asyncio
 import random
+from array import array
 
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from tgi_compat.text_pieces import LLAMA3_SPLIT, QWEN2_SPLIT, PieceCutter, encode_ids
+from tgi_compat.text_pieces import LLAMA3_SPLIT, QWEN2_SPLIT, PieceCache, PieceCutter, encode_ids
 from tgi_compat.tokenization import TokenizerAdapter
 from weights.tokenizer_builder import build_tokenizer
 
@@ -99,6 +100,64 @@ def test_pieces_give_one_encodes_ids(name, special):
     assert max(len(cutter.cut(t)) for t in texts) > 100
     got = encode_ids(tokenizer, cutter, texts, special)
     assert got == [tokenizer.encode(t, add_special_tokens=special).ids for t in texts]
+
+
+class CountingBackend:
+    """A tokenizer whose batch calls are recorded: the texts each call encoded."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def encode_batch_fast(self, texts, add_special_tokens):
+        self.calls.append(list(texts))
+        return self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+
+@pytest.mark.parametrize("name", ["llama-3 split", "sentencepiece legacy prepend + replace (Llama-2)"])
+def test_prompts_behind_one_prefix_encode_its_pieces_once(name):
+    """A burst behind one long prefix: in one batch each distinct piece is encoded once, and a later batch behind
+    the same prefix encodes only the pieces it does not share (its cuts fall where the first batch's did); every
+    text still gets one encode's ids, also where the texts part inside a piece or right after a cut."""
+    tokenizer = ACCEPTED[name]()
+    cutter = PieceCutter.for_tokenizer(tokenizer, piece_chars=40)
+    backend, cache = CountingBackend(tokenizer), PieceCache()
+    rng = random.Random(11)
+    prefix = random_text(rng, 400)
+    shared = cutter.encoded(cutter.cut(prefix))[:-2]       # the prefix's pieces that no suffix can change
+    assert len(shared) > 10
+    first = [prefix + random_text(rng, 30) for _ in range(6)]
+    assert encode_ids(backend, cutter, first, True, cache) == [tokenizer.encode(t).ids for t in first]
+    encoded = backend.calls[0]
+    assert len(encoded) == len(set(encoded)) < sum(len(cutter.cut(t)) for t in first) - 5 * len(shared)
+    assert set(shared) <= set(encoded)
+    at_a_cut = "".join(cutter.cut(prefix)[:10])
+    later = [prefix + random_text(rng, 30) for _ in range(3)] + [at_a_cut + " zebra cat", at_a_cut]
+    assert encode_ids(backend, cutter, later, False, cache) == [
+        tokenizer.encode(t, add_special_tokens=False).ids for t in later]
+    assert not set(shared) & set(backend.calls[1]) and cache.hits >= len(shared)
+
+
+def test_the_piece_cache_drops_the_least_recently_used_piece():
+    cache = PieceCache(max_pieces=2)
+    cache.put({"a": array("i", [1]), "b": array("i", [2])})
+    assert list(cache.take(["a", "x"])) == ["a"] and (cache.hits, cache.misses) == (1, 1)
+    cache.put({"c": array("i", [3])})       # "b" was used least recently
+    assert list(cache.take(["a", "b", "c"])) == ["a", "c"] and len(cache) == 2
+
+
+def test_the_front_end_keeps_the_pieces_it_encoded():
+    """The validation threads share one cache per tokenizer: a second prompt behind the same long prefix hits it."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=ACCEPTED["llama-3 split"](), bos_token="<s>")
+    adapter = TokenizerAdapter(fast, workers=2)
+    try:
+        prefix = random_text(random.Random(5), 3 * adapter.cutter.piece_chars)
+        for suffix in (" alpha beta", " gamma delta"):
+            assert asyncio.run(adapter.encode(prefix + suffix)).ids == adapter.encode_sync(prefix + suffix).ids
+        assert adapter.piece_cache.hits > 0 and len(adapter.piece_cache) > 2
+    finally:
+        adapter.close()
 
 
 def test_a_sentencepiece_piece_keeping_its_space_would_change_the_ids():
