@@ -42,8 +42,10 @@ def test_dequantize_follows_the_packed_layout(device, group, act_order):
 
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))
+# rows: one, or several (the FMA configs: a program per row, the same program whatever their number; the dot
+# configs and the default one's for 2-16 rows: one masked 16-row tile), so three rows cover what five would
 @pytest.mark.parametrize("rows,group,act_order,has_bias", [(1, 32, False, True), (3, 16, False, False),
-                                                            (5, -1, False, True), (2, 16, True, True)])
+                                                            (3, -1, False, True), (2, 16, True, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int4_gemm_matches_reference(device, dtype, rows, group, act_order, has_bias, config_name):
     config = CONFIGS[config_name]      # the FMA configs take several rows as one program per row

@@ -141,7 +141,8 @@ def test_rope_scaling_from_the_command_line_is_refused(tmp_path):
 def test_requests_behind_a_cached_prefix_match_transformers_with_the_triton_kernels(tmp_path):
     """Nine requests behind one 70-token prefix: the prefix cache hands the later eight its unrotated K/V
     slots, the router groups them as sharing it, and the attention kernels (under the interpreter) attend
-    without the shared-prefix path (ALiBi needs each row's positions); every token is transformers'."""
+    without the shared-prefix path (ALiBi needs each row's positions); every token is transformers' (3 a
+    request: the eight prefill their own tokens, then decode twice as one group)."""
     path = save_tiny_model("bloom", tmp_path / "bloom")
     hf = load_hf(path)
     engine = Engine(EngineConfig(model_dir=str(path), device="cpu", kernel_backend="triton", num_slots=1024,
@@ -149,7 +150,7 @@ def test_requests_behind_a_cached_prefix_match_transformers_with_the_triton_kern
     g = torch.Generator().manual_seed(5)
     prefix = torch.randint(3, 384, (70,), generator=g).tolist()
     all_prompts = [prefix + torch.randint(3, 384, (1 + i % 4,), generator=g).tolist() for i in range(9)]
-    request = lambda i: GenerationRequest(i, all_prompts[i], 4, stop_token_ids=[])  # noqa: E731
+    request = lambda i: GenerationRequest(i, all_prompts[i], 3, stop_token_ids=[])  # noqa: E731
     shared_rows = []
     schedule = engine.router.scheduler.schedule
 
@@ -163,7 +164,7 @@ def test_requests_behind_a_cached_prefix_match_transformers_with_the_triton_kern
     outputs.update(engine.generate([request(i) for i in range(1, 9)]))
     assert max(shared_rows) == 8
     for i, prompt in enumerate(all_prompts):
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
         assert [o.token_id for o in outputs[i]] == out[0, len(prompt):].tolist(), f"request {i}"
     assert engine.kv_usage()[0] == 0
 

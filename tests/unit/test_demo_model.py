@@ -89,17 +89,40 @@ def _compiles(source: str) -> bool:
         return False
 
 
+def small_stdlib(folder: Path, train_bytes: int = 1_000_000) -> Path:
+    """The standard library's top-level modules as a corpus for `train.py --stdlib`: every held-out and
+    validation file among them (the script's own split), and training files up to ``train_bytes``."""
+    import shutil
+    import sysconfig
+
+    from weights.demo.train import split_of
+
+    folder.mkdir()
+    stdlib, kept = Path(sysconfig.get_paths()["stdlib"]), 0
+    for path in sorted(stdlib.glob("*.py")):
+        if split_of(path.name) == "train":
+            if kept >= train_bytes:
+                continue
+            kept += path.stat().st_size
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
 def test_the_training_script_smoke_run_writes_a_servable_checkpoint(tmp_path):
-    """`train.py --smoke` (tiny model, 20 steps on the CPU): the whole pipeline from corpus to card."""
+    """`train.py --smoke` (tiny model, 20 steps on the CPU): the whole pipeline from corpus to card, on a corpus of
+    about 1.7 MB of the standard library (every split present) instead of all of it: the tokenizer's training and
+    the encoding, not the pipeline, are what the whole library makes slow."""
     import subprocess
     import sys
 
     out = tmp_path / "smoke"
-    run = subprocess.run([sys.executable, str(DEMO / "train.py"), "--smoke", "--device", "cpu", "--out", str(out)],
+    run = subprocess.run([sys.executable, str(DEMO / "train.py"), "--smoke", "--device", "cpu", "--out", str(out),
+                          "--stdlib", str(small_stdlib(tmp_path / "stdlib"))],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     record = json.loads((out / "training_log.json").read_text())
     assert record["training"]["steps"] == 20 and record["model"]["kv_heads"] < record["model"]["heads"]
+    assert all(record["corpus"]["files"][split] > 0 for split in ("train", "val", "heldout")), record["corpus"]
     assert abs(recorded_heldout_loss_of(out) - record["heldout"]["loss"]) < 1e-4
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     engine = Engine(EngineConfig(model_dir=str(out), device="cpu", kernel_backend="torch", num_slots=512))
@@ -109,7 +132,8 @@ def test_the_training_script_smoke_run_writes_a_servable_checkpoint(tmp_path):
 
 def test_the_medusa_training_script_smoke_run_writes_heads_the_engine_loads(tmp_path):
     """`train_medusa.py` on a few windows and steps: heads in TGI's layout, with a config naming the demo model
-    relative to themselves, that the engine plans with and that draft (the bundled heads came from a full run)."""
+    relative to themselves, that the engine plans with and that draft (the bundled heads came from a full run); on
+    the small corpus of the smoke run above (``--stdlib``), not the whole standard library."""
     import subprocess
     import sys
 
@@ -117,7 +141,8 @@ def test_the_medusa_training_script_smoke_run_writes_heads_the_engine_loads(tmp_
 
     out = tmp_path / "medusa"
     run = subprocess.run([sys.executable, str(DEMO / "train_medusa.py"), "--out", str(out), "--windows", "2",
-                          "--heldout-windows", "1", "--steps", "3", "--batch", "16", "--heads", "2", "--layers", "2"],
+                          "--heldout-windows", "1", "--steps", "3", "--batch", "16", "--heads", "2", "--layers", "2",
+                          "--stdlib", str(small_stdlib(tmp_path / "stdlib"))],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     config = json.loads((out / "config.json").read_text())
@@ -125,5 +150,6 @@ def test_the_medusa_training_script_smoke_run_writes_heads_the_engine_loads(tmp_
     assert (out / config["base_model_name_or_path"]).resolve() == DEMO.resolve()
     record = json.loads((out / "training_log.json").read_text())
     assert record["run"]["steps"] == 3 and len(record["heldout_after"]["head_accuracy"]) == 2
+    assert record["args"]["stdlib"] == str(tmp_path / "stdlib")
     plan = plan_engine(EngineConfig(model_dir=str(DEMO), device="cpu", speculate=2, draft_heads=str(out)))
     assert plan.scheduler.draft_heads and plan.worker.draft_heads == str(out)

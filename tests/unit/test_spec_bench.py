@@ -32,10 +32,12 @@ def test_compare_prompts_tells_identical_runs_near_ties_and_real_differences():
 
 
 @pytest.mark.parametrize("task,heads", [("rename", None), ("write", spec_bench.DEMO / "medusa")])
-def test_demo_reports_each_prompt_from_an_untimed_pass_with_top_tokens(task, heads):
+def test_demo_reports_each_prompt_from_an_untimed_pass_with_top_tokens(task, heads, monkeypatch):
     """The demo model on the CPU (float32, the torch kernels): the speculating run's tokens are plain
     decoding's on every prompt, with n-gram drafts and with the bundled Medusa heads drafting on prompts
-    that ask for a function's body."""
+    that ask for a function's body. Two timed passes, not the bench's five: the best of several still has to
+    be the one reported, and no speed is asserted."""
+    monkeypatch.setattr(spec_bench, "DEMO_PASSES", 2)
     summary = spec_bench.demo(Namespace(new_tokens=24, prompts=2, speculate="4", kernel_backend="torch",
                                         task=task, draft_heads=heads and str(heads)))
     result = summary["by_speculate"]["4"]

@@ -95,21 +95,22 @@ def test_each_decoding_request_adds_its_share_to_the_cap():
 def test_a_larger_decode_batch_lets_a_long_prompt_take_larger_chunks():
     """The same prompt beside one decoding request and beside eight: with the per-request share its chunks
     grow with the batch (without it they would shrink a little: the batch's context only); every step keeps
-    its decode rows and stays within the cap."""
+    its decode rows and stays within the cap. The batch decodes 200 tokens: past the prompt's last chunk
+    (step 66 beside one), and every chunk is checked to have been planned beside it."""
     def chunks_beside(batch: int) -> list[int]:
         config = SchedulerConfig(max_prefill_tokens=4096, max_seq_len=4000, stall_free_tokens=24,
                                  stall_free_row_tokens=16, attention_span=300, kv_weight_tokens=500,
                                  prefix_caching=False)
         sched = Scheduler(SlotAllocator(num_slots=20_000, max_requests=16), config)
         for rid in range(batch):
-            sched.add(make_request(rid, 10, 600))
+            sched.add(make_request(rid, 10, 200))
         drive(sched, 2)
         sched.add(make_request(99, 1200, 2))
         sizes = []
 
         def check(i, step, decoding):
             rows = {r.request_id for r in step.rows if r.input_ids[0] == FED_BACK}
-            assert decoding <= rows
+            assert decoding <= rows and (len(decoding) == batch or not prompt_rows(step))
             context = sum(r.held_tokens for r in sched.running if r.request_id in decoding)
             cap = 24 * (1 + context / 500) + 16 * len(decoding)
             cost = sum(chunk_cost(r.start_pos, len(r.input_ids), 300) for r in prompt_rows(step))
@@ -258,10 +259,12 @@ def test_the_first_prompt_moves_by_a_whole_tile_at_least():
 
 
 def test_every_chunk_beside_a_stream_costs_its_whole_tiles_within_the_cap():
-    sched = a_prompt_beside_a_stream(5000, 2000, stall_free_tokens=200, attention_span=1000, kv_weight_tokens=50_000)
+    """The stream decodes 300 tokens: past the prompt's last chunk (step 109), each chunk planned beside it."""
+    sched = a_prompt_beside_a_stream(5000, 300, stall_free_tokens=200, attention_span=1000, kv_weight_tokens=50_000)
     chunks = []
 
     def check(i, step, decoding):
+        assert decoding == {0} or not prompt_rows(step), f"step {i}: a chunk without the stream"
         cap = 200 * (1 + sum(r.held_tokens for r in sched.running if r.request_id in decoding) / 50_000)
         for r in prompt_rows(step):
             chunks.append(len(r.input_ids))

@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for config.json, medusa_lm_head.safetensors, the log")
     p.add_argument("--model", default=HERE, help="the demo model's directory")
+    p.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"],
+                   help="the corpus: a directory of Python files, split as train.py splits them (default: this "
+                        "interpreter's standard library, what the bundled heads were trained on)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
     p.add_argument("--windows", type=int, default=400, help="training windows of 512 tokens")
@@ -173,7 +176,7 @@ def main(argv=None) -> int:
     torch.manual_seed(a.seed)
     tokenizer = Tokenizer.from_file(os.path.join(a.model, "tokenizer.json"))
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-    corpus = load_corpus(sysconfig.get_paths()["stdlib"])
+    corpus = load_corpus(a.stdlib)
     data = {split: windows_of(tokenizer, [text for _, text in corpus[split]], count, a.seed)
             for split, count in (("train", a.windows), ("heldout", a.heldout_windows))}
     log(f"distilling {len(data['train'])} training and {len(data['heldout'])} held-out windows")
