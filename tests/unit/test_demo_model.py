@@ -108,6 +108,19 @@ def small_stdlib(folder: Path, train_bytes: int = 1_000_000) -> Path:
     return folder
 
 
+def test_a_corpus_that_leaves_a_split_empty_is_refused_with_what_to_do(tmp_path):
+    """``--stdlib`` of train.py and train_medusa.py: a missing directory, or one whose files leave a split empty, is
+    a CorpusError that says so (the scripts print it and exit 1), not a traceback from deep in training."""
+    from weights.demo.train import CorpusError, load_corpus
+
+    with pytest.raises(CorpusError, match="is not a directory"):
+        load_corpus(str(tmp_path / "missing"))
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.py").write_text("x = 1\n")
+    with pytest.raises(CorpusError, match="falls in the"):
+        load_corpus(str(tmp_path / "one"))
+
+
 def test_the_training_script_smoke_run_writes_a_servable_checkpoint(tmp_path):
     """`train.py --smoke` (tiny model, 20 steps on the CPU): the whole pipeline from corpus to card, on a corpus of
     about 1.7 MB of the standard library (every split present) instead of all of it: the tokenizer's training and

@@ -103,7 +103,15 @@ def split_of(relpath: str) -> str:
     return "train"
 
 
+class CorpusError(ValueError):
+    """--stdlib names no directory, or one whose Python files leave a split empty."""
+
+
 def load_corpus(stdlib: str) -> dict:
+    """The directory's UTF-8 .py files by split (``split_of``); CorpusError where it is missing or a split empty."""
+    if not os.path.isdir(stdlib):
+        raise CorpusError(f"--stdlib {stdlib} is not a directory: give a directory of Python files (default: this "
+                          f"interpreter's standard library)")
     paths = []
     for d, dirs, files in os.walk(stdlib):
         dirs[:] = sorted(x for x in dirs if x not in EXCLUDED_DIRS)
@@ -124,6 +132,10 @@ def load_corpus(stdlib: str) -> dict:
         if not text.strip():
             continue
         corpus[split_of(rel)].append((rel, text))
+    empty = [split for split in ("train", "val", "heldout") if not corpus[split]]
+    if empty:
+        raise CorpusError(f"--stdlib {stdlib}: none of its {len(paths)} .py files falls in the {' and '.join(empty)} "
+                          f"split (a file's split comes from its path): give a directory with more Python files")
     corpus["skipped_non_utf8"] = skipped
     return corpus
 
@@ -804,4 +816,7 @@ demonstration and testing only, without any warranty.
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except CorpusError as e:     # a bad --stdlib: the message, no traceback
+        sys.exit(f"error: {e}")

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))     # the repository root
 
-from weights.demo.train import BOS, EOS, load_corpus  # noqa: E402
+from weights.demo.train import BOS, EOS, CorpusError, load_corpus  # noqa: E402
 
 WINDOW = 512
 
@@ -197,4 +197,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except CorpusError as e:     # a bad --stdlib: the message, no traceback
+        sys.exit(f"error: {e}")
