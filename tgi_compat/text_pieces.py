@@ -41,8 +41,9 @@ from collections import OrderedDict
 # a system prompt or a conversation share their first pieces (``PieceCache``): 16,384 before, and on a
 # 2-core CPU a 32,000-token text encoded in 28-31 ms in pieces of either size.
 PIECE_CHARS = 2_048
-# Pieces a ``PieceCache`` keeps (about 2,000 characters and 500 ids each: some 16 MB in all)
-CACHED_PIECES = 4_096
+# Characters of the pieces a ``PieceCache`` keeps (with their ids, about 2 bytes a character: some 16 MB). A bound
+# on characters, not pieces: a text with no place to cut ends in one piece as long as the rest of it.
+CACHED_CHARS = 8_000_000
 # How far past a piece's nominal end the cut may move to find a space between two ASCII letters
 CUT_SEARCH_CHARS = 4_096
 _CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
@@ -109,13 +110,14 @@ class PieceCache:
     """The ids of recently encoded pieces, by the text encoded: without special tokens a piece's ids depend on its
     text alone, and cut where ``PieceCutter.cut`` cuts (the first cut searched from ``piece_chars`` on, each next
     one from the last), texts that begin alike are cut alike up to where they differ. A burst of prompts behind
-    one system prompt encodes its pieces once. At most ``max_pieces``, the least recently used dropped first;
-    the validation threads share it."""
+    one system prompt encodes its pieces once. Pieces of at most ``max_chars`` characters in all, the least recently
+    used dropped first; the validation threads share it."""
 
-    def __init__(self, max_pieces: int = CACHED_PIECES):
-        self.max_pieces = max_pieces
+    def __init__(self, max_chars: int = CACHED_CHARS):
+        self.max_chars = max_chars
         self.hits = self.misses = 0
         self._ids: OrderedDict[str, array] = OrderedDict()
+        self._chars = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -136,9 +138,12 @@ class PieceCache:
 
     def put(self, encoded: dict[str, array]) -> None:
         with self._lock:
-            self._ids.update(encoded)
-            while len(self._ids) > self.max_pieces:
-                self._ids.popitem(last=False)
+            for text, ids in encoded.items():
+                if text not in self._ids:
+                    self._chars += len(text)
+                self._ids[text] = ids
+            while self._chars > self.max_chars:
+                self._chars -= len(self._ids.popitem(last=False)[0])
 
 
 def encode_ids(backend, cutter: PieceCutter | None, texts: list[str], special: bool,

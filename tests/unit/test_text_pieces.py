@@ -137,12 +137,18 @@ def test_prompts_behind_one_prefix_encode_its_pieces_once(name):
     assert not set(shared) & set(backend.calls[1]) and cache.hits >= len(shared)
 
 
-def test_the_piece_cache_drops_the_least_recently_used_piece():
-    cache = PieceCache(max_pieces=2)
-    cache.put({"a": array("i", [1]), "b": array("i", [2])})
+def test_the_piece_cache_drops_the_least_recently_used_pieces_past_its_characters():
+    """Bounded by characters, not pieces: one long piece (a text with no place to cut) pushes out as many short ones
+    as it needs, and one longer than the whole bound is not kept."""
+    cache = PieceCache(max_chars=4)
+    cache.put({"a": array("i", [1]), "bb": array("i", [2])})
     assert list(cache.take(["a", "x"])) == ["a"] and (cache.hits, cache.misses) == (1, 1)
-    cache.put({"c": array("i", [3])})       # "b" was used least recently
-    assert list(cache.take(["a", "b", "c"])) == ["a", "c"] and len(cache) == 2
+    cache.put({"cc": array("i", [3])})      # "bb" was used least recently
+    assert list(cache.take(["a", "bb", "cc"])) == ["a", "cc"] and len(cache) == 2
+    cache.put({"dddd": array("i", [4])})
+    assert list(cache.take(["a", "cc", "dddd"])) == ["dddd"]
+    cache.put({"eeeee": array("i", [5])})
+    assert len(cache) == 0
 
 
 def test_the_front_end_keeps_the_pieces_it_encoded():
