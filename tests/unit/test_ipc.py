@@ -233,3 +233,32 @@ def test_a_shard_sends_a_result_as_soon_as_its_step_is_done_while_it_launches_th
     shard.join(5)
     assert not shard.is_alive() and not router_end.poll(0)
     assert worker.sent_during == [(True, 10), (True, 11)] and last == 12
+
+
+@pytest.mark.parametrize("slice_s, first_step_sees", [(0.0, 1), (60.0, 40)])
+def test_the_router_steps_before_it_has_read_a_whole_burst(monkeypatch, slice_s, first_step_sees):
+    """``RouterLoop.run`` reads its inbox for ``INBOX_SLICE_S`` at most once it has work, then steps: the first
+    request of a burst starts while the rest are still in the pipe. A slice longer than the burst reads it all."""
+    import multiprocessing
+
+    from engine.router import process
+    from engine.router.allocator import SlotAllocator
+    from engine.router.router import Router
+    from engine.router.scheduler import Scheduler, SchedulerConfig
+
+    class FirstStep(Exception):
+        pass
+
+    class Shards:
+        def submit(self, step):
+            raise FirstStep(len(scheduler.waiting) + len(scheduler.running), len(step.rows))
+
+    monkeypatch.setattr(process, "INBOX_SLICE_S", slice_s)
+    scheduler = Scheduler(SlotAllocator(4096, 64), SchedulerConfig(max_prefill_tokens=512, max_seq_len=32))
+    front_end, router_front_end = multiprocessing.Pipe()
+    for rid in range(1, 41):
+        front_end.send_bytes(encode(GenerationRequest(rid, [5, 6, 7], 2)))
+    loop = process.RouterLoop(Router(scheduler, Shards(), eos_token_ids=(0,)), process.FrontendLinks([router_front_end]))
+    with pytest.raises(FirstStep) as first:
+        loop.run()
+    assert first.value.args == (first_step_sees, first_step_sees)      # requests read, and all in the first step
