@@ -121,6 +121,19 @@ def test_a_corpus_that_leaves_a_split_empty_is_refused_with_what_to_do(tmp_path)
         load_corpus(str(tmp_path / "one"))
 
 
+def test_the_medusa_script_refuses_a_bad_corpus_before_it_loads_the_model(tmp_path):
+    """``train_medusa.py --stdlib`` missing: one line and exit 1, before the model loads (a missing model
+    directory, loaded first, would fail with a traceback of its own)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(DEMO / "train_medusa.py"), "--model", str(tmp_path / "no-model"),
+                          "--stdlib", str(tmp_path / "no-stdlib"), "--out", str(tmp_path / "heads")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1].startswith("error: ") and "is not a directory" in run.stderr
+
+
 def test_the_training_script_smoke_run_writes_a_servable_checkpoint(tmp_path):
     """`train.py --smoke` (tiny model, 20 steps on the CPU): the whole pipeline from corpus to card, on a corpus of
     about 1.7 MB of the standard library (every split present) instead of all of it: the tokenizer's training and

@@ -174,9 +174,9 @@ def main(argv=None) -> int:
 
     a = parse_args(argv)
     torch.manual_seed(a.seed)
+    corpus = load_corpus(a.stdlib)      # first: a bad --stdlib is refused before the model loads
     tokenizer = Tokenizer.from_file(os.path.join(a.model, "tokenizer.json"))
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-    corpus = load_corpus(a.stdlib)
     data = {split: windows_of(tokenizer, [text for _, text in corpus[split]], count, a.seed)
             for split, count in (("train", a.windows), ("heldout", a.heldout_windows))}
     log(f"distilling {len(data['train'])} training and {len(data['heldout'])} held-out windows")
