@@ -341,11 +341,16 @@ class Limits:
 
 
 STEP_TOKENS = 4096        # the default step budget (chunked prefill: prompts of any length fit)
-ARRIVAL_WINDOW_S = 0.1    # a request came this recently: the router plans after a prompt step in flight, not beside
+ARRIVAL_WINDOW_S = 0.02   # a request came this recently: the router plans after a prompt step in flight, not beside
 #                           it (engine.router.router), so arrivals during that step join the next one: a burst's
 #                           first tokens come a step sooner (one H100: the prompt steps of a 256-request
-#                           shared-prefix burst took 31-154 ms each). Not with --speculate: its verify rows keep
-#                           the step order they were tested with (stop 35's note)
+#                           shared-prefix burst took 31-154 ms each). 20 ms, not 100: the router reads its pipes
+#                           while a step runs, so a burst's arrivals are there when the step ends, and steps
+#                           after the burst plan beside the one in flight again 20 ms after its last request (one
+#                           H200, that burst's TTFT p50 over five bursts 517 -> 456 ms; the 512-request load
+#                           8,608 -> 8,505 tokens/s, the mean of two runs each, within the 2-5% by which the
+#                           second server of a run was slower either way). Not with --speculate: its verify rows
+#                           keep the step order they were tested with (stop 35's note)
 STALL_FREE_TOKENS = 192   # with the default budget, while requests decode, the prompt chunks' cost cap
 STALL_FREE_ROW_TOKENS = 64  # (engine.router.scheduler) is 192 (times 1 + decode context / kv_weight_tokens), plus
 #                           64 per decoding request. Stop 46, one H200 through HTTP, against a cap of 704 for every
