@@ -621,7 +621,6 @@ def training_record(a, data: Data, heldout: Heldout, n_params: int, run: TrainRu
     import tokenizers
     from transformers import __version__ as tf_version
 
-    final_val = run.evals[-1][1] if run.evals else None
     return {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "args": vars(a),
@@ -630,52 +629,68 @@ def training_record(a, data: Data, heldout: Heldout, n_params: int, run: TrainRu
         "transformers": tf_version,
         "tokenizers": tokenizers.__version__,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
-        "corpus": {
-            "root": "sysconfig.get_paths()['stdlib'] of Python " + platform.python_version(),
-            "excluded_dirs": sorted(EXCLUDED_DIRS),
-            "split": f"sha256(relpath) % 1000 < {HELDOUT_PER_MILLE}: heldout, "
-                     f"< {HELDOUT_PER_MILLE + VAL_PER_MILLE}: val, else train",
-            "files": data.counts,
-            "bytes": data.nbytes,
-            "tokens": data.ntok,
-            "skipped_non_utf8": data.corpus["skipped_non_utf8"],
-            "heldout_files": [r for r, _ in data.corpus["heldout"]],
-            "val_files": [r for r, _ in data.corpus["val"]],
-        },
+        "corpus": corpus_record(data),
         "tokenizer": {"type": "byte-level BPE", "vocab_size": data.tok.get_vocab_size(),
                       "special_tokens": SPECIAL_TOKENS, "train_seconds": round(data.t_tok_train, 2),
                       "encode_seconds": round(data.t_tok_encode, 2)},
-        "model": {"architecture": "LlamaForCausalLM", "params": n_params,
-                  "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
-                  "layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads,
-                  "vocab_size": data.tok.get_vocab_size(),
-                  "max_position_embeddings": a.max_position_embeddings,
-                  "train_seq_len": a.seq_len},
-        "training": {"steps": run.step, "planned_steps": run.total, "steps_limited_by": run.limited_by,
-                     "stopped_by_time": run.stopped_by_time, "steps_per_epoch": run.steps_per_epoch,
-                     "epochs": round(run.step / run.steps_per_epoch, 2), "batch_size": a.batch_size,
-                     "tokens_seen": run.step * a.batch_size * a.seq_len, "lr": a.lr,
-                     "warmup": run.warmup,
-                     "train_seconds": round(run.seconds, 1),
-                     "final_train_loss": run.losses[-1][1] if run.losses else None,
-                     "train_loss_at_kept_step": run.kept_train_loss,
-                     "train_loss_curve": run.losses,
-                     "val_loss_curve": [(st, vl) for st, vl, _ in run.evals],
-                     "final_val_loss": final_val, "best_val_loss": round(run.best[0], 4),
-                     "kept_step": run.best[1] if run.best[2] is not None else run.step},
-        "heldout": {"file": "heldout.txt", "files": heldout.files,
-                    "bytes": len(heldout.text.encode("utf-8")), "tokens": len(heldout.ids),
-                    "window": WINDOW, "loss": round(heldout_loss, 4),
-                    "perplexity": round(math.exp(heldout_loss), 3),
-                    "definition": "mean next-token cross-entropy (nats) over all predicted "
-                                  "tokens of non-overlapping 512-token windows of "
-                                  "tokenizer(heldout.txt) (with the leading <s>), each window "
-                                  "scored independently; saved bf16 weights run in float32"},
+        "model": model_record(a, data, n_params),
+        "training": run_record(a, run),
+        "heldout": heldout_record(heldout, heldout_loss),
         "greedy_samples": samples,
         "reproduce": reproduce_command(sys.argv[1:], run.total),
         "folder_bytes": folder_bytes(out),
         "wall_seconds": round(time.time() - T0, 1),
     }
+
+
+def corpus_record(data: Data) -> dict:
+    return {
+        "root": "sysconfig.get_paths()['stdlib'] of Python " + platform.python_version(),
+        "excluded_dirs": sorted(EXCLUDED_DIRS),
+        "split": f"sha256(relpath) % 1000 < {HELDOUT_PER_MILLE}: heldout, "
+                 f"< {HELDOUT_PER_MILLE + VAL_PER_MILLE}: val, else train",
+        "files": data.counts,
+        "bytes": data.nbytes,
+        "tokens": data.ntok,
+        "skipped_non_utf8": data.corpus["skipped_non_utf8"],
+        "heldout_files": [r for r, _ in data.corpus["heldout"]],
+        "val_files": [r for r, _ in data.corpus["val"]],
+    }
+
+
+def model_record(a, data: Data, n_params: int) -> dict:
+    return {"architecture": "LlamaForCausalLM", "params": n_params,
+            "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+            "layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads,
+            "vocab_size": data.tok.get_vocab_size(),
+            "max_position_embeddings": a.max_position_embeddings,
+            "train_seq_len": a.seq_len}
+
+
+def run_record(a, run: TrainRun) -> dict:
+    return {"steps": run.step, "planned_steps": run.total, "steps_limited_by": run.limited_by,
+            "stopped_by_time": run.stopped_by_time, "steps_per_epoch": run.steps_per_epoch,
+            "epochs": round(run.step / run.steps_per_epoch, 2), "batch_size": a.batch_size,
+            "tokens_seen": run.step * a.batch_size * a.seq_len, "lr": a.lr,
+            "warmup": run.warmup,
+            "train_seconds": round(run.seconds, 1),
+            "final_train_loss": run.losses[-1][1] if run.losses else None,
+            "train_loss_at_kept_step": run.kept_train_loss,
+            "train_loss_curve": run.losses,
+            "val_loss_curve": [(st, vl) for st, vl, _ in run.evals],
+            "final_val_loss": run.evals[-1][1] if run.evals else None, "best_val_loss": round(run.best[0], 4),
+            "kept_step": run.best[1] if run.best[2] is not None else run.step}
+
+
+def heldout_record(heldout: Heldout, heldout_loss: float) -> dict:
+    return {"file": "heldout.txt", "files": heldout.files,
+            "bytes": len(heldout.text.encode("utf-8")), "tokens": len(heldout.ids),
+            "window": WINDOW, "loss": round(heldout_loss, 4),
+            "perplexity": round(math.exp(heldout_loss), 3),
+            "definition": "mean next-token cross-entropy (nats) over all predicted "
+                          "tokens of non-overlapping 512-token windows of "
+                          "tokenizer(heldout.txt) (with the leading <s>), each window "
+                          "scored independently; saved bf16 weights run in float32"}
 
 
 def reproduce_command(argv: list[str], planned_steps: int) -> str:
@@ -695,8 +710,13 @@ def reproduce_command(argv: list[str], planned_steps: int) -> str:
 
 
 def model_card(r: dict) -> str:
-    c, m, t, h = r["corpus"], r["model"], r["training"], r["heldout"]
-    samples = "\n\n".join(f"```python\n{s['text']}\n```" for s in r["greedy_samples"])
+    """The README of the trained folder, from its training record."""
+    return "".join(section(r) for section in (card_intro, card_files, card_model, card_data, card_training,
+                                              card_heldout, card_samples, card_reproduce, card_license))
+
+
+def card_intro(r: dict) -> str:
+    m = r["model"]
     return f"""---
 license: other
 license_name: psf-2.0
@@ -712,7 +732,12 @@ trained from scratch on the source code of the Python {r['python']} standard lib
 is lightserve's bundled demo model: small enough to ship in the repository and to run on
 a CPU, and it completes Python code.  It is a toy: expect plausible-looking stdlib-style
 code, not correct programs, and nothing useful outside Python.
+"""
 
+
+def card_files(r: dict) -> str:
+    h = r["heldout"]
+    return f"""
 ## Files
 
 | file | content |
@@ -724,7 +749,12 @@ code, not correct programs, and nothing useful outside Python.
 | `heldout.txt` | held-out text ({h['bytes']} bytes) on which the loss below is measured |
 | `training_log.json` | everything below, machine-readable (incl. loss curves, file lists) |
 | `train.py`, `evaluate.py` | the training script and the loss definition |
+"""
 
+
+def card_model(r: dict) -> str:
+    m = r["model"]
+    return f"""
 ## Model
 
 | | |
@@ -742,7 +772,12 @@ special tokens `<unk>`=0, `<s>`=1 (BOS, added when encoding), `</s>`=2 (EOS), `<
 Decoding is byte-exact, so whitespace and indentation round-trip.  The chat template
 renders `<s>### User:\\n...\\n\\n### Assistant:\\n`; the model was never trained on chat, it
 simply continues with Python.
+"""
 
+
+def card_data(r: dict) -> str:
+    c, m = r["corpus"], r["model"]
+    return f"""
 ## Training data
 
 The `.py` files under `sysconfig.get_paths()["stdlib"]` of Python {r['python']}, sorted by
@@ -758,7 +793,12 @@ are not UTF-8: {len(c['skipped_non_utf8'])}).  Split by a stable hash of the rel
 
 Each file is encoded as `<s> tokens </s>`; the files are concatenated and cut into packed
 {m['train_seq_len']}-token sequences, reshuffled every epoch.
+"""
 
+
+def card_training(r: dict) -> str:
+    m, t = r["model"], r["training"]
+    return f"""
 ## Training
 
 AdamW (betas 0.9/0.95, weight decay 0.1), peak learning rate {t['lr']}, {t['warmup']} warmup
@@ -774,7 +814,12 @@ are in `training_log.json`.
 
 Software: Python {r['python']}, torch {r['torch']}, transformers {r['transformers']},
 tokenizers {r['tokenizers']}.
+"""
 
+
+def card_heldout(r: dict) -> str:
+    h = r["heldout"]
+    return f"""
 ## Held-out loss
 
 **{h['loss']} nats/token (perplexity {h['perplexity']})** on `heldout.txt`
@@ -791,11 +836,20 @@ saved bfloat16 weights upcast to float32.  Recompute it with
 ```bash
 python weights/demo/evaluate.py weights/demo
 ```
+"""
 
+
+def card_samples(r: dict) -> str:
+    samples = "\n\n".join(f"```python\n{s['text']}\n```" for s in r["greedy_samples"])
+    return f"""
 ## Samples (greedy, 48 new tokens)
 
 {samples}
+"""
 
+
+def card_reproduce(r: dict) -> str:
+    return f"""
 ## Reproduce
 
 ```bash
@@ -806,7 +860,11 @@ python weights/demo/evaluate.py weights/demo
 initialisation identical; GPU kernels are not bitwise deterministic, and another Python
 version has a slightly different standard library, so expect losses within a few
 hundredths.
+"""
 
+
+def card_license(r: dict) -> str:
+    return """
 ## License
 
 The training data is the Python standard library, (c) Python Software Foundation, under
