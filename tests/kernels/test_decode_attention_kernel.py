@@ -26,9 +26,21 @@ def decode_inputs(seq_lens, q_heads, kv_heads, head_dim, dtype, device):
     return q, cache.kv_layer, cache.req_to_token, cache.b_req_row, cache.b_seq_len, 1 / math.sqrt(head_dim)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("q_heads,kv_heads", GQA)
-@pytest.mark.parametrize("lengths", list(SEQ_LENS))
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def lengths_gqa_dtypes():
+    """Every set of lengths with every GQA group, the dtypes in turn: each set of lengths meets all three (as does
+    each group on the GPU, with its three sets). The dtype enters the kernels only at the loads of q and K/V, the
+    dots (float32 operands for float32, and everywhere in the interpreter) and the merge's rounding (bfloat16's
+    own); the group only at run time (16-row tiles for every group here); the full product repeated the same walks
+    for each dtype (3x the time)."""
+    return [pytest.param(lengths, q_heads, kv_heads, DTYPES[(i + j) % 3], id=f"{lengths}-{q_heads}-{kv_heads}-"
+                         f"{str(DTYPES[(i + j) % 3])[6:]}")
+            for i, lengths in enumerate(SEQ_LENS) for j, (q_heads, kv_heads) in enumerate(GQA)]
+
+
+@pytest.mark.parametrize("lengths,q_heads,kv_heads,dtype", lengths_gqa_dtypes())
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_decode_attention_matches_reference(device, dtype, q_heads, kv_heads, lengths, head_dim):
     args = decode_inputs(SEQ_LENS[lengths], q_heads, kv_heads, head_dim, dtype, device)
@@ -125,8 +137,18 @@ if ON_GPU:
     SHARED_CASES["3k prefix, 256 rows"] = ([3000 + i % 60 for i in range(256)], list(range(256)), 2990)
 
 
-@pytest.mark.parametrize("case", list(SHARED_CASES))
-@pytest.mark.parametrize("q_heads,kv_heads", GQA)
+def shared_params():
+    """Every case with every GQA group, but in the interpreter "more rows than one program's tile" only with the
+    groups > 1: group 1's tile is 64 requests (72 rows, 144 programs of the split kernel and of the merge: the
+    costliest case by far), the same program over a second tile as the others' (``b = program_id(0) * BLOCK_B
+    + row // BLOCK_G``, which group 1's BLOCK_G of 1 would not tell from a wrong BLOCK_B * BLOCK_G); group 1's tile
+    of one q head a request meets every other case."""
+    return [pytest.param(case, q_heads, kv_heads, id=f"{q_heads}-{kv_heads}-{case}") for case in SHARED_CASES
+            for q_heads, kv_heads in GQA
+            if ON_GPU or case != "more rows than one program's tile" or q_heads > kv_heads]
+
+
+@pytest.mark.parametrize("case,q_heads,kv_heads", shared_params())
 def test_a_shared_prefix_gives_the_same_attention(device, case, q_heads, kv_heads):
     """Cascade attention: the shared prefix walked once for all its requests, the rest per request."""
     lengths, members, prefix = SHARED_CASES[case]

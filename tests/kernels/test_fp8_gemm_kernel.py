@@ -28,10 +28,12 @@ def test_per_token_quantization_scales_each_row_to_the_fp8_range(device):
     torch.testing.assert_close(x_fp8.float() * scale[:, None], x, rtol=2**-4, atol=0)
 
 
-@pytest.mark.parametrize("config", [SMALL, FMA, SWAP], ids=["dot", "fma", "swap"])
+@pytest.mark.parametrize("config", [SMALL, FMA._replace(block_n=64), SWAP], ids=["dot", "fma", "swap"])
 def test_the_kernel_rounds_activations_as_quantize_per_token(device, config):
     """Through an identity weight each output is one quantized activation times its scale: bit-equal to torch's
-    round-to-nearest-even cast (values spread over many binades, subnormals and ties included)."""
+    round-to-nearest-even cast (values spread over many binades, subnormals and ties included). The FMA path
+    quantizes its rows in each program: its 2-row blocks here over the 64 columns in one block (FMA's 8 columns
+    repeated the same quantization eight times)."""
     k = 64
     x = torch.randn(20, k, device=device) * torch.exp(torch.randn(20, k, device=device) * 3)
     x[0, :4] = torch.tensor([448.0, 0.4989, -7.8, 1e-9])
@@ -54,9 +56,24 @@ def test_quantize_rows_is_bit_equal_to_quantize_per_token(device, dtype, k):
     assert torch.equal(q.float(), q_ref.float())
 
 
-@pytest.mark.parametrize("config", [SMALL, SPLIT, FMA, SWAP, None], ids=["small", "split", "fma", "swap", "default"])
-@pytest.mark.parametrize("rows,has_bias", [(1, True), (3, False), (37, True)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+GEMM_CONFIGS = {"small": SMALL, "split": SPLIT, "fma": FMA, "swap": SWAP, "default": None}
+GEMM_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def gemm_params():
+    """Each config with one row, a few and many (several 16-row tiles, the last masked; "fma"'s 2-row blocks: 5 rows,
+    three blocks, the last masked, as 37 rows' nineteen), each case in another dtype: each config meets all three,
+    as does each row count. The dtype enters only at x's load and the output's rounding (bfloat16's own, in the
+    store or the split-K reduce), which do not depend on the rows; the full product ran every program three times."""
+    params = []
+    for c, (name, config) in enumerate(GEMM_CONFIGS.items()):
+        for r, (rows, has_bias) in enumerate([(1, True), (3, False), (5 if config is FMA else 37, True)]):
+            dtype = GEMM_DTYPES[(c + r) % 3]
+            params.append(pytest.param(dtype, rows, has_bias, config, id=f"{name}-{rows}-{has_bias}-{str(dtype)[6:]}"))
+    return params
+
+
+@pytest.mark.parametrize("dtype,rows,has_bias,config", gemm_params())
 def test_fp8_gemm_matches_reference(device, dtype, rows, has_bias, config):
     weight = make_weight(N, K, device)
     x = torch.randn(rows, K, device=device).to(dtype)

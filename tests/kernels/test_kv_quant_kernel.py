@@ -264,9 +264,13 @@ def test_decode_launch_follows_the_cache_dtype_and_the_split_count():
             assert cuda_launch(torch.zeros(1, 2, 8, dtype=dtype), splits) == (splits, *CUDA_LAUNCH, CUDA_LAUNCH[0])
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("with_mods", [False, True])
+# each pair of the three factors in all four of its combinations (half of the 2 x 2 x 2 product): the tail walk
+# branches on the cache's scales (int8: per slot, loaded under the bounds mask; fp8: per tensor) and on the score
+# modifications; the group is the kernel's runtime row count (16-row tiles either way). Two kv heads: the second
+# reads at a head offset.
+@pytest.mark.parametrize("kv_dtype,group,with_mods", [(torch.int8, 1, False), (torch.int8, 4, True),
+                                                      (torch.float8_e4m3fn, 1, True), (torch.float8_e4m3fn, 4, False)],
+                         ids=["int8-1-plain", "int8-4-mods", "e4m3-1-mods", "e4m3-4-plain"])
 def test_decode_tail_blocks_give_the_reference(device, kv_dtype, group, with_mods):
     """A split's keys after its last full block walked in shorter blocks (``tail_n``, int8's CUDA launches) give
     the reference, with and without a window, soft-cap and ALiBi: chunks shorter than one block, of one block and
@@ -274,9 +278,9 @@ def test_decode_tail_blocks_give_the_reference(device, kv_dtype, group, with_mod
     from kernels.decode_attention import launch
     from kernels.score_mods import ScoreMods, alibi_slopes
 
-    q, data, table, rows, seq_len, scale, scales = decode_case([1, 70, 33, 129], 4 * group, 4, 32, kv_dtype,
+    q, data, table, rows, seq_len, scale, scales = decode_case([1, 70, 33, 129], 2 * group, 2, 32, kv_dtype,
                                                                device)
-    mods = ScoreMods(window=50, softcap=1.0, alibi_slopes=alibi_slopes(4 * group).to(device)) if with_mods else None
+    mods = ScoreMods(window=50, softcap=1.0, alibi_slopes=alibi_slopes(2 * group).to(device)) if with_mods else None
     ref = decode_attention_ref(q, data, table, rows, seq_len, scale, mods=mods, kv_scales=scales)
     for splits, block_n, tail_n in ((1, 64, 16), (3, 64, 32), (5, 32, 16)):
         out = torch.empty_like(q)
@@ -287,9 +291,10 @@ def test_decode_tail_blocks_give_the_reference(device, kv_dtype, group, with_mod
                                    msg=f"splits {splits}, block {block_n}, tail {tail_n}")
 
 
-@pytest.mark.parametrize("rowwise", [True, False])
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("shared", [False, True])
+# each pair of the three factors in all four of its combinations (half of the 2 x 2 x 2 product): each walk with one
+# split and three, and with and without a shared prefix (the split kernel starts after it)
+@pytest.mark.parametrize("rowwise,splits,shared", [(True, 1, False), (True, 3, True), (False, 1, True),
+                                                   (False, 3, False)])
 def test_int8_decode_walks_rows_without_dots_as_the_reference(device, rowwise, splits, shared):
     """int8 without GQA: the split kernel's walk without ``tl.dot`` (``rowwise``) and with it give the reference,
     whatever the split count and with a shared prefix walked by its own kernel; lengths past one block and not

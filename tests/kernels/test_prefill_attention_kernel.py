@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from kernel_inputs import ATTENTION_TOL, ON_GPU, build_kv_cache
 
 from kernels._kv_quant import wide_slots
@@ -22,6 +23,7 @@ from kernels.prefill_attention import (
     prefill_launch,
     tile_shape,
 )
+from kernels.shared_prefix import SHARED_LAUNCH_CPU
 
 # (new tokens per request, cached prefix per request)
 LAYOUTS = {
@@ -52,9 +54,21 @@ def prefill_inputs(q_lens, prefixes, q_heads, kv_heads, head_dim, dtype, device)
             1 / math.sqrt(head_dim), max(q_lens))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("q_heads,kv_heads", GQA)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def layout_gqa_dtypes():
+    """Every layout with every GQA group, the dtypes in turn: each layout and each group (with each head dim) meets
+    all three. The dtype enters the kernel only at the loads of q and K/V, the dots (float32 operands for float32,
+    and everywhere in the interpreter) and the output's rounding (bfloat16's own), and on CUDA the launch table
+    (``prefill_launch`` by dtype, group and head dim); the full product repeated the same walks for each dtype
+    (3x the time)."""
+    return [pytest.param(layout, q_heads, kv_heads, DTYPES[(i + j) % 3], id=f"{layout}-{q_heads}-{kv_heads}-"
+                         f"{str(DTYPES[(i + j) % 3])[6:]}")
+            for i, layout in enumerate(LAYOUTS) for j, (q_heads, kv_heads) in enumerate(GQA)]
+
+
+@pytest.mark.parametrize("layout,q_heads,kv_heads,dtype", layout_gqa_dtypes())
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_prefill_attention_matches_reference(device, dtype, q_heads, kv_heads, layout, head_dim):
     args = prefill_inputs(*LAYOUTS[layout], q_heads, kv_heads, head_dim, dtype, device)
@@ -121,7 +135,7 @@ def test_prefill_attention_rejects_bad_arguments(device):
 def test_out_takes_the_result_in_place(device, splits):
     """``out=``: a piecewise graph's static buffer (a slice of it) gets the result, rows past it untouched; the
     reference writes it the same way."""
-    args = prefill_inputs([7, 1, 20], [40, 45, 0], 8, 2, HEAD_DIMS[-1], torch.float32, device)
+    args = prefill_inputs([7, 1, 20], [40, 45, 0], 4, 2, HEAD_DIMS[-1], torch.float32, device)
     q = args[0]
     buffer = torch.full((q.shape[0] + 5, *q.shape[1:]), 7.0, dtype=q.dtype, device=q.device)
     params = prefill_launch(q.shape[2], q.device, q.dtype)
@@ -155,8 +169,21 @@ if ON_GPU:
     SHARED_PREFILL["3k prefix, 100 chunks"] = ([16 + i % 48 for i in range(100)], [3000] * 100, list(range(100)), 3000)
 
 
-@pytest.mark.parametrize("case", list(SHARED_PREFILL))
-@pytest.mark.parametrize("q_heads,kv_heads", GQA)
+def shared_prefill_params():
+    """Every case with every GQA group, but in the interpreter "more tokens than one program's tile" only with the
+    groups whose programs the first case keeps in one tile: of the shared-prefix kernel (its 32 tokens against
+    64 // next_power_of_2(group) a program: groups 1 and 2) or of this kernel (its longest request's 20 tokens
+    against ``tile_shape``'s: groups 1 and 3). Groups 4 and 8 cross both in the first case already."""
+    def crosses_both_in_the_first_case(group):
+        q_lens = SHARED_PREFILL["chunks and decode rows behind one prefix"][0]
+        shared_rows = SHARED_LAUNCH_CPU[0] // triton.next_power_of_2(group)
+        return sum(q_lens) > shared_rows and max(q_lens) > tile_shape(CPU_LAUNCH, group)[1]
+    return [pytest.param(case, q_heads, kv_heads, id=f"{q_heads}-{kv_heads}-{case}") for case in SHARED_PREFILL
+            for q_heads, kv_heads in GQA if ON_GPU or case != "more tokens than one program's tile"
+            or not crosses_both_in_the_first_case(q_heads // kv_heads)]
+
+
+@pytest.mark.parametrize("case,q_heads,kv_heads", shared_prefill_params())
 def test_a_shared_prefix_gives_the_same_prefill_attention(device, case, q_heads, kv_heads):
     """Cascade attention in prefill: members' new tokens take the shared prefix from the shared-prefix
     kernel, the rest (their own positions, causal) from the prefill kernel."""
@@ -178,8 +205,9 @@ def test_a_shared_prefix_gives_the_same_prefill_attention(device, case, q_heads,
 
 
 SPLIT_LAYOUTS = {
-    # new tokens, cached prefix per request: chunks late in a long context, a split with no keys
-    "late chunks": ([5, 1, 40], [200, 97, 150]),
+    # new tokens, cached prefix per request: chunks late in a long context (the 20-token one in three query blocks of
+    # 8 tokens, one with a diagonal of two key blocks), a split with no keys
+    "late chunks": ([5, 1, 20], [200, 97, 150]),
     "a fresh prompt beside a late chunk": ([33, 4], [0, 130]),
 }
 
@@ -188,8 +216,9 @@ SPLIT_LAYOUTS = {
 @pytest.mark.parametrize("layout", list(SPLIT_LAYOUTS))
 def test_split_keys_give_the_same_prefill_attention(device, splits, layout):
     """Split-KV: each query block's keys before its first token cut into parts (merged by the
-    decode attention's merge kernel); GQA group 4."""
-    args = prefill_inputs(*SPLIT_LAYOUTS[layout], 8, 2, HEAD_DIMS[-1], torch.float32, device)
+    decode attention's merge kernel); GQA group 4 (one kv head: the merge kernel runs a program per token and q
+    head, most of the interpreter's time here)."""
+    args = prefill_inputs(*SPLIT_LAYOUTS[layout], 4, 1, HEAD_DIMS[-1], torch.float32, device)
     out = launch(*args, params=prefill_launch(args[0].shape[2], args[0].device, args[0].dtype), splits=splits)
     assert out.isfinite().all()
     torch.testing.assert_close(out, prefill_attention_ref(*args), atol=1e-4, rtol=1e-4)
@@ -227,7 +256,7 @@ def test_a_planned_call_runs_each_layer_as_prefill_attention_does(device, monkey
     shape or dtype is refused."""
     import kernels.prefill_attention as module
     monkeypatch.setattr(module, "default_splits", lambda *a, **k: splits)
-    args = prefill_inputs(*SPLIT_LAYOUTS["late chunks"], 8, 2, HEAD_DIMS[-1], torch.float32, device)
+    args = prefill_inputs(*SPLIT_LAYOUTS["late chunks"], 4, 2, HEAD_DIMS[-1], torch.float32, device)
     q, first = args[0], args[1]
     layers = [first, torch.randn_like(first), torch.randn_like(first)]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -8,9 +8,13 @@ from weights.quant_formats import act_order_g_idx, pack_int4
 
 TOL = {torch.float16: (2e-2, 1e-2), torch.bfloat16: (1.5e-1, 2e-2), torch.float32: (1e-4, 1e-5)}
 N, K = 40, 288         # N: a masked last column block of 16; K: 9 tiles of 32, 4.5 of 64, 2.25 of 128
+# K of the FMA configs in test_int4_gemm_matches_reference (the interpreter's time goes by the K tiles a program
+# walks, a nibble row at a time in these): 5 tiles of 32 and 2.5 of 64 take the branches K's 9 and 4.5 take (whole
+# tiles of 32; tiles of 64, the last one half masked)
+K_FMA = 160
 CONFIGS = {
     "fma": Int4Config(1, 16, 32, 1, 4, 1),
-    "fma_split2": Int4Config(1, 16, 64, 2, 4, 1),      # tiles of 64: 3 + 2 (the last masked)
+    "fma_split2": Int4Config(1, 16, 64, 2, 4, 1),      # tiles of 64: 3 + 2 (K_FMA: 2 + 1), the last masked
     "fma_sub": Int4Config(1, 32, 64, 2, 4, 1, False, 16),   # two sub-tiles of 16 columns, the second block's masked
     "fma_rows": Int4Config(1, 32, 64, 2, 4, 1, False, 16, 2),   # four loads of 2 word rows a tile, the last masked
     "dot": Int4Config(16, 16, 128, 1, 4, 1),
@@ -41,16 +45,39 @@ def test_dequantize_follows_the_packed_layout(device, group, act_order):
     torch.testing.assert_close(int4_dequantize(weight), expected.T, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("config_name", list(CONFIGS))
-# rows: one, or several (the FMA configs: a program per row, the same program whatever their number; the dot
-# configs and the default one's for 2-16 rows: one masked 16-row tile), so three rows cover what five would
-@pytest.mark.parametrize("rows,group,act_order,has_bias", [(1, 32, False, True), (3, 16, False, False),
-                                                            (3, -1, False, True), (2, 16, True, True)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# (rows, group, act_order, has_bias). Rows: one, or two (the FMA configs: a program per row, the same program whatever
+# their number, so a second row covers the row offset, in the last two cases; the dot configs and the default one's
+# for 2-16 rows: one masked 16-row tile, the same for 2 rows as for 16)
+GEMM_CASES = [(1, 32, False, True), (1, 16, False, False), (2, -1, False, True), (2, 16, True, True)]
+GEMM_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (config, case index): dtypes run besides the rotation's, where the kernel branches on the dtype. "fma" (whole K
+# tiles of 32, no perm): bfloat16 x is read as int32 pairs (X_PAIRS), float32 and float16 one value a load; the
+# rotation gives it pairs on group 16 (a dequantized nibble each) and plain loads on groups 32 and -1 (a group a
+# tile) and act-order, so bfloat16 on group -1 adds pairs on a group a tile, over two rows. The dot configs with a
+# group a tile (group -1; blocks of 128): bfloat16 x takes the offset bfloat16 nibbles (BF16_NIBBLES), the others
+# the float32 nibbles: both on each.
+GEMM_EXTRA_DTYPES = {("fma", 2): [torch.bfloat16], ("dot", 2): [torch.bfloat16], ("dot_split3", 2): [torch.float16],
+                     ("default", 2): [torch.bfloat16]}
+
+
+def gemm_params():
+    """Each config meets every case, the dtypes in turn (each config all three), plus GEMM_EXTRA_DTYPES: the
+    full product repeated the same programs for each dtype where the kernel does not branch on it (3x the time)."""
+    params = []
+    for c, name in enumerate(CONFIGS):
+        for i, case in enumerate(GEMM_CASES):
+            for dtype in [GEMM_DTYPES[(c + i) % 3], *GEMM_EXTRA_DTYPES.get((name, i), [])]:
+                case_id = "-".join(map(str, case))
+                params.append(pytest.param(dtype, *case, name, id=f"{name}-{str(dtype)[6:]}-{case_id}"))
+    return params
+
+
+@pytest.mark.parametrize("dtype,rows,group,act_order,has_bias,config_name", gemm_params())
 def test_int4_gemm_matches_reference(device, dtype, rows, group, act_order, has_bias, config_name):
     config = CONFIGS[config_name]      # the FMA configs take several rows as one program per row
-    weight, _ = make_weight(N, K, group, dtype, device, act_order)
-    x = torch.randn(rows, K, device=device).to(dtype)
+    k = K_FMA if config is not None and config.block_m == 1 else K
+    weight, _ = make_weight(N, k, group, dtype, device, act_order)
+    x = torch.randn(rows, k, device=device).to(dtype)
     bias = torch.randn(N, device=device).to(dtype) if has_bias else None
     out = int4_gemm(x, weight, bias, config=config)
     assert out.shape == (rows, N) and out.dtype == dtype
@@ -123,12 +150,12 @@ def test_default_configs_split_decode_and_tile_prefill():
     assert many.block_m == 64 and many.split_k == 1
 
 
-@pytest.mark.parametrize("rows", [1, 7])
-def test_tiles_inside_a_group_multiply_offset_bfloat16_nibbles(device, rows):
+def test_tiles_inside_a_group_multiply_offset_bfloat16_nibbles(device):
     """The dot path on bfloat16 x with a group a tile multiplies 128 + q and folds the offset into the zero
-    (``_offset_nibbles``; on the GPU its PTX): four tiles of 128 rows, each its own group, split or not."""
+    (``_offset_nibbles``; on the GPU its PTX): four tiles of 128 rows, each its own group, split or not. 7 rows: the
+    masked 16-row tile that one row takes too (each row's own sum of x folded with the zero)."""
     weight, _ = make_weight(48, 512, 128, torch.bfloat16, device, seed=3)
-    x = torch.randn(rows, 512, device=device).to(torch.bfloat16)
+    x = torch.randn(7, 512, device=device).to(torch.bfloat16)
     bias = torch.randn(48, device=device).to(torch.bfloat16)
     expected = (x.float() @ int4_dequantize(weight).T + bias.float())
     for config in (Int4Config(16, 16, 128, 1, 4, 1), Int4Config(16, 32, 128, 2, 4, 1)):
@@ -211,7 +238,7 @@ def test_rows_sorted_by_group_read_x_through_perm(device, uniform):
     sorted_g_idx = None if uniform else g_idx[perm].to(torch.int32)
     sorted_weight = Int4Weight(pack_int4(values[perm], 0), weight.scales, weight.zeros, sorted_g_idx, 16,
                                perm.to(torch.int32))
-    x = torch.randn(3, K, device=device)
+    x = torch.randn(2, K, device=device)      # "fma": a program a row, the second at a row offset
     expected = int4_gemm_ref(x, act_order)
     torch.testing.assert_close(int4_gemm_ref(x, sorted_weight), expected, atol=1e-4, rtol=1e-5)
     for config in (CONFIGS["fma"], CONFIGS["dot"]):
