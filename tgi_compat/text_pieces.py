@@ -139,7 +139,11 @@ class PieceCache:
     def put(self, encoded: dict[str, array]) -> None:
         with self._lock:
             for text, ids in encoded.items():
-                if text not in self._ids:
+                if len(text) > self.max_chars:
+                    continue            # not kept: it would push out every other piece, then itself
+                if text in self._ids:
+                    self._ids.move_to_end(text)
+                else:
                     self._chars += len(text)
                 self._ids[text] = ids
             while self._chars > self.max_chars:
