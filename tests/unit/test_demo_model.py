@@ -149,6 +149,8 @@ def test_the_training_script_smoke_run_writes_a_servable_checkpoint(tmp_path):
     record = json.loads((out / "training_log.json").read_text())
     assert record["training"]["steps"] == 20 and record["model"]["kv_heads"] < record["model"]["heads"]
     assert all(record["corpus"]["files"][split] > 0 for split in ("train", "val", "heldout")), record["corpus"]
+    assert record["corpus"]["root"] == str(tmp_path / "stdlib")             # not "the standard library"
+    assert f"files under `{tmp_path / 'stdlib'}`" in (out / "README.md").read_text()
     assert abs(recorded_heldout_loss_of(out) - record["heldout"]["loss"]) < 1e-4
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     engine = Engine(EngineConfig(model_dir=str(out), device="cpu", kernel_backend="torch", num_slots=512))

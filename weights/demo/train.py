@@ -308,7 +308,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description="Train the lightserve demo model (see module doc).")
     p.add_argument("--out", default=here, help="output folder (default: weights/demo)")
-    p.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"])
+    p.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"],
+                   help="the corpus: a directory of Python files, split by a hash of each file's path (default: this "
+                        "interpreter's standard library, what the bundled model was trained on)")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="wall-clock budget for the whole script (default 5 on CUDA, 30 on CPU)")
     p.add_argument("--max-steps", type=int, default=None)
@@ -629,7 +631,7 @@ def training_record(a, data: Data, heldout: Heldout, n_params: int, run: TrainRu
         "transformers": tf_version,
         "tokenizers": tokenizers.__version__,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
-        "corpus": corpus_record(data),
+        "corpus": corpus_record(a.stdlib, data),
         "tokenizer": {"type": "byte-level BPE", "vocab_size": data.tok.get_vocab_size(),
                       "special_tokens": SPECIAL_TOKENS, "train_seconds": round(data.t_tok_train, 2),
                       "encode_seconds": round(data.t_tok_encode, 2)},
@@ -643,9 +645,14 @@ def training_record(a, data: Data, heldout: Heldout, n_params: int, run: TrainRu
     }
 
 
-def corpus_record(data: Data) -> dict:
+STDLIB_ROOT = "sysconfig.get_paths()['stdlib'] of Python "
+
+
+def corpus_record(stdlib: str, data: Data) -> dict:
+    """``root``: the interpreter's standard library in words, or the --stdlib directory given instead."""
+    is_stdlib = os.path.realpath(stdlib) == os.path.realpath(sysconfig.get_paths()["stdlib"])
     return {
-        "root": "sysconfig.get_paths()['stdlib'] of Python " + platform.python_version(),
+        "root": STDLIB_ROOT + platform.python_version() if is_stdlib else os.path.abspath(stdlib),
         "excluded_dirs": sorted(EXCLUDED_DIRS),
         "split": f"sha256(relpath) % 1000 < {HELDOUT_PER_MILLE}: heldout, "
                  f"< {HELDOUT_PER_MILLE + VAL_PER_MILLE}: val, else train",
@@ -775,12 +782,19 @@ simply continues with Python.
 """
 
 
+def corpus_root(root: str) -> str:
+    """The card's words for the corpus directory (``corpus_record``'s root)."""
+    if root.startswith(STDLIB_ROOT):
+        return f"`sysconfig.get_paths()[\"stdlib\"]` of Python {root[len(STDLIB_ROOT):]}"
+    return f"`{root}`"
+
+
 def card_data(r: dict) -> str:
     c, m = r["corpus"], r["model"]
     return f"""
 ## Training data
 
-The `.py` files under `sysconfig.get_paths()["stdlib"]` of Python {r['python']}, sorted by
+The `.py` files under {corpus_root(c['root'])}, sorted by
 relative path, excluding the directories {', '.join(c['excluded_dirs'])} (and files that
 are not UTF-8: {len(c['skipped_non_utf8'])}).  Split by a stable hash of the relative path:
 {c['split']}.
