@@ -437,7 +437,9 @@ def _quantized(name: str, weight: torch.Tensor, q: QuantConfig, g_idx: dict, see
     return {f"{module}.{suffix}": tensor for suffix, tensor in parts.items()}
 
 
-def _parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; ``_parse_args`` checks that ``--config`` and ``--out`` come together (``--list`` needs
+    neither)."""
     parser = argparse.ArgumentParser(
         prog="python -m weights.random_checkpoint",
         description="Write a random checkpoint with a real model's exact config.json, in Hugging Face format "
@@ -466,6 +468,11 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=128, help="gptq / awq rows per group (default: 128)")
     parser.add_argument("--desc-act", action="store_true", help="with --quantize gptq: act-order (random g_idx)")
     parser.add_argument("--list", action="store_true", help="print the known config names and exit")
+    return parser
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.list and (not args.config or not args.out):
         parser.error("--config and --out are required (or use --list)")

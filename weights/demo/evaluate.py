@@ -85,15 +85,24 @@ def heldout_token_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; its defaults recompute the number the demo model's card records."""
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("model_dir", nargs="?", default=here)
-    p.add_argument("--text", default=None, help="default: MODEL_DIR/heldout.txt")
-    p.add_argument("--window", type=int, default=WINDOW)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    a = p.parse_args(argv)
+    p.add_argument("model_dir", nargs="?", default=here,
+                   help="a transformers model directory, tokenizer included (default: this folder, the demo model)")
+    p.add_argument("--text", default=None, help="the UTF-8 text to score (default: MODEL_DIR/heldout.txt)")
+    p.add_argument("--window", type=int, default=WINDOW,
+                   help="tokens per scoring window; windows do not overlap or share context (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the weights are loaded in; the card's number is float32's (default: %(default)s)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device to score on (default: cuda when there is one, else cpu)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -304,7 +304,8 @@ def window_loss(model, data: torch.Tensor, seq_len: int, device, amp, max_window
     return total / max(1, count)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; its defaults train the bundled model (``--smoke`` swaps in a tiny one)."""
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description="Train the lightserve demo model (see module doc).")
     p.add_argument("--out", default=here, help="output folder (default: weights/demo)")
@@ -313,28 +314,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "interpreter's standard library, what the bundled model was trained on)")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="wall-clock budget for the whole script (default 5 on CUDA, 30 on CPU)")
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--epochs", type=float, default=12.0, help="cap on passes over the train split")
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--hidden-size", type=int, default=384)
-    p.add_argument("--intermediate-size", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--max-position-embeddings", type=int, default=2048)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1.5e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="cap on optimizer steps (default: none, --epochs and --max-minutes decide; 20 with --smoke)")
+    p.add_argument("--epochs", type=float, default=12.0,
+                   help="cap on passes over the train split (default: %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="vocabulary the BPE tokenizer is trained to, its 4 special tokens included; the model gets "
+                        "the vocabulary the tokenizer reaches (default: %(default)s)")
+    p.add_argument("--hidden-size", type=int, default=384, help="model width (default: %(default)s)")
+    p.add_argument("--intermediate-size", type=int, default=1024, help="MLP width (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=6,
+                   help="attention (query) heads, each --hidden-size / --heads wide (default: %(default)s)")
+    p.add_argument("--kv-heads", type=int, default=2,
+                   help="key/value heads of grouped-query attention; must divide --heads (default: %(default)s)")
+    p.add_argument("--max-position-embeddings", type=int, default=2048,
+                   help="longest sequence in tokens the checkpoint declares: config.json's max_position_embeddings "
+                        "and tokenizer_config.json's model_max_length (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=512,
+                   help="tokens per packed training sequence, and per validation window (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1.5e-3,
+                   help="peak AdamW learning rate, reached after --warmup; cosine decay to a tenth of it by the last "
+                        "step (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=100,
+                   help="steps of linear warmup, at most a tenth of the planned steps (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay of the weight matrices (embeddings included); norm weights get none "
+                        "(default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=100,
+                   help="steps between validation losses (and one at the last step); the state with the best one is "
+                        "saved (default: %(default)s)")
+    p.add_argument("--log-every", type=int, default=50,
+                   help="steps between log lines of the mean train loss since the previous line (default: "
+                        "%(default)s)")
+    p.add_argument("--seed", type=int, default=1234,
+                   help="seed of the initial weights and the batch order (default: %(default)s)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device to train on; cuda trains in bf16 autocast (default: cuda when there is one, "
+                        "else cpu)")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny model, 20 steps: a plumbing test that runs on a CPU in ~1-2 min")
-    a = p.parse_args(argv)
+                   help="tiny model, 20 steps: a plumbing test that runs on a CPU in ~1-2 min (sets --hidden-size, "
+                        "--intermediate-size, --layers, --heads, --kv-heads, --batch-size, --seq-len, --warmup, "
+                        "--eval-every and --log-every itself)")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    a = build_parser().parse_args(argv)
     if a.smoke:
         a.hidden_size, a.intermediate_size, a.layers, a.heads, a.kv_heads = 64, 128, 2, 4, 2
         a.batch_size, a.seq_len, a.warmup, a.eval_every, a.log_every = 8, 128, 5, 10, 5

@@ -51,23 +51,38 @@ from weights.demo.train import BOS, EOS, CorpusError, load_corpus  # noqa: E402
 WINDOW = 512
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; its defaults trained the bundled heads (see the module doc)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for config.json, medusa_lm_head.safetensors, the log")
-    p.add_argument("--model", default=HERE, help="the demo model's directory")
+    p.add_argument("--model", default=HERE, help="the demo model's directory (default: weights/demo)")
     p.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"],
                    help="the corpus: a directory of Python files, split as train.py splits them (default: this "
                         "interpreter's standard library, what the bundled heads were trained on)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
-    p.add_argument("--windows", type=int, default=400, help="training windows of 512 tokens")
-    p.add_argument("--heldout-windows", type=int, default=48)
-    p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--batch", type=int, default=512, help="positions per step")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--max-minutes", type=float, default=20.0)
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--heads", type=int, default=4,
+                   help="draft heads; head k (from 1) guesses the token k places after the model's own next token "
+                        "(default: %(default)s)")
+    p.add_argument("--layers", type=int, default=1, help="residual blocks per head (default: %(default)s)")
+    p.add_argument("--windows", type=int, default=400,
+                   help="training windows of 512 tokens, drawn from the train split (default: %(default)s)")
+    p.add_argument("--heldout-windows", type=int, default=48,
+                   help="windows of 512 tokens from the held-out split that score the heads (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=1500,
+                   help="optimizer steps, unless --max-minutes ends training first (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=512, help="positions per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=2e-3,
+                   help="AdamW learning rate at the first step, cosine decay to a tenth of it over --steps (default: "
+                        "%(default)s)")
+    p.add_argument("--max-minutes", type=float, default=20.0,
+                   help="wall-clock budget of the training loop, not counting the model's distillation pass "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the windows drawn and of the batch order (default: %(default)s)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def log(message: str) -> None:
