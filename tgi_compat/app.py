@@ -76,6 +76,8 @@ def create_app(settings: ServerSettings, tokenizer, backend: Backend,
         tokenizer = TokenizerAdapter(tokenizer, settings.validation_workers)
     metrics = ServerMetrics(settings.max_input_tokens, settings.max_total_tokens, settings.num_shards,
                             member.metrics_dir)
+    if tokenizer.piece_cache is not None:
+        tokenizer.piece_cache.observer = metrics.piece_cache
     backend.observe_steps(metrics.observe_steps)
     tracer = RequestTracer(settings.otlp_endpoint, settings.otlp_service_name) if settings.otlp_endpoint else None
     service = GenerateService(settings, tokenizer, backend, metrics, tracer, member.permits)

@@ -23,13 +23,16 @@ Extra: `tgi_kv_cache_usage` (0..1, TGI issue #3275), `tgi_kv_cache_used_slots` /
 taken from the cache: their rates' ratio is the hit rate) and `tgi_prefix_cache_evicted_tokens`;
 with `--speculate`, `tgi_speculation_drafted_tokens` and `tgi_speculation_accepted_tokens` (draft
 tokens verified, and of those accepted: their ratio is the acceptance rate), the accepted ones also
-as TGI's `tgi_request_speculated_tokens`.
+as TGI's `tgi_request_speculated_tokens`; and the front end's tokenizer piece cache
+(``tgi_compat.text_pieces.PieceCache``): `tgi_tokenizer_piece_cache_hits` / `_misses` (pieces of long
+prompts found in it / encoded) and `tgi_tokenizer_piece_cache_chars` (characters it holds).
 
 With several front-end processes (``tgi_compat.frontend_group``) the metrics are prometheus_client's
 file-backed multiprocess values: a scrape sums every process's counters and histograms, the engine
 gauges show the latest router status (``mostrecent``), and only the first front end receives the
 router's step numbers. The router's own totals (prefix cache, speculation) are read from its status at
-each scrape (``_RouterTotals``), never added up per process.
+each scrape (``_RouterTotals``), never added up per process; each front end's tokenizer has a piece cache
+of its own, whose counts and characters are added up.
 """
 from __future__ import annotations
 
@@ -96,6 +99,27 @@ class _RouterTotals(Collector):
             yield family
 
 
+class PieceCacheMetrics:
+    """The ``observer`` of a front end's ``PieceCache``: counted as the validation threads look pieces up, so with
+    several front ends each one's file holds its own cache's numbers and a scrape adds them up."""
+
+    def __init__(self, r: CollectorRegistry):
+        self.hits = Counter("tgi_tokenizer_piece_cache_hits",
+                            "Pieces of long prompts found in the tokenizer's piece cache (not encoded again)",
+                            registry=r)
+        self.misses = Counter("tgi_tokenizer_piece_cache_misses",
+                              "Pieces of long prompts not in the tokenizer's piece cache (encoded)", registry=r)
+        self.chars = Gauge("tgi_tokenizer_piece_cache_chars", "Characters of the pieces the tokenizer's caches hold",
+                           registry=r, multiprocess_mode="livesum")      # one cache per front end: their sum
+
+    def looked_up(self, hits: int, misses: int) -> None:
+        self.hits.inc(hits)
+        self.misses.inc(misses)
+
+    def holds(self, chars: int) -> None:
+        self.chars.set(chars)
+
+
 class ServerMetrics:
     """The metrics of one app: the request handlers record, ``render`` exposes. ``multiprocess_dir``: the
     front ends' shared directory (``frontend_group.use_shared_metrics`` made the values file-backed)."""
@@ -140,6 +164,7 @@ class ServerMetrics:
         self.num_shards.set(num_shards)
         self._batch_metrics(r, seconds)
         self.prefix_cache_tokens = gauge("tgi_prefix_cache_tokens", "KV slots the prefix cache holds")
+        self.piece_cache = PieceCacheMetrics(r)
         self._router_totals = _RouterTotals()
         r.register(self._router_totals)
         self._own = _WithoutCreated(r)

@@ -111,10 +111,13 @@ class PieceCache:
     text alone, and cut where ``PieceCutter.cut`` cuts (the first cut searched from ``piece_chars`` on, each next
     one from the last), texts that begin alike are cut alike up to where they differ. A burst of prompts behind
     one system prompt encodes its pieces once. Pieces of at most ``max_chars`` characters in all, the least recently
-    used dropped first; the validation threads share it."""
+    used dropped first; the validation threads share it. ``observer`` (the front end's /metrics,
+    ``tgi_compat.metrics.PieceCacheMetrics``) hears of each lookup, ``looked_up(hits, misses)``, and of the characters
+    held after each put, ``holds(chars)``, under the cache's lock (so the last number it hears is the latest)."""
 
     def __init__(self, max_chars: int = CACHED_CHARS):
         self.max_chars = max_chars
+        self.observer = None
         self.hits = self.misses = 0
         self._ids: OrderedDict[str, array] = OrderedDict()
         self._chars = 0
@@ -134,6 +137,8 @@ class PieceCache:
                     found[text] = ids
             self.hits += len(found)
             self.misses += len(texts) - len(found)
+            if self.observer is not None:
+                self.observer.looked_up(len(found), len(texts) - len(found))
         return found
 
     def put(self, encoded: dict[str, array]) -> None:
@@ -148,6 +153,8 @@ class PieceCache:
                 self._ids[text] = ids
             while self._chars > self.max_chars:
                 self._chars -= len(self._ids.popitem(last=False)[0])
+            if self.observer is not None:
+                self.observer.holds(self._chars)
 
 
 def encode_ids(backend, cutter: PieceCutter | None, texts: list[str], special: bool,

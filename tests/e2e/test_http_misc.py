@@ -117,6 +117,28 @@ def test_metrics_count_requests(hf_tokenizer, engine_backend):
     assert 0 < metric(text, "tgi_prefix_cache_hit_tokens") < metric(text, "tgi_prefix_cache_lookup_tokens")
 
 
+def test_metrics_count_the_tokenizer_piece_cache(hf_tokenizer, engine_backend):
+    """Two prompts long enough to be cut into pieces, behind one long beginning: the first one's pieces are all
+    encoded (misses), the second finds the shared ones in the front end's piece cache (hits)."""
+    from tgi_compat.text_pieces import PieceCutter
+
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta"]
+    prefix = " ".join(words[i * 5 % 7] for i in range(1600))       # 9,597 characters, a cut after any word
+    prompts = [prefix + " alpha beta", prefix + " gamma delta"]
+    cutter = PieceCutter.for_tokenizer(hf_tokenizer.backend_tokenizer)
+    first, second = (set(cutter.encoded(cutter.cut(prompt))) for prompt in prompts)     # what the cache keeps
+    assert len(first & second) >= 2 and len(second - first) == 1
+    with serve(create_app(make_settings(), hf_tokenizer, engine_backend)) as url:
+        for prompt in prompts:          # one after the other: the second is looked up once the first is cached
+            response = requests.post(url + "/generate", json={
+                "inputs": prompt, "parameters": {"max_new_tokens": 1, "truncate": 16}}, timeout=30)
+            assert response.status_code == 200, response.text
+        text = requests.get(url + "/metrics", timeout=10).text
+    assert metric(text, "tgi_tokenizer_piece_cache_hits") == len(first & second)
+    assert metric(text, "tgi_tokenizer_piece_cache_misses") == len(first) + len(second - first)
+    assert metric(text, "tgi_tokenizer_piece_cache_chars") == sum(len(piece) for piece in first | second)
+
+
 def test_tokenize(server_url, hf_tokenizer):
     text = "hello é world"
     tokens = requests.post(server_url + "/tokenize", json={"inputs": text}, timeout=10).json()

@@ -80,6 +80,8 @@ def _count_in_one_front_end(metrics_dir: str, index: int, requests: int) -> None
     for _ in range(requests):
         metrics.request_count.inc()
     metrics.update_from_stats({"prefix_cache_lookup_tokens": 50, "queue_size": index + 5}, None)
+    metrics.piece_cache.looked_up(hits=index + 1, misses=2)       # each front end's own tokenizer piece cache
+    metrics.piece_cache.holds(1000 * (index + 1))
     if index == 0:       # the router sends its steps' numbers to the first front end only
         metrics.observe_steps([StepStats("decode", 4, False, 0.001, 0.01, 0.001, 0.0, 0.012)])
 
@@ -105,6 +107,8 @@ def test_metrics_sum_what_every_front_end_counted_and_show_the_routers_totals_on
     assert "tgi_prefix_cache_lookup_tokens 50.0" in lines        # the router's total, not 50 per front end
     assert 'tgi_batch_inference_count{method="decode"} 1.0' in lines
     assert "tgi_queue_size 6.0" in lines                         # the latest status
+    assert {"tgi_tokenizer_piece_cache_hits 3.0", "tgi_tokenizer_piece_cache_misses 4.0",
+            "tgi_tokenizer_piece_cache_chars 3000.0"} <= lines    # both front ends' caches
     assert "# TYPE tgi_request_count counter" in lines
 
 

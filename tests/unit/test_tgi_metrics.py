@@ -25,6 +25,8 @@ TGI_KINDS = {
     "tgi_prefix_cache_hit_tokens": "counter", "tgi_prefix_cache_evicted_tokens": "counter",
     "tgi_speculation_drafted_tokens": "counter", "tgi_speculation_accepted_tokens": "counter",
     "tgi_request_speculated_tokens": "counter",
+    "tgi_tokenizer_piece_cache_hits": "counter", "tgi_tokenizer_piece_cache_misses": "counter",
+    "tgi_tokenizer_piece_cache_chars": "gauge",
 }
 
 
