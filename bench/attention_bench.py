@@ -195,7 +195,7 @@ def sweep_verify(batch: int, context: int, drafts: int, args) -> dict:
             "top5": [(name(*k), round(results[k], 2)) for k in sorted(results, key=results.get)[:5]]}
 
 
-def main(argv=None) -> list[dict]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated decode batch sizes")
     parser.add_argument("--seq-lens", default="128,384,1024,4096", help="comma-separated sequence lengths")
@@ -212,6 +212,11 @@ def main(argv=None) -> list[dict]:
                              "not with --shared-prefix or --verify-drafts")
     parser.add_argument("--json", help="also write the results to this file")
     parser.set_defaults(device="cuda")      # the sweeps' tensors (a CPU smoke of their code sets "cpu")
+    return parser
+
+
+def main(argv=None) -> list[dict]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.kv_cache_dtype and (args.shared_prefix or args.verify_drafts):
         parser.error("--kv-cache-dtype applies to the plain decode sweep only; drop it or drop "

@@ -121,7 +121,7 @@ def format_summary(policy: tuple[int, int], s: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> list[dict]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.beside_steps", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="checkpoint directory")
@@ -131,6 +131,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--kernel-backend", choices=["triton", "torch"],
                         help="the model's kernels (default: the device's, engine.ops.default_backend)")
     parser.add_argument("--json", help="also write the results to this file")
+    return parser
+
+
+def main(argv=None) -> list[dict]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         policies = parse_policies(args.policies)

@@ -48,7 +48,7 @@ def ours_batch_tokens_per_s(engine: Engine, workload: Workload) -> tuple[float, 
     return generated / (time.perf_counter() - start), generated
 
 
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="checkpoint directory (e.g. a random Llama-2-7B)")
     parser.add_argument("--requests", type=int, default=256, help="requests in the throughput workload")
@@ -56,7 +56,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-shards", type=int, default=1, help="tensor-parallel shards (one GPU each)")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default="on", help="decode CUDA graphs")
     parser.add_argument("--json", help="also write the numbers to this file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     from engine.models import load_model_config
 
     vocab = load_model_config(args.model_dir).vocab_size

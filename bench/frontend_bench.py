@@ -127,21 +127,32 @@ def process_cpu_s(pid: int, thread: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.frontend_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", required=True, help="a model directory with its tokenizer")
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--prompt-tokens", type=int, default=3000)
-    parser.add_argument("--new-tokens", type=int, default=1, help="tokens streamed to each request")
-    parser.add_argument("--step-ms", type=float, default=20.0, help="the stand-in router's step time")
+    parser.add_argument("--requests", type=int, default=256,
+                        help="streamed requests, sent at once (default: %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=3000,
+                        help="random token ids decoded into the text every prompt begins with; 16 random numbers "
+                             "follow it in each, so a prompt is about this many tokens (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=1,
+                        help="tokens streamed to each request (default: %(default)s)")
+    parser.add_argument("--step-ms", type=float, default=20.0,
+                        help="the stand-in router's step time, in ms (default: %(default)s)")
     parser.add_argument("--validation-workers", type=int, default=2, help="the launcher's flag (TGI's default 2)")
     parser.add_argument("--route", choices=sorted(ROUTES), default="generate_stream",
-                        help="the streamed route the burst asks (chat: the tokenizer needs a chat template)")
-    parser.add_argument("--seed", type=int, default=0)
+                        help="the streamed route the burst asks (chat: the tokenizer needs a chat template) "
+                             "(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the prompts' random token ids and numbers (default: %(default)s)")
     parser.add_argument("--profile", help="write the front end's cProfile stats here")
-    parser.add_argument("--json")
-    return parser.parse_args(argv)
+    parser.add_argument("--json", help="also write the result (times, CPU seconds, mean validation) to this file")
+    return parser
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _measure_burst(args) -> dict:

@@ -296,17 +296,24 @@ def print_table(rows: list[dict], totals: dict) -> None:
                   f"{t['best_of_both_ms']:13.3f} {t['cublas_ms'] / t['triton_best_ms']:8.3f}")
 
 
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="1,2,4,8", help=f"comma-separated M values (1..{MAX_ROWS})")
+    parser.add_argument("--rows", default="1,2,4,8",
+                        help=f"comma-separated M values (1..{MAX_ROWS}) (default: %(default)s)")
     parser.add_argument("--shapes", default=",".join(LLAMA2_7B),
                         help="comma-separated Llama-2-7B projections (" + ",".join(LLAMA2_7B) + ") or NxK shapes")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--top", type=int, default=4, help="coarse-stage configs refined in the second stage")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                        help="dtype of the weights and the inputs (default: %(default)s)")
+    parser.add_argument("--top", type=int, default=4,
+                        help="coarse-stage configs refined in the second stage (default: %(default)s)")
     parser.add_argument("--compile-threads", type=int, default=min(16, os.cpu_count() or 1),
                         help="threads compiling the sweep's kernels ahead of timing (0: compile when first timed)")
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.gemm_bench needs a CUDA device")
     rows_list = [int(s) for s in args.rows.split(",")]

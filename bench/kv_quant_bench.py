@@ -129,28 +129,60 @@ def ratios(results: dict, phase: str, key: str) -> dict:
             if kv != PLAIN and not kv.startswith("ratio_")}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; ``parse_args`` adds the fixed settings bench.serving_bench's functions read."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", required=True, help="serve and drift: e.g. the random Llama-2-7B")
     parser.add_argument("--long-model-dir", help="long: e.g. the random Llama-3.1-8B")
-    parser.add_argument("--kv-dtypes", default="int8,fp8_e4m3fn", help="quantized KV dtypes, beside the model's")
-    parser.add_argument("--phases", default="serve,long,drift")
+    parser.add_argument("--kv-dtypes", default="int8,fp8_e4m3fn",
+                        help="serve and drift: comma-separated quantized KV dtypes, each beside the model's "
+                             "(default: %(default)s)")
+    parser.add_argument("--phases", default="serve,long,drift",
+                        help="comma-separated phases, run in this order: serve (per KV dtype on --model-dir: KV "
+                             "slots, the --num-requests load, batch-1 decode), long (per --long-kv-dtypes on "
+                             "--long-model-dir: decode after one --long-tokens prompt), drift (in-process, float32: "
+                             "each KV dtype's logprobs of the unquantized cache's greedy tokens) "
+                             "(default: %(default)s)")
     parser.add_argument("--long-kv-dtypes", default="int8", help="long: quantized KV dtypes (each a server start "
-                        "and a 100k-token prefill, about a minute: the default keeps the GPU stage near 9 minutes)")
-    parser.add_argument("--num-requests", type=int, default=512)
-    parser.add_argument("--prompt-len", default="64-512")
-    parser.add_argument("--output-len", default="256")
-    parser.add_argument("--batch1-prompt-len", type=int, default=128)
-    parser.add_argument("--batch1-output-len", type=int, default=256)
-    parser.add_argument("--batch1-repeats", type=int, default=3)
-    parser.add_argument("--long-tokens", type=int, default=100_000)
-    parser.add_argument("--long-new", type=int, default=128)
-    parser.add_argument("--drift-new", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-concurrent-requests", type=int, default=1024)
-    parser.add_argument("--server-timeout", type=float, default=600.0)
-    parser.add_argument("--server-log-dir")
-    parser.add_argument("--json")
+                        "and a 100k-token prefill, about a minute: the default keeps the GPU stage near 9 minutes) "
+                        "(default: %(default)s)")
+    parser.add_argument("--num-requests", type=int, default=512,
+                        help="serve: requests of the load, sent at once (default: %(default)s)")
+    parser.add_argument("--prompt-len", default="64-512",
+                        help="serve: the load's prompt tokens, 'n' or a range 'a-b' (uniform, both ends included) "
+                             "(default: %(default)s)")
+    parser.add_argument("--output-len", default="256",
+                        help="serve: the load's max_new_tokens, 'n' or a range 'a-b' (default: %(default)s)")
+    parser.add_argument("--batch1-prompt-len", type=int, default=128,
+                        help="serve: batch-1 decode's prompt tokens (default: %(default)s)")
+    parser.add_argument("--batch1-output-len", type=int, default=256,
+                        help="serve: batch-1 decode's new tokens (default: %(default)s)")
+    parser.add_argument("--batch1-repeats", type=int, default=3,
+                        help="serve: batch-1 runs, one after the other; the best decode tokens/s is kept "
+                             "(default: %(default)s)")
+    parser.add_argument("--long-tokens", type=int, default=100_000,
+                        help="long: tokens of the one prompt; the server gets --max-input-tokens this + 32 "
+                             "(default: %(default)s)")
+    parser.add_argument("--long-new", type=int, default=128,
+                        help="long: tokens decoded after the prompt; their mean TPOT gives decode tokens/s "
+                             "(default: %(default)s)")
+    parser.add_argument("--drift-new", type=int, default=64,
+                        help="drift: greedy tokens per prompt with the unquantized cache, which each KV dtype then "
+                             "scores (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="serve: seed of the load's lengths and prompt words; long: its prompt's words use "
+                             "seed + 7 (default: %(default)s)")
+    parser.add_argument("--max-concurrent-requests", type=int, default=1024,
+                        help="serve and long: the launcher's flag (default: %(default)s)")
+    parser.add_argument("--server-timeout", type=float, default=600.0,
+                        help="seconds to wait for each server's /health (default: %(default)s)")
+    parser.add_argument("--server-log-dir", help="copy each server's log here (the folder is made if missing)")
+    parser.add_argument("--json", help="also write every phase's numbers and seconds to this file")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.peak_batch, args.rate, args.duration, args.server_arg = "on", 8.0, 0.0, []
     return args

@@ -90,17 +90,32 @@ def divergences(reference: Quality, other: Quality) -> list[Divergence]:
     return found
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; its defaults measure the demo model on the CPU."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", default=str(DEMO))
-    parser.add_argument("--heldout", default=str(DEMO / "heldout.txt"))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--kernel-backend", default=None, help="default: torch on the CPU, triton on CUDA")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--kv-dtypes", default=",".join(k for k in KV_DTYPES if k))
+    parser.add_argument("--model-dir", default=str(DEMO),
+                        help="checkpoint directory with a tokenizer (default: the demo model, %(default)s)")
+    parser.add_argument("--heldout", default=str(DEMO / "heldout.txt"),
+                        help=f"text file whose held-out loss is measured, in non-overlapping {WINDOW}-token windows "
+                             "(default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device the engine runs on (default: %(default)s)")
+    parser.add_argument("--dtype", default=None,
+                        help="float16 | bfloat16 | float32 (default: the device's: float32 on a CPU, the "
+                             "checkpoint's half precision on a GPU)")
+    parser.add_argument("--kernel-backend", default=None,
+                        help="triton | torch: the engine's kernels (default: torch on the CPU, triton on CUDA)")
+    parser.add_argument("--new-tokens", type=int, default=32,
+                        help=f"greedy tokens of each of the {len(PROMPTS)} prompts, compared with the unquantized "
+                             "cache's (default: %(default)s)")
+    parser.add_argument("--kv-dtypes", default=",".join(k for k in KV_DTYPES if k),
+                        help="comma-separated quantized KV dtypes, each measured after the unquantized cache "
+                             "(default: %(default)s)")
     parser.add_argument("--json", default=None, help="also write the results here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     import transformers
 
     backend = args.kernel_backend or ("torch" if args.device == "cpu" else None)

@@ -136,11 +136,7 @@ def _variants(text: str) -> list[str]:
     return variants
 
 
-def main(argv=None) -> list[dict]:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--one"]:
-        print(json.dumps(measure(argv[1], argv[3:] if argv[2:3] == ["--"] else argv[2:])))
-        return []
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="checkpoint directory")
     parser.add_argument("--variants", type=_variants, default="base,norms,rotary,merge,route,all,base",
@@ -149,6 +145,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--context", type=positive_int, default=128, help="tokens each request holds before decoding")
     parser.add_argument("--repeats", type=positive_int, default=50, help="timed repetitions per measurement")
     parser.add_argument("--json", help="also write the numbers to this file")
+    return parser
+
+
+def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--one"]:
+        print(json.dumps(measure(argv[1], argv[3:] if argv[2:3] == ["--"] else argv[2:])))
+        return []
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not (Path(args.model_dir) / "config.json").is_file():
         parser.error(f"--model-dir {args.model_dir} has no config.json: give a checkpoint directory")

@@ -448,7 +448,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """The module docstring as written, and every flag's default."""
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:3000", help="base URL of the running server")
     parser.add_argument("--num-requests", type=int, default=512, help="requests to send (ignored with --length-file)")
@@ -467,7 +467,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="read /metrics' step-size histogram (tgi_batch_next_size) before and after the run "
                              "and report the most rows (requests) of any step")
     parser.add_argument("--json", help="also write the summary and per-request numbers to this file")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def lengths_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:

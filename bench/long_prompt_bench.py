@@ -146,24 +146,42 @@ def format_table(r: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; ``parse_args`` splits --long and --server-args."""
     parser = argparse.ArgumentParser(prog="python -m bench.long_prompt_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="checkpoint directory with a tokenizer")
-    parser.add_argument("--max-input-tokens", type=int, default=120_000, help="the launcher's flag")
-    parser.add_argument("--long", default="32000,100000", help="long: prompt lengths, comma-separated")
-    parser.add_argument("--beside-tokens", type=int, default=100_000, help="beside: the long prompt's tokens")
+    parser.add_argument("--max-input-tokens", type=int, default=120_000,
+                        help="the launcher's flag; --max-total-tokens is this + --stream-new + 64 "
+                             "(default: %(default)s)")
+    parser.add_argument("--long", default="32000,100000",
+                        help="long: prompt lengths, comma-separated (default: %(default)s)")
+    parser.add_argument("--beside-tokens", type=int, default=100_000,
+                        help="beside: the long prompt's tokens (default: %(default)s)")
     parser.add_argument("--stream-new", type=int, default=4000,
-                        help="beside: the stream's max_new_tokens (it is cut once the long prompt answered)")
-    parser.add_argument("--mixed-requests", type=int, default=64)
-    parser.add_argument("--mixed-prompt", default="2000-16000", help="mixed: prompt tokens 'a-b'")
-    parser.add_argument("--mixed-new", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-concurrent-requests", type=int, default=1024, help="the launcher's flag")
+                        help="beside: the stream's max_new_tokens (it is cut once the long prompt answered) "
+                             "(default: %(default)s)")
+    parser.add_argument("--mixed-requests", type=int, default=64,
+                        help="mixed: requests sent at once (default: %(default)s)")
+    parser.add_argument("--mixed-prompt", default="2000-16000",
+                        help="mixed: prompt tokens, 'n' or a range 'a-b' (uniform) (default: %(default)s)")
+    parser.add_argument("--mixed-new", type=int, default=128,
+                        help="mixed: max_new_tokens of each request (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="mixed: seed of the prompt lengths (every prompt's words have a fixed seed of their "
+                             "own) (default: %(default)s)")
+    parser.add_argument("--max-concurrent-requests", type=int, default=1024,
+                        help="the launcher's flag (default: %(default)s)")
     parser.add_argument("--server-args", default="", help="more launcher flags, one string")
-    parser.add_argument("--server-timeout", type=float, default=1200.0)
+    parser.add_argument("--server-timeout", type=float, default=1200.0,
+                        help="seconds to wait for the server's /health (default: %(default)s)")
     parser.add_argument("--server-log-dir", help="copy the server's log here")
-    parser.add_argument("--json")
+    parser.add_argument("--json", help="also write the arguments, the results and the table to this file")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.long = [int(n) for n in args.long.split(",") if n]
     args.server_arg = shlex.split(args.server_args)

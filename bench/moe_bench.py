@@ -192,7 +192,7 @@ def moe_layer_ab(config, layers: int = 8, replays: int = 20) -> dict[str, float]
 ONE_TOKEN_SWEEP = (((8, 256, 3, 4), (8, 128, 3)), ((4, 512, 3, 4), (8, 64, 3)), ((4, 512, 3, 4), (8, 256, 3)))
 
 
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", action="append", required=True, help="checkpoint directory (repeatable)")
     parser.add_argument("--requests", type=int, default=256, help="requests in the throughput workload")
@@ -200,7 +200,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--routing-ab", action="store_true", help="also batch-1 decode with the MoE routing and "
                         "expert alignment by torch's ops and by the kernels, in turn (module docstring)")
     parser.add_argument("--json", help="also write the numbers to this file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     bandwidth = copy_bandwidth()
     print(f"device copy bandwidth: {bandwidth / 1e9:.0f} GB/s")
     results = {}

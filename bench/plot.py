@@ -84,7 +84,7 @@ def _rate_label(rate: float) -> str:
     return "all at once" if math.isinf(rate) else f"{rate:g} req/s"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.plot", description=__doc__,
                                      formatter_class=load.HelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:3000", help="base URL of the running server")
@@ -98,7 +98,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--png", required=True, help="write the plot to this PNG file")
     parser.add_argument("--json", help="also write the sweep's numbers to this file")
     parser.add_argument("--from-json", help="redraw a sweep saved with --json instead of running one")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:

@@ -184,20 +184,26 @@ def whole_prompt_rows(args, seq_lens: list[int], sweep_lens: list[int]) -> list[
     return rows
 
 
-def main(argv=None) -> list[dict]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.prefill_attention_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, default=32, help="q heads (Llama-3.1-8B: 32)")
     parser.add_argument("--kv-heads", type=int, default=8, help="kv heads (Llama-3.1-8B: 8)")
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim", type=int, default=128, help="head dimension (Llama-3.1-8B: 128)")
     parser.add_argument("--seq-lens", default="4096,32768,100000", help="comma-separated sequence lengths")
     parser.add_argument("--chunk", type=int, default=2048, help="new tokens of the last chunk (0: no chunk shapes)")
     parser.add_argument("--sweep-lens", default="32768,100000",
                         help="whole-prompt lengths to sweep (the first with every config; empty: no sweep)")
     parser.add_argument("--finalists", type=int, default=8, help="configs re-timed at the later sweep lengths")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5,
+                        help="timed calls per measurement, after one warm-up call; the median is kept "
+                             "(default: %(default)s)")
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> list[dict]:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("prefill_attention_bench needs a CUDA GPU")
     seq_lens = [int(n) for n in args.seq_lens.split(",") if n]

@@ -152,25 +152,37 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} ({min(values):.0f}-{max(values):.0f})"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``load.HelpFormatter`` shows every default)."""
     parser = argparse.ArgumentParser(prog="python -m bench.prefix_bench", description=__doc__,
                                      formatter_class=load.HelpFormatter)
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--shared-requests", type=int, default=256)
+    parser.add_argument("--model-dir", required=True, help="checkpoint directory with a tokenizer, served by the "
+                                                           "launcher")
+    parser.add_argument("--shared-requests", type=int, default=256,
+                        help="shared: requests sent at once behind the common prefix")
     parser.add_argument("--prefix-len", type=int, default=3000, help="tokens of the common prefix")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--conversations", type=int, default=64)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64,
+                        help="max_new_tokens of each shared-prefix request and of each turn's answer (greedy)")
+    parser.add_argument("--conversations", type=int, default=64, help="multiturn: chats, all run at once")
+    parser.add_argument("--turns", type=int, default=4, help="multiturn: turns of each chat, one after the other")
     parser.add_argument("--turn-words", type=int, default=200, help="new words (about tokens) per turn")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the shared prefix and its requests' words (--more-bursts: seed + 1, + 2, ...) "
+                             "and of chat i's words (seed + i)")
     parser.add_argument("--more-bursts", type=int, default=0,
                         help="after the first shared-prefix burst, this many more on the same server, each behind a "
                              "prefix of its own (seed + 1, + 2, ...): samples of the load on a warm server")
     parser.add_argument("--max-concurrent-requests", type=int, default=1024, help="the launcher's flag")
-    parser.add_argument("--server-timeout", type=float, default=1200.0)
-    parser.add_argument("--server-log-dir")
+    parser.add_argument("--server-timeout", type=float, default=1200.0,
+                        help="seconds to wait for each server's /health")
+    parser.add_argument("--server-log-dir", help="copy each server's log here (the folder is made if missing)")
     parser.add_argument("--cache", choices=["on", "off", "both"], default="both", help="which servers to run")
-    parser.add_argument("--json")
+    parser.add_argument("--json", help="also write each server's numbers (shared, more bursts, turns) to this file")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.server_arg = []
     return args

@@ -69,20 +69,35 @@ def print_kernels(profiler, top: int) -> dict[str, float]:
     return ranked
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.prefix_steps", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--prefix-len", type=int, default=3000)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--max-requests", type=int, default=256)
+    parser.add_argument("--model-dir", required=True,
+                        help="checkpoint directory (the prompts are random token ids below its vocab size)")
+    parser.add_argument("--requests", type=int, default=256,
+                        help="prompts of each round, all added at once (default: %(default)s)")
+    parser.add_argument("--prefix-len", type=int, default=3000,
+                        help="tokens of the prefix a round's prompts share (a new random one each round); 16-64 "
+                             "random tokens of its own follow in each prompt (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=64,
+                        help="tokens generated per request; no stop token ends them sooner (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds, one after the other on one engine; the first pays every lazily compiled "
+                             "kernel (default: %(default)s)")
+    parser.add_argument("--max-requests", type=int, default=256,
+                        help="the engine's request rows, EngineConfig.max_requests: the largest running batch "
+                             "(default: %(default)s)")
     parser.add_argument("--profile", action="store_true", help="the last round's kernels until every first token "
                                                                 "(CUDA)")
-    parser.add_argument("--top", type=int, default=20, help="--profile: kernels printed")
-    parser.add_argument("--json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--top", type=int, default=20,
+                        help="--profile: kernels printed, largest first (default: %(default)s)")
+    parser.add_argument("--json", help="also write each round's TTFTs and prefill steps (with --profile, the last "
+                                       "round's kernel ms) to this file")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     engine = Engine(EngineConfig(model_dir=args.model_dir, max_requests=args.max_requests))
     rng = random.Random(0)
     rounds = []

@@ -54,16 +54,27 @@ def stream_one(url: str, new_tokens: int) -> None:
             pass
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", required=True,
+                        help="checkpoint directory with a tokenizer, served by the launcher with its default flags")
+    parser.add_argument("--idle-s", type=float, default=10.0,
+                        help="seconds measured with no request, once the server has settled 2 s after /health "
+                             "(default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=512,
+                        help="max_new_tokens of the one request streamed after the idle interval; its whole stream "
+                             "is measured (default: %(default)s)")
+    parser.add_argument("--server-timeout", type=float, default=600.0,
+                        help="seconds to wait for the server's /health (default: %(default)s)")
+    parser.add_argument("--json", help="also write each process's percent of a core, idle and streaming, to this "
+                                       "file")
+    return parser
+
+
 def main(argv=None) -> dict:
     from tests.e2e.server import LaunchedServer
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--idle-s", type=float, default=10.0)
-    parser.add_argument("--new-tokens", type=int, default=512)
-    parser.add_argument("--server-timeout", type=float, default=600.0)
-    parser.add_argument("--json")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     server = LaunchedServer(args.model_dir).wait_healthy(timeout=args.server_timeout)
     try:
         processes = named_processes(server.output())

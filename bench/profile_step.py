@@ -220,7 +220,7 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def main(argv=None) -> list[dict]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="checkpoint directory")
     parser.add_argument("--batch-sizes", default="1,64,256", help="comma-separated decode batch sizes")
@@ -238,7 +238,11 @@ def main(argv=None) -> list[dict]:
                              "a short-context stream beside a chunk late in a long prompt")
     parser.add_argument("--table-dir", help="write torch.profiler kernel tables here")
     parser.add_argument("--json", help="also write the numbers to this file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> list[dict]:
+    args = build_parser().parse_args(argv)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     chunk_context = args.context if args.chunk_context is None else args.chunk_context
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -189,14 +189,18 @@ def step_totals(rows: list[dict]) -> list[dict]:
     return out
 
 
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,512", help="row counts M (comma-separated)")
     parser.add_argument("--formats", default="int4,fp8", help="int4 and/or fp8")
     parser.add_argument("--shapes", default=",".join(LAYER_SHAPES), help=f"of {', '.join(LLAMA2_7B)}")
     parser.add_argument("--no-sweep", action="store_true", help="time the defaults and the linear routes only")
     parser.add_argument("--json", help="write the rows and totals here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     device = torch.device("cuda")
     sms = device_sms(device)
     rows = [sweep(fmt, int(M), name, sms, device, not args.no_sweep) for fmt in args.formats.split(",")

@@ -231,7 +231,7 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.schedule_replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", choices=["mixed", "load512", "shared", "beside"], default="mixed",
@@ -248,6 +248,11 @@ def main(argv=None) -> int:
                         help="seconds over which the load's requests arrive, each at a seeded random time "
                              "(default 0: all at their load's times)")
     parser.add_argument("--json", help="write the result here")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.spread and args.arrivals_log:
         parser.error("--spread and --arrivals-log both set the arrival times: give one")

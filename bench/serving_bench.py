@@ -240,7 +240,7 @@ def format_table(args: argparse.Namespace, ours: dict, peer_numbers: dict, ablat
 
 # ---- command line -----------------------------------------------------------------------
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.serving_bench", description=__doc__,
                                      formatter_class=load.HelpFormatter)
     parser.add_argument("--model-dir", required=True, help="checkpoint directory with a tokenizer (e.g. a random "
@@ -273,6 +273,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--server-log-dir", help="copy each server's log here")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--json", help="write every number (and per-request records) to this file")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
     unknown = set(args.workloads) - set(WORKLOADS)

@@ -617,10 +617,12 @@ def steps(args) -> dict:
     return results
 
 
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; ``main`` checks that verify, profile, host and load get --model-dir."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["demo", "verify", "profile", "host", "load", "steps", "batch"])
-    parser.add_argument("--model-dir", help="checkpoint directory (verify, load)")
+    parser.add_argument("what", choices=["demo", "verify", "profile", "host", "load", "steps", "batch"],
+                        help="the measurement to run (each described above)")
+    parser.add_argument("--model-dir", help="checkpoint directory (verify, profile, host, load)")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per request")
     parser.add_argument("--batch-sizes", default="1,32", help="verify, profile, host: comma-separated batch sizes")
     parser.add_argument("--context", type=int, default=512, help="verify, profile, host: tokens each request holds")
@@ -636,6 +638,11 @@ def main(argv=None) -> dict:
                                               "(e.g. weights/demo/medusa) instead of n-gram lookup")
     parser.add_argument("--references", help="steps: cache of the greedy outputs (computed when missing)")
     parser.add_argument("--json", help="also write the numbers to this file")
+    return parser
+
+
+def main(argv=None) -> dict:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.what in ("verify", "profile", "host", "load") and not args.model_dir:
         parser.error(f"{args.what} needs --model-dir")
