@@ -216,7 +216,7 @@ def test_grafana_dashboard_queries_only_exported_metrics(url):
     used = dashboard_series(json.loads(DASHBOARD.read_text()))
     assert not {series for series in used if not is_exported(series, families)}
     assert {"tgi_request_duration_bucket", "tgi_queue_size", "tgi_kv_cache_usage", "tgi_batch_forward_duration_bucket",
-            "tgi_prefix_cache_hit_tokens"} <= used
+            "tgi_prefix_cache_hit_tokens", "tgi_tokenizer_piece_cache_hits", "tgi_tokenizer_piece_cache_misses"} <= used
     assert not is_exported("tgi_batch_forward_latency_bucket", families)     # the check can fail
 
 
