@@ -121,6 +121,17 @@ def int8_as_float16(x):
 
 
 @triton.jit
+def int8_as_float32(x):
+    """int8 values as float32, exactly, with integer ops: the byte biased by 128 (its sign bit flipped) as the low
+    mantissa bits under float32's exponent of 2**23 is ``2**23 + 128 + x``, then that offset is subtracted: a byte
+    extraction, a logic op and an FADD a value, no conversion instruction. For the float32 sums of the decode walk
+    without dots (``kernels.decode_attention``), where ``int8_as_float16`` needed a float16 -> float32 conversion
+    more: one H200, Llama-2-7B heads, 512 requests x 416 keys, us a layer 608.6 -> 527.1 (same launch)."""
+    bits = x.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
+    return bits.to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
 def dot_query(q, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr):
     """q as the attention's dots take it: float32 (UPCAST); float16 beside an int8 cache, whose values ``load_kv``
     gives as float16's exact integers (q's bfloat16 values fit float16's range in practice, and gain mantissa);

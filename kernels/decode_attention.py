@@ -21,7 +21,11 @@ moves every block through shared memory as float16. One H200, random Llama-2-7B,
 the trees in turn; the walk then taken wherever one split walked a request): the 512-request load
 8,810.6 -> 9,118.8 output tokens/s (a bfloat16 cache: 8,450.4), batch-1 decode 248.9 both. The kernel
 times at ``ROWWISE_PROGRAMS_PER_SM`` narrowed the walk to large batches afterwards (not re-measured
-through HTTP: it only leaves small batches the dot walk, faster there).
+through HTTP: it only leaves small batches the dot walk, faster there). Its own launch
+(``CUDA_LAUNCH_ROWWISE``: one warp, 32 keys a step) and values read as float32 integers
+(``int8_as_float32``): the 512-request load 9,652 / 9,628 -> 10,438 / 10,463 output tokens/s (one H200,
+``bench.serving_bench --workloads batch --server-args "--kv-cache-dtype int8"``, one call, the trees in
+turn, twice).
 
 A few requests with an int8 cache take their own launch (``cuda_launch``): where ``default_num_splits``
 gives 4 to 32 splits, twice as many splits of 32-key blocks over one warp, each split's keys after its
@@ -57,7 +61,7 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
-from ._kv_quant import KV_DTYPES, check_kv, dot_query, gather_kv_ref, int8_as_float16, scale_args
+from ._kv_quant import KV_DTYPES, check_kv, dot_query, gather_kv_ref, int8_as_float32, scale_args
 from ._online_softmax import attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
@@ -87,6 +91,11 @@ MIN_CHUNK_FLOAT = CUDA_LAUNCH[0]
 # (dot walk -> rowwise): 512 x 416 keys 920.8 -> 764.0, 256 x 512 498.9 -> 454.8, 64 x 1024 218.2 -> 207.0 (15.5
 # programs an SM), but 16 x 1024 58.7 -> 76.8 and 9 x 2048 98.6 -> 132.5 (3.9 and 2.2 an SM)
 ROWWISE_PROGRAMS_PER_SM = 15
+# (BLOCK_N, num_warps, num_stages) of the rowwise walk: one warp, 32 keys a step. One H200, Llama-2-7B heads, us a
+# layer (32 launches replayed from a CUDA graph; .diag/int8row, stop 67), CUDA_LAUNCH_INT8 -> this launch, each
+# with int8_as_float32: 512 x 416 keys 752.1 -> 527.1 (a bf16 cache: 826.1), 256 x 512 425.8 -> 326.5 (509.9);
+# the best of 18 launches (32 / 64 / 128 keys, 1 / 2 / 4 warps, 2 / 3 stages) at both shapes
+CUDA_LAUNCH_ROWWISE = (32, 1, 2)
 # an int8 cache where default_num_splits gives a request 4 to MAX_SPLITS // 2 splits (few requests: short chunks at
 # short contexts, where a 64-key block cost about 4 us more than a 32-key one): twice the splits, 32-key blocks over
 # one warp, the keys after a split's last full block walked in 16-key blocks. One H200, 32 launches replayed from a
@@ -206,14 +215,14 @@ def _int8_row_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base, s
     n_mask = pos < end
     slots = tl.load(table_row + pos, mask=n_mask, other=0).to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = int8_as_float16(tl.load(k_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0)).to(tl.float32)
+    k = int8_as_float32(tl.load(k_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0))
     k_scale = tl.load(k_scale_base + slots * stride_scale_slot, mask=n_mask, other=0.0)
     qk = tl.where(n_mask, tl.sum(k * q, 1) * k_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 0))
     p = tl.exp2(qk - m_new)
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 0)
-    v = int8_as_float16(tl.load(v_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0)).to(tl.float32)
+    v = int8_as_float32(tl.load(v_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0))
     v_scale = tl.load(v_scale_base + slots * stride_scale_slot, mask=n_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.sum((p * v_scale)[:, None] * v, 0)[None, :]
     return m_new, l_i, acc
@@ -297,6 +306,17 @@ def cuda_launch(kv_layer: torch.Tensor, splits: int) -> tuple[int, int, int, int
     return (splits, *CUDA_LAUNCH_INT8, TAIL_N_INT8)
 
 
+def cuda_walk(kv_layer: torch.Tensor, batch: int, group: int, mods: ScoreMods | None, splits: int,
+              sms: int) -> tuple[int, int, int, int, int, bool]:
+    """``cuda_launch``'s (splits, BLOCK_N, num_warps, num_stages, tail BLOCK_N) and whether the walk is rowwise
+    (``default_rowwise``), which takes ``CUDA_LAUNCH_ROWWISE`` instead, on a GPU of ``sms`` SMs."""
+    chosen, block_n, num_warps, num_stages, tail_n = cuda_launch(kv_layer, splits)
+    rowwise = default_rowwise(kv_layer, batch, group, mods, chosen, sms)
+    if rowwise:
+        block_n, num_warps, num_stages = CUDA_LAUNCH_ROWWISE
+    return chosen, block_n, num_warps, num_stages, tail_n, rowwise
+
+
 def default_min_chunk(kv_layer: torch.Tensor) -> int:
     """The fewest keys a split walks on CUDA with this cache (``MIN_CHUNK_FLOAT``'s comment: where it is faster)."""
     return MIN_CHUNK_FLOAT if kv_layer.dtype in FLOAT_DTYPES else 0
@@ -346,13 +366,15 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torc
     splits = num_splits or default_num_splits(q.shape[0], kv_heads, q.device)
     # a split count the caller gives is kept, every split walked; the launch is that count's
     min_chunk = default_min_chunk(kv_layer) if q.is_cuda and not num_splits else 0
+    rowwise = None
     if q.is_cuda:
-        chosen, block_n, num_warps, num_stages, tail_n = cuda_launch(kv_layer, splits)
+        chosen, block_n, num_warps, num_stages, tail_n, rowwise = cuda_walk(
+            kv_layer, q.shape[0], q.shape[1] // kv_heads, mods, splits, device_sms(q.device))
         splits = num_splits or chosen
     else:
         block_n, num_warps, num_stages, tail_n = 32, 4, 1, None
     launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, splits, block_n, num_warps, num_stages,
-           shared=shared, mods=mods, kv_scales=kv_scales, tail_n=tail_n, min_chunk=min_chunk)
+           shared=shared, mods=mods, kv_scales=kv_scales, rowwise=rowwise, tail_n=tail_n, min_chunk=min_chunk)
     return out
 
 

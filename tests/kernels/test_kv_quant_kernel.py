@@ -9,7 +9,7 @@ import triton.language as tl
 from kernel_inputs import ON_GPU, build_kv_cache
 from test_rotary_kernel import make_case, split_qkv
 
-from kernels._kv_quant import FP8_FORMATS, gather_kv_ref, int8_as_float16, quantize_ref
+from kernels._kv_quant import FP8_FORMATS, gather_kv_ref, int8_as_float16, int8_as_float32, quantize_ref
 from kernels.decode_attention import decode_attention, decode_attention_ref
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from kernels.rotary import rotary_store_kv, rotary_store_kv_ref
@@ -246,6 +246,32 @@ def test_int8_values_become_float16_integers_exactly(device):
     y = torch.empty(256, dtype=torch.float16, device=device)
     _int8_to_float16_kernel[(1,)](x, y, BLOCK=256)
     assert torch.equal(y, x.to(torch.float16))
+
+
+@triton.jit
+def _int8_to_float32_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, int8_as_float32(tl.load(x_ptr + offs)))
+
+
+def test_int8_values_become_float32_integers_exactly(device):
+    """``int8_as_float32`` (the rowwise decode walk's conversion) on all 256 values."""
+    x = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).to(device)
+    y = torch.empty(256, dtype=torch.float32, device=device)
+    _int8_to_float32_kernel[(1,)](x, y, BLOCK=256)
+    assert torch.equal(y, x.to(torch.float32))
+
+
+def test_the_rowwise_walk_takes_its_own_launch():
+    """Where the walk is rowwise (an int8 cache without GQA, a large batch, one split) its launch is
+    ``CUDA_LAUNCH_ROWWISE``; the same cache at a small batch keeps the dot walk's launch."""
+    from kernels.decode_attention import CUDA_LAUNCH_INT8, CUDA_LAUNCH_ROWWISE, cuda_walk
+
+    int8 = torch.zeros(1, 64, 8, dtype=torch.int8)
+    assert cuda_walk(int8, 512, 1, None, 1, 132) == (1, *CUDA_LAUNCH_ROWWISE, 32, True)
+    assert cuda_walk(int8, 16, 1, None, 1, 132) == (1, *CUDA_LAUNCH_INT8, 32, False)
+    assert cuda_walk(int8, 512, 4, None, 1, 132)[-1] is False                 # GQA: the dot walk
+    assert CUDA_LAUNCH_ROWWISE != CUDA_LAUNCH_INT8
 
 
 def test_decode_launch_follows_the_cache_dtype_and_the_split_count():
