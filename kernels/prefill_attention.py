@@ -265,6 +265,10 @@ class PrefillLaunch(NamedTuple):
 #   toy on contiguous K/V went 575 -> 647 TFLOP/s with it (one H200), but this kernel did not: whole 32k
 #   500 -> 492-500, 100k 495 -> 497-501, sweeping 9 such launches (the best 128 rows x 2, 64 keys, 8 warps, 3
 #   stages; no spill in its loop). The patch and numbers: stop 65's note.
+#   Tried and not kept (stop 67, one H200, Triton 3.6, a copy of this kernel whose range 1 reads K/V through a TMA
+#   tensor descriptor, the slots assumed one run): whole 32k 494-513 -> 510-511 TFLOP/s, a 4,096-token chunk at
+#   100k keys 490-497 -> 491-508, 100k 496 -> 503, at this launch; with `tl.range(..., warp_specialize=True)` 515
+#   and 508 (4 warps failed to compile). Not worth a second walk and the slot-run bookkeeping it needs.
 # - 64 and 256: not timed yet; from ptxas's report for sm_90a (no spill: 8 warps, 64 / 32 keys a step;
 #   float32 smaller tiles).
 CUDA_LAUNCHES = {64: PrefillLaunch(128, 64, 8, 2), 128: PrefillLaunch(128, 128, 8, 3, prefetch=True),
