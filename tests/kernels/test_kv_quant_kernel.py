@@ -235,31 +235,20 @@ def test_prefill_with_a_shared_prefix_and_split_keys_dequantizes_both(device, kv
 
 
 @triton.jit
-def _int8_to_float16_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+def _int8_to_float_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr, FLOAT32: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, int8_as_float16(tl.load(x_ptr + offs)))
+    x = tl.load(x_ptr + offs)
+    tl.store(y_ptr + offs, int8_as_float32(x) if FLOAT32 else int8_as_float16(x))
 
 
-def test_int8_values_become_float16_integers_exactly(device):
-    """``int8_as_float16`` (the int8 cache's conversion on the attention's fast path) on all 256 values."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_int8_values_become_float_integers_exactly(device, dtype):
+    """``int8_as_float16`` (the int8 cache's dots) and ``int8_as_float32`` (the rowwise decode walk's float32 sums),
+    the conversions of the attention's fast paths, on all 256 values."""
     x = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).to(device)
-    y = torch.empty(256, dtype=torch.float16, device=device)
-    _int8_to_float16_kernel[(1,)](x, y, BLOCK=256)
-    assert torch.equal(y, x.to(torch.float16))
-
-
-@triton.jit
-def _int8_to_float32_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, int8_as_float32(tl.load(x_ptr + offs)))
-
-
-def test_int8_values_become_float32_integers_exactly(device):
-    """``int8_as_float32`` (the rowwise decode walk's conversion) on all 256 values."""
-    x = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).to(device)
-    y = torch.empty(256, dtype=torch.float32, device=device)
-    _int8_to_float32_kernel[(1,)](x, y, BLOCK=256)
-    assert torch.equal(y, x.to(torch.float32))
+    y = torch.empty(256, dtype=dtype, device=device)
+    _int8_to_float_kernel[(1,)](x, y, BLOCK=256, FLOAT32=dtype == torch.float32)
+    assert torch.equal(y, x.to(dtype))
 
 
 def test_the_rowwise_walk_takes_its_own_launch():
