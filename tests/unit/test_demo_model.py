@@ -121,20 +121,6 @@ def test_a_corpus_that_leaves_a_split_empty_is_refused_with_what_to_do(tmp_path)
         load_corpus(str(tmp_path / "one"))
 
 
-@pytest.mark.parametrize("script", ["train", "train_medusa", "evaluate"])
-def test_every_flag_of_the_demo_scripts_says_what_it_does_in_help(script):
-    """``--help`` of weights/demo's scripts: every argument has a help text (a flag shown bare tells nothing of its
-    unit or default), and the help renders (a bad ``%(default)s`` raises only when printed)."""
-    import argparse
-    import importlib
-
-    parser = importlib.import_module(f"weights.demo.{script}").build_parser()
-    bare = [action.dest for action in parser._actions
-            if not isinstance(action, argparse._HelpAction) and not (action.help or "").strip()]
-    assert bare == [], f"{script}.py: arguments without help: {bare}"
-    parser.format_help()
-
-
 def test_the_medusa_script_refuses_a_bad_corpus_before_it_loads_the_model(tmp_path):
     """``train_medusa.py --stdlib`` missing: one line and exit 1, before the model loads (a missing model
     directory, loaded first, would fail with a traceback of its own)."""

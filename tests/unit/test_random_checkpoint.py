@@ -262,18 +262,6 @@ def test_cli_list_help_and_write(tmp_path, capsys):
         assert checkpoint.dtype("model.embed_tokens.weight") == torch.float16
 
 
-def test_every_flag_says_what_it_does_in_help():
-    """A flag shown bare in ``--help`` tells nothing of its unit or default."""
-    import argparse
-
-    from weights.random_checkpoint import build_parser
-
-    parser = build_parser()
-    bare = [action.dest for action in parser._actions
-            if not isinstance(action, argparse._HelpAction) and not (action.help or "").strip()]
-    assert bare == [], f"arguments without help: {bare}"
-
-
 @pytest.mark.parametrize("name", ["gemma-7b", "gemma-2-9b", "mistral-7b-v0.1"])
 def test_layer_override_and_the_engine_expects_the_written_shapes(name):
     """--num-layers keeps the first layers; the engine's family asks for exactly the tensors written."""
