@@ -11,8 +11,11 @@
 
 Dequantized: ``stored * s``. The rotary/store kernel quantizes as it writes (``quantize``);
 the attention kernels read each gathered block in registers (``load_kv``), so no dequantized
-copy of the cache ever exists: fp8 blocks are dequantized there, int8 blocks become float16
-integers whose per-token scales multiply the scores (K) and the probabilities (V) instead.
+copy of the cache ever exists: int8 blocks become float16 integers whose per-token scales multiply
+the scores (K) and the probabilities (V) instead; fp8 blocks become float16 (which holds both
+formats' values exactly; one conversion for two e4m3 values on Hopper) whose per-tensor scales
+multiply the scores (K) and the weighted values (V). The decode kernel's walk without dots reads
+both as float32 with integer ops (``int8_as_float32``, ``fp8_as_float32``).
 The ``*_ref`` functions are the torch references.
 
 fp8 values are rounded on the fp8 grid in float32 first (``_rounding.fp8_grid``), which gives the same
@@ -131,14 +134,30 @@ def int8_as_float32(x):
     return bits.to(tl.float32, bitcast=True) - 8388736.0
 
 
+# fp8 bytes read as float32 with integer ops (``fp8_as_float32``): (the left shift that puts the format's exponent
+# and mantissa bits under float32's, float32's exponent bias less the format's)
+FP8_AS_FLOAT32 = {torch.float8_e4m3fn: (20, 120), torch.float8_e5m2: (21, 112)}
+
+
+@triton.jit
+def fp8_as_float32(x, SHIFT: tl.constexpr):
+    """fp8 values as float32 times 2**-(float32's bias less the format's: ``FP8_AS_FLOAT32``),
+    exactly, with integer ops: the sign-extended byte shifted left by ``SHIFT`` holds the format's exponent and
+    mantissa under float32's and the sign above them, whose copies between are cleared. Subnormal fp8 values
+    land on float32's subnormals (the GPU's FMAs keep them); the caller's power-of-two factors undo the offset.
+    A byte extraction, a shift and a logic op a value, where ``.to(float32)`` takes two conversions."""
+    bits = x.to(tl.int8, bitcast=True).to(tl.int32) << SHIFT
+    return (bits & (((1 << (SHIFT + 7)) - 1) | -2147483648)).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def dot_query(q, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr):
-    """q as the attention's dots take it: float32 (UPCAST); float16 beside an int8 cache, whose values ``load_kv``
-    gives as float16's exact integers (q's bfloat16 values fit float16's range in practice, and gain mantissa);
-    else as loaded."""
+    """q as the attention's dots take it: float32 (UPCAST); float16 beside a quantized cache, whose values
+    ``load_kv`` gives in float16 (q's bfloat16 values fit float16's range in practice, and gain mantissa); else as
+    loaded."""
     if UPCAST:
         q = q.to(tl.float32)
-    elif KV_SCALES == 1:
+    elif KV_SCALES != 0:
         q = q.to(tl.float16)
     return q
 
@@ -146,10 +165,10 @@ def dot_query(q, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr):
 @triton.jit
 def load_kv(base, slots, stride_kv_slot, mask, scale_base, stride_scale_slot, n_mask, dtype: tl.constexpr,
             KV_SCALES: tl.constexpr, BOUNDED: tl.constexpr):
-    """One gathered K or V block [N, D] at ``slots`` in ``dtype``, and its per-slot scales [N] float32 for an
-    int8 cache, whose values come back unscaled (exact integers; the caller scales the scores for K and the
-    probabilities for V, [N] products instead of [N, D]); fp8 comes back dequantized (its one scale applied),
-    with a scale of 1. ``scale_base``: this kv head's scales (per slot, or the one per-tensor value);
+    """One gathered K or V block [N, D] at ``slots`` in ``dtype``, unscaled, and its scales: per slot [N] float32
+    for an int8 cache (exact integers; the caller scales the scores for K and the probabilities for V, [N]
+    products instead of [N, D]), the tensor's one for fp8 (the caller scales the scores for K and the weighted
+    values for V), 1 unquantized. ``scale_base``: this kv head's scales (per slot, or the one per-tensor value);
     ``n_mask``: the block's positions to read (when BOUNDED)."""
     x = tl.load(base + slots[:, None] * stride_kv_slot, mask=mask, other=0.0)
     scale = 1.0
@@ -163,7 +182,8 @@ def load_kv(base, slots, stride_kv_slot, mask, scale_base, stride_scale_slot, n_
         else:
             x = x.to(dtype)
     elif KV_SCALES == 2:
-        x = (x.to(tl.float32) * tl.load(scale_base)).to(dtype)
+        scale = tl.load(scale_base)
+        x = x.to(dtype)
     return x, scale
 
 

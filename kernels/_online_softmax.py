@@ -8,9 +8,11 @@ are read through the request's ``req_to_token`` row (``table_row``): position ->
 
 A quantized cache (``kernels._kv_quant``, ``KV_SCALES`` > 0) is read as each block is gathered
 (``load_kv``): ``k_scale_base`` / ``v_scale_base`` point at this kv head's K / V scales, one per
-slot (``stride_scale_slot`` apart) or one for the tensor. fp8 blocks come dequantized; int8 blocks
-come as float16 integers (the dots then take q in float16: ``dot_query``), and their per-slot
-scales multiply the block's column of scores (K) and of probabilities (V).
+slot (``stride_scale_slot`` apart) or one for the tensor. Both come unscaled in float16 (the dots
+then take q in float16: ``dot_query``): int8 blocks as float16 integers, whose per-slot scales
+multiply the block's column of scores (K) and of probabilities (V); fp8 blocks as their own values
+(float16 holds both formats exactly), whose per-tensor scales multiply the scores (K) and the
+block's weighted values (V).
 
 A full block without a mask or score modification (the bulk of a long walk) leaves the scores
 unscaled and applies ``scale_log2`` in the exponent's multiply-add: one multiply less per score.
@@ -83,6 +85,8 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
         qk = tl.dot(q, tl.trans(k))
     if KV_SCALES == 1:      # int8: each key's scale on its column of scores
         qk = qk * k_scale[None, :]
+    elif KV_SCALES == 2:    # fp8: the tensor's
+        qk = qk * k_scale
     if SOFTCAP:
         qk = softcap_log2 * tanh(qk * (scale_log2 / softcap_log2))
     elif CAUSAL or BOUNDED or WINDOW or ALIBI:
@@ -117,9 +121,12 @@ def attend_block(q, m_i, l_i, acc, start_n, key_end, q_pos, table_row, k_base, v
     if KV_SCALES == 1:      # int8: each value row's scale on its column of probabilities (l_i sums p unscaled)
         p_v = p * v_scale[None, :]
     if UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p_v, v.to(tl.float32), input_precision="ieee")
+        weighted = tl.dot(p_v, v.to(tl.float32), input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v)
+        weighted = tl.dot(p_v.to(v.dtype), v)
+    if KV_SCALES == 2:      # fp8: the tensor's scale on the block's weighted values
+        weighted = weighted * v_scale
+    acc = acc * alpha[:, None] + weighted
     return m_new, l_i, acc
 
 

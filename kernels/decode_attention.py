@@ -12,20 +12,14 @@ Stage 2, grid (request, q head): merges the splits by their log-sum-exp.
 The chunk is derived on the device from ``b_seq_len``, so no host lengths are needed and
 the launch can be captured in a CUDA graph.
 
-An int8 cache without GQA (one q head per kv head) and without score modifications is walked
-without ``tl.dot`` where a large batch fills the GPU with (request, kv head) programs in one split
-(``rowwise_applies``, ``default_rowwise``): the one query row's scores and weighted values are
-products and sums in float32 (``_attend_int8_row``), where the dot walk pads the row to 16 and
-moves every block through shared memory as float16. One H200, random Llama-2-7B, through HTTP
-(``bench.serving_bench --workloads batch1,batch --server-args "--kv-cache-dtype int8"``, one call,
-the trees in turn; the walk then taken wherever one split walked a request): the 512-request load
-8,810.6 -> 9,118.8 output tokens/s (a bfloat16 cache: 8,450.4), batch-1 decode 248.9 both. The kernel
-times at ``ROWWISE_PROGRAMS_PER_SM`` narrowed the walk to large batches afterwards (not re-measured
-through HTTP: it only leaves small batches the dot walk, faster there). Its own launch
-(``CUDA_LAUNCH_ROWWISE``: one warp, 32 keys a step) and values read as float32 integers
-(``int8_as_float32``): the 512-request load 9,652 / 9,628 -> 10,438 / 10,463 output tokens/s (one H200,
-``bench.serving_bench --workloads batch --server-args "--kv-cache-dtype int8"``, one call, the trees in
-turn, twice).
+A quantized cache (int8 or fp8) without GQA (one q head per kv head) and without score modifications is
+walked without ``tl.dot`` where the batch gives the GPU enough (request, kv head) programs
+(``rowwise_applies``, ``default_rowwise``, split by ``rowwise_splits``): the one query row's scores and
+weighted values are products and sums in float32 (``_attend_row``), where the dot walk pads the row to 16
+and moves every block through shared memory as float16; the values are read as float32 with integer ops
+(``int8_as_float32``, ``fp8_as_float32``). One H200, random Llama-2-7B, through HTTP, the 512-request load
+(``bench.serving_bench --workloads batch``, the trees in turn in one call, twice): int8 9,652 / 9,628 ->
+10,438 / 10,463 output tokens/s (stop 67), fp8 e4m3 9,220 / 9,211 -> 10,462 / 10,426 (stop 68).
 
 A few requests with an int8 cache take their own launch (``cuda_launch``): where ``default_num_splits``
 gives 4 to 32 splits, twice as many splits of 32-key blocks over one warp, each split's keys after its
@@ -61,7 +55,17 @@ from ._checks import (
     check_tensor,
     upcast_dots,
 )
-from ._kv_quant import KV_DTYPES, check_kv, dot_query, gather_kv_ref, int8_as_float32, scale_args
+from ._kv_quant import (
+    FP8_AS_FLOAT32,
+    KV_DTYPES,
+    QUANTIZED_DTYPES,
+    check_kv,
+    dot_query,
+    fp8_as_float32,
+    gather_kv_ref,
+    int8_as_float32,
+    scale_args,
+)
 from ._online_softmax import attend_range
 from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
@@ -87,10 +91,20 @@ CUDA_LAUNCH_INT8 = (64, 2, 2)
 # Not taken with an int8 cache, where its launches lost up to 1 us (Llama-2-7B heads batch 1 x 512 6.81 -> 7.68),
 # nor with fp8 (not measured).
 MIN_CHUNK_FLOAT = CUDA_LAUNCH[0]
-# the rowwise int8 walk from this many (request, kv head) programs per SM: one H200, Llama-2-7B heads, us a layer
-# (dot walk -> rowwise): 512 x 416 keys 920.8 -> 764.0, 256 x 512 498.9 -> 454.8, 64 x 1024 218.2 -> 207.0 (15.5
-# programs an SM), but 16 x 1024 58.7 -> 76.8 and 9 x 2048 98.6 -> 132.5 (3.9 and 2.2 an SM)
-ROWWISE_PROGRAMS_PER_SM = 15
+# the rowwise walk (int8 or fp8, no GQA) from this many (request, kv head) programs per SM, in splits that make at
+# most ROWWISE_PROGRAMS_PER_SM programs an SM (``rowwise_splits``); below it the dot walk. One H200, Llama-2-7B heads,
+# 32 launches replayed from a CUDA graph, us a layer, the dot walk (default splits and launch) -> rowwise in 1 / 2 /
+# 4 splits (.diag/fp8row/small_bench.py, stop 68):
+#   int8: 16 x 1024 keys 59.0 -> 101.8 / 57.2 / 48.3; 24 x 1024 108.0 -> 108.2 / 79.0 / 75.6; 32 x 1024 113.2 ->
+#   114.3 / 82.9 / 87.7; 40 x 1024 161.8 -> 128.1 / 129.3 / 113.4; 16 x 4096 215.0 -> 393.0 / 216.2 / 171.8;
+#   8 x 1024 33.9 -> 98.0 / 50.4 / 34.1 (1.9 programs an SM: the dot walk);
+#   fp8 e4m3: 16 x 1024 74.6 -> 141.6 / 80.0 / 57.4; 24 x 1024 84.1 -> 149.2 / 88.4 / 95.0; 32 x 1024 153.9 ->
+#   153.4 / 100.6 / 104.4; 40 x 1024 159.1 -> 165.0 / 168.3 / 140.4; 8 x 1024 37.8 -> 140.1 / 74.1 / 44.3;
+#   in one split (.diag/fp8row/walk_bench.py; fp8's dot walk as it was before it read float16, ``load_kv``):
+#   48 x 1024 int8 167.6 -> 133.9, e4m3 242.9 -> 170.3; 512 x 416 int8 918.3 -> 645.3, e4m3 1083.3 -> 625.4,
+#   e5m2 1074.4 -> 621.3 (a bf16 cache: 855.4)
+ROWWISE_MIN_PROGRAMS_PER_SM = 3
+ROWWISE_PROGRAMS_PER_SM = 16
 # (BLOCK_N, num_warps, num_stages) of the rowwise walk: one warp, 32 keys a step. One H200, Llama-2-7B heads, us a
 # layer (32 launches replayed from a CUDA graph; .diag/int8row, stop 67), CUDA_LAUNCH_INT8 -> this launch, each
 # with int8_as_float32: 512 x 416 keys 752.1 -> 527.1 (a bf16 cache: 826.1), 256 x 512 425.8 -> 326.5 (509.9);
@@ -125,7 +139,7 @@ def _decode_split_kernel(
     WHILE_LOOP: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
     window, softcap_log2, alibi_ptr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
-    ROWWISE: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
+    ROWWISE: tl.constexpr = False, TAIL_N: tl.constexpr = 0, FP8_SHIFT: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -165,9 +179,9 @@ def _decode_split_kernel(
     q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1
     alibi_log2 = tl.load(alibi_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634 if ALIBI else 0.0
     if ROWWISE:
-        m_i, l_i, acc = _attend_int8_row(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot,
-                                         d_mask, k_scale_base, k_scale_base + v_scale_offset, stride_scale_slot,
-                                         BLOCK_N, WHILE_LOOP)
+        m_i, l_i, acc = _attend_row(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask,
+                                    k_scale_base, k_scale_base + v_scale_offset, stride_scale_slot, BLOCK_N,
+                                    WHILE_LOOP, KV_SCALES, FP8_SHIFT)
     else:
         m_i, l_i, acc = attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask,
                                      scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2, alibi_log2,
@@ -186,44 +200,86 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _attend_int8_row(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask, k_scale_base,
-                     v_scale_base, stride_scale_slot, BLOCK_N: tl.constexpr, WHILE_LOOP: tl.constexpr):
-    """The online softmax of one query row ``q`` [1, D] (float32, log2 units) over an int8 cache's positions
-    [start, end): each block's scores and weighted values as products and sums in float32 (no ``tl.dot``,
-    whose 16 rows would hold this one; ``rowwise_applies``)."""
+def _attend_row(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask, k_scale_base,
+                v_scale_base, stride_scale_slot, BLOCK_N: tl.constexpr, WHILE_LOOP: tl.constexpr,
+                KV_SCALES: tl.constexpr, FP8_SHIFT: tl.constexpr):
+    """The online softmax of one query row ``q`` [1, D] (float32, log2 units) over a quantized cache's positions
+    [start, end): each block's scores and weighted values as products and sums in float32 (no ``tl.dot``, whose
+    16 rows would hold this one; ``rowwise_applies``). int8 values are read as float32 integers, their per-slot
+    scales applied to the scores and the probabilities; fp8 values as float32 times 2**-bias (``fp8_as_float32``,
+    ``FP8_SHIFT`` its shift), with ``ROW_LIFT`` on q and on the probabilities, so that no product leaves float32's
+    normal range, and the per-tensor scales and the rest of the offset applied to q before the walk and to the
+    accumulator after it."""
+    unbias = 1.0
+    if KV_SCALES == 2:
+        unbias = _fp8_unbias(FP8_SHIFT)
+        q = q * (tl.load(k_scale_base) * ROW_LIFT)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
         start_n = start
         while start_n < end:
-            m_i, l_i, acc = _int8_row_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base,
-                                            stride_kv_slot, d_mask, k_scale_base, v_scale_base, stride_scale_slot,
-                                            BLOCK_N)
+            m_i, l_i, acc = _row_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base, stride_kv_slot,
+                                       d_mask, k_scale_base, v_scale_base, stride_scale_slot, unbias, BLOCK_N,
+                                       KV_SCALES, FP8_SHIFT)
             start_n += BLOCK_N
     else:
         for start_n in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _int8_row_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base,
-                                            stride_kv_slot, d_mask, k_scale_base, v_scale_base, stride_scale_slot,
-                                            BLOCK_N)
+            m_i, l_i, acc = _row_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base, stride_kv_slot,
+                                       d_mask, k_scale_base, v_scale_base, stride_scale_slot, unbias, BLOCK_N,
+                                       KV_SCALES, FP8_SHIFT)
+    if KV_SCALES == 2:
+        acc = acc * (tl.load(v_scale_base) * unbias)
     return m_i, l_i, acc
 
 
+# fp8's rowwise walk: q and the probabilities are lifted by 2**64 against values read 2**-120 (e4m3) or 2**-112
+# (e5m2) small (``fp8_as_float32``), so products keep float32's normal range; the scores and the accumulator are
+# brought back by 2**56 or 2**48 (``_fp8_unbias``)
+ROW_LIFT: tl.constexpr = tl.constexpr(2.0 ** 64)
+
+
 @triton.jit
-def _int8_row_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base, stride_kv_slot, d_mask, k_scale_base,
-                    v_scale_base, stride_scale_slot, BLOCK_N: tl.constexpr):
-    """``_attend_int8_row``'s update with the positions [start_n, start_n + BLOCK_N) before ``end``: each key's
-    scale on its score, each value's scale on its probability (``l_i`` sums them unscaled)."""
+def _fp8_unbias(FP8_SHIFT: tl.constexpr):
+    """2**(bias offset - 64) of the fp8 format read with ``FP8_SHIFT`` (``FP8_AS_FLOAT32``)."""
+    if FP8_SHIFT == 20:
+        return 72057594037927936.0       # 2**56
+    else:
+        return 281474976710656.0         # 2**48
+
+
+@triton.jit
+def _row_values(x, KV_SCALES: tl.constexpr, FP8_SHIFT: tl.constexpr):
+    """A gathered block of stored values as float32: int8's integers, or fp8's values times 2**-bias."""
+    if KV_SCALES == 1:
+        return int8_as_float32(x)
+    else:
+        return fp8_as_float32(x, FP8_SHIFT)
+
+
+@triton.jit
+def _row_block(q, m_i, l_i, acc, start_n, end, table_row, k_base, v_base, stride_kv_slot, d_mask, k_scale_base,
+               v_scale_base, stride_scale_slot, unbias, BLOCK_N: tl.constexpr, KV_SCALES: tl.constexpr,
+               FP8_SHIFT: tl.constexpr):
+    """``_attend_row``'s update with the positions [start_n, start_n + BLOCK_N) before ``end``: int8's scale of
+    each key on its score and of each value on its probability (``l_i`` sums them unscaled); fp8's offsets."""
     pos = start_n + tl.arange(0, BLOCK_N)
     n_mask = pos < end
     slots = tl.load(table_row + pos, mask=n_mask, other=0).to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = int8_as_float32(tl.load(k_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0))
-    k_scale = tl.load(k_scale_base + slots * stride_scale_slot, mask=n_mask, other=0.0)
+    k = _row_values(tl.load(k_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0.0), KV_SCALES,
+                    FP8_SHIFT)
+    if KV_SCALES == 1:
+        k_scale = tl.load(k_scale_base + slots * stride_scale_slot, mask=n_mask, other=0.0)
+        v_scale = tl.load(v_scale_base + slots * stride_scale_slot, mask=n_mask, other=0.0)
+    else:
+        k_scale = unbias
+        v_scale = ROW_LIFT
     qk = tl.where(n_mask, tl.sum(k * q, 1) * k_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 0))
     p = tl.exp2(qk - m_new)
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 0)
-    v = int8_as_float32(tl.load(v_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0))
-    v_scale = tl.load(v_scale_base + slots * stride_scale_slot, mask=n_mask, other=0.0)
+    v = _row_values(tl.load(v_base + slots[:, None] * stride_kv_slot, mask=kv_mask, other=0.0), KV_SCALES,
+                    FP8_SHIFT)
     acc = acc * alpha[:, None] + tl.sum((p * v_scale)[:, None] * v, 0)[None, :]
     return m_new, l_i, acc
 
@@ -280,25 +336,30 @@ def default_num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 
 
 def rowwise_applies(kv_layer: torch.Tensor, group: int, mods: ScoreMods | None) -> bool:
-    """Whether the split kernel can walk one query row without ``tl.dot`` (``_attend_int8_row``): an int8
+    """Whether the split kernel can walk one query row without ``tl.dot`` (``_attend_row``): an int8 or fp8
     cache, one q head per kv head, no score modification."""
-    return kv_layer.dtype == torch.int8 and group == 1 and (mods is None or not mods.any)
+    return kv_layer.dtype in QUANTIZED_DTYPES and group == 1 and (mods is None or not mods.any)
 
 
-def default_rowwise(kv_layer: torch.Tensor, batch: int, group: int, mods: ScoreMods | None, splits: int,
-                    sms: int | None) -> bool:
-    """``launch``'s walk when not told: rowwise where it applies, a request is walked in one split, and the
-    (request, kv head) programs number ``ROWWISE_PROGRAMS_PER_SM`` per SM of a GPU with ``sms`` SMs or more
-    (the module's docstring: where it is faster). With ``sms`` None (the CPU interpreter) wherever it applies
-    in one split, so that the tests cover it."""
+def default_rowwise(kv_layer: torch.Tensor, batch: int, group: int, mods: ScoreMods | None, sms: int | None) -> bool:
+    """``launch``'s walk when not told: rowwise where it applies and the (request, kv head) programs number
+    ``ROWWISE_MIN_PROGRAMS_PER_SM`` per SM of a GPU with ``sms`` SMs or more (the constant's comment: where it is
+    faster). With ``sms`` None (the CPU interpreter) wherever it applies, so that the tests cover it."""
     kv_heads = kv_layer.shape[1] // 2
-    fills = sms is None or batch * kv_heads >= ROWWISE_PROGRAMS_PER_SM * sms
-    return rowwise_applies(kv_layer, group, mods) and splits == 1 and fills
+    fills = sms is None or batch * kv_heads >= ROWWISE_MIN_PROGRAMS_PER_SM * sms
+    return rowwise_applies(kv_layer, group, mods) and fills
+
+
+def rowwise_splits(batch: int, kv_heads: int, sms: int) -> int:
+    """The rowwise walk's split count on a GPU of ``sms`` SMs: the largest power of two that keeps the (request,
+    kv head, split) programs within ``ROWWISE_PROGRAMS_PER_SM`` an SM, at least 1 (one warp a program)."""
+    fit = ROWWISE_PROGRAMS_PER_SM * sms // max(1, batch * kv_heads)
+    return min(MAX_SPLITS, 1 << max(0, fit.bit_length() - 1))
 
 
 def cuda_launch(kv_layer: torch.Tensor, splits: int) -> tuple[int, int, int, int, int]:
-    """(splits, BLOCK_N, num_warps, num_stages, tail BLOCK_N) of the split kernel on CUDA for this cache's dtype
-    and ``default_num_splits``' count (the module's constants say where each is faster)."""
+    """(splits, BLOCK_N, num_warps, num_stages, tail BLOCK_N) of the split kernel's dot walk on CUDA for this cache's
+    dtype and ``default_num_splits``' count (the module's constants say where each is faster)."""
     if kv_layer.dtype != torch.int8:
         return (splits, *CUDA_LAUNCH, CUDA_LAUNCH[0])
     if FEW_MIN_SPLITS <= splits <= MAX_SPLITS // 2:
@@ -308,13 +369,13 @@ def cuda_launch(kv_layer: torch.Tensor, splits: int) -> tuple[int, int, int, int
 
 def cuda_walk(kv_layer: torch.Tensor, batch: int, group: int, mods: ScoreMods | None, splits: int,
               sms: int) -> tuple[int, int, int, int, int, bool]:
-    """``cuda_launch``'s (splits, BLOCK_N, num_warps, num_stages, tail BLOCK_N) and whether the walk is rowwise
-    (``default_rowwise``), which takes ``CUDA_LAUNCH_ROWWISE`` instead, on a GPU of ``sms`` SMs."""
-    chosen, block_n, num_warps, num_stages, tail_n = cuda_launch(kv_layer, splits)
-    rowwise = default_rowwise(kv_layer, batch, group, mods, chosen, sms)
-    if rowwise:
-        block_n, num_warps, num_stages = CUDA_LAUNCH_ROWWISE
-    return chosen, block_n, num_warps, num_stages, tail_n, rowwise
+    """(splits, BLOCK_N, num_warps, num_stages, tail BLOCK_N, rowwise) of the split kernel on a GPU of ``sms`` SMs:
+    the rowwise walk (``default_rowwise``) in ``rowwise_splits`` over ``CUDA_LAUNCH_ROWWISE``, else the dot walk's
+    ``cuda_launch`` for ``default_num_splits``' count ``splits``."""
+    if default_rowwise(kv_layer, batch, group, mods, sms):
+        return (rowwise_splits(batch, kv_layer.shape[1] // 2, sms), *CUDA_LAUNCH_ROWWISE, CUDA_LAUNCH_ROWWISE[0],
+                True)
+    return (*cuda_launch(kv_layer, splits), False)
 
 
 def default_min_chunk(kv_layer: torch.Tensor) -> int:
@@ -393,9 +454,9 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
     kv_heads = kv_layer.shape[1] // 2
     group = q_heads // kv_heads
     if rowwise and not rowwise_applies(kv_layer, group, mods):
-        raise ValueError("the rowwise walk takes an int8 cache without GQA and without score modifications")
+        raise ValueError("the rowwise walk takes an int8 or fp8 cache without GQA and without score modifications")
     if rowwise is None:
-        rowwise = default_rowwise(kv_layer, batch, group, mods, splits, device_sms(q.device) if q.is_cuda else None)
+        rowwise = default_rowwise(kv_layer, batch, group, mods, device_sms(q.device) if q.is_cuda else None)
     params = shared_launch or shared_prefix.default_launch(q.device, head_dim, q.dtype)
     prefix_splits = 0 if shared is None else shared_prefix.default_splits(batch, kv_heads, group, q.device, params[0])
     total = splits + prefix_splits
@@ -417,6 +478,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
         UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, SHARED=shared is not None,
         **mod_args, **mod_flags, **scale_args(kv_layer, kv_scales), ROWWISE=rowwise,
         TAIL_N=tail_n if tail_n is not None and tail_n < block_n else 0,
+        FP8_SHIFT=FP8_AS_FLOAT32[kv_layer.dtype][0] if rowwise and kv_layer.dtype in FP8_AS_FLOAT32 else 0,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if shared is not None:

@@ -9,7 +9,15 @@ import triton.language as tl
 from kernel_inputs import ON_GPU, build_kv_cache
 from test_rotary_kernel import make_case, split_qkv
 
-from kernels._kv_quant import FP8_FORMATS, gather_kv_ref, int8_as_float16, int8_as_float32, quantize_ref
+from kernels._kv_quant import (
+    FP8_AS_FLOAT32,
+    FP8_FORMATS,
+    fp8_as_float32,
+    gather_kv_ref,
+    int8_as_float16,
+    int8_as_float32,
+    quantize_ref,
+)
 from kernels.decode_attention import decode_attention, decode_attention_ref
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from kernels.rotary import rotary_store_kv, rotary_store_kv_ref
@@ -251,15 +259,37 @@ def test_int8_values_become_float_integers_exactly(device, dtype):
     assert torch.equal(y, x.to(dtype))
 
 
-def test_the_rowwise_walk_takes_its_own_launch():
-    """Where the walk is rowwise (an int8 cache without GQA, a large batch, one split) its launch is
-    ``CUDA_LAUNCH_ROWWISE``; the same cache at a small batch keeps the dot walk's launch."""
+@triton.jit
+def _fp8_to_float32_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, fp8_as_float32(tl.load(x_ptr + offs), SHIFT))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_values_become_float32_times_their_offset_exactly(device, dtype):
+    """``fp8_as_float32`` (the rowwise decode walk's fp8 reads) on every finite value, the subnormals included:
+    the value times 2**-bias offset, which the walk's power-of-two factors undo."""
+    shift, offset = FP8_AS_FLOAT32[dtype]
+    x = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(device)
+    y = torch.empty(256, dtype=torch.float32, device=device)
+    _fp8_to_float32_kernel[(1,)](x, y, BLOCK=256, SHIFT=shift)
+    expected = x.to(torch.float64)
+    finite = expected.isfinite()
+    assert finite.sum() == (254 if dtype == torch.float8_e4m3fn else 248)      # less the NaNs (and e5m2's infinities)
+    assert torch.equal(y.to(torch.float64)[finite] * 2.0 ** offset, expected[finite])
+
+
+def test_the_rowwise_walk_takes_its_own_launch_and_split_count():
+    """Where the walk is rowwise (a quantized cache without GQA, enough requests) its launch is
+    ``CUDA_LAUNCH_ROWWISE`` in ``rowwise_splits``' count; a smaller batch keeps the dot walk's launch and splits."""
     from kernels.decode_attention import CUDA_LAUNCH_INT8, CUDA_LAUNCH_ROWWISE, cuda_walk
 
-    int8 = torch.zeros(1, 64, 8, dtype=torch.int8)
-    assert cuda_walk(int8, 512, 1, None, 1, 132) == (1, *CUDA_LAUNCH_ROWWISE, 32, True)
-    assert cuda_walk(int8, 16, 1, None, 1, 132) == (1, *CUDA_LAUNCH_INT8, 32, False)
-    assert cuda_walk(int8, 512, 4, None, 1, 132)[-1] is False                 # GQA: the dot walk
+    for dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
+        cache = torch.zeros(1, 64, 8, dtype=dtype)                                # 32 kv heads
+        assert cuda_walk(cache, 512, 1, None, 1, 132) == (1, *CUDA_LAUNCH_ROWWISE, 32, True)
+        assert cuda_walk(cache, 16, 1, None, 1, 132) == (4, *CUDA_LAUNCH_ROWWISE, 32, True)
+        assert cuda_walk(cache, 512, 4, None, 1, 132)[-1] is False                 # GQA: the dot walk
+    assert cuda_walk(torch.zeros(1, 64, 8, dtype=torch.int8), 8, 1, None, 2, 132) == (2, *CUDA_LAUNCH_INT8, 32, False)
     assert CUDA_LAUNCH_ROWWISE != CUDA_LAUNCH_INT8
 
 
@@ -308,17 +338,18 @@ def test_decode_tail_blocks_give_the_reference(device, kv_dtype, group, with_mod
 
 # each pair of the three factors in all four of its combinations (half of the 2 x 2 x 2 product): each walk with one
 # split and three, and with and without a shared prefix (the split kernel starts after it)
-@pytest.mark.parametrize("rowwise,splits,shared", [(True, 1, False), (True, 3, True), (False, 1, True),
-                                                   (False, 3, False)])
-def test_int8_decode_walks_rows_without_dots_as_the_reference(device, rowwise, splits, shared):
-    """int8 without GQA: the split kernel's walk without ``tl.dot`` (``rowwise``) and with it give the reference,
-    whatever the split count and with a shared prefix walked by its own kernel; lengths past one block and not
-    whole blocks (keys outside a request's own would read NaN scales)."""
+@pytest.mark.parametrize("kv_dtype,rowwise,splits,shared", [
+    (torch.int8, True, 1, False), (torch.int8, True, 3, True), (torch.int8, False, 1, True),
+    (torch.int8, False, 3, False), (torch.float8_e4m3fn, True, 3, True), (torch.float8_e5m2, True, 1, False)])
+def test_quantized_decode_walks_rows_without_dots_as_the_reference(device, kv_dtype, rowwise, splits, shared):
+    """A quantized cache without GQA: the split kernel's walk without ``tl.dot`` (``rowwise``) and with it give the
+    reference, whatever the split count and with a shared prefix walked by its own kernel; lengths past one block and
+    not whole blocks (keys outside a request's own would read NaN scales, or for fp8 the poison's value)."""
     from test_decode_attention_kernel import share_a_prefix
 
     from kernels.decode_attention import launch
 
-    q, data, table, rows, seq_len, scale, scales = decode_case([1, 70, 33, 129], 4, 4, 32, torch.int8, device)
+    q, data, table, rows, seq_len, scale, scales = decode_case([1, 70, 33, 129], 4, 4, 32, kv_dtype, device)
     prefix = share_a_prefix(table, rows.tolist(), [1, 2, 3], 30) if shared else None
     out = torch.empty_like(q)
     launch(q, data, table, rows, seq_len, scale, out, splits, 32, 2, 1, shared=prefix, kv_scales=scales,
@@ -328,23 +359,34 @@ def test_int8_decode_walks_rows_without_dots_as_the_reference(device, rowwise, s
     torch.testing.assert_close(out, expected, atol=TOL[0], rtol=TOL[1])
 
 
-def test_the_rowwise_walk_takes_large_batches_only_on_a_gpu():
-    """From ROWWISE_PROGRAMS_PER_SM (request, kv head) programs an SM, in one split: one H200 (132 SMs) measured it
-    slower at 16 requests of 32 heads and faster from 64; the interpreter always (its tests cover the walk)."""
+def test_the_rowwise_walk_takes_enough_requests_only_on_a_gpu():
+    """From ROWWISE_MIN_PROGRAMS_PER_SM (request, kv head) programs an SM: one H200 (132 SMs) measured it slower at 8
+    requests of 32 heads and faster from 16; the interpreter always (its tests cover the walk)."""
     from kernels.decode_attention import default_rowwise
 
     int8 = torch.zeros((1, 64, 8), dtype=torch.int8)          # 32 kv heads
-    assert default_rowwise(int8, 64, 1, None, 1, 132)
-    assert not default_rowwise(int8, 16, 1, None, 1, 132)
-    assert not default_rowwise(int8, 61, 1, None, 1, 132)
-    assert not default_rowwise(int8, 512, 1, None, 2, 132)    # split keys: the dot walk
-    assert default_rowwise(int8, 1, 1, None, 1, None)
-    assert not default_rowwise(int8, 1, 1, None, 2, None)
-    assert not default_rowwise(int8, 512, 4, None, 1, 132)    # GQA
-    assert not default_rowwise(int8.to(torch.float32).to(torch.float8_e4m3fn), 512, 1, None, 1, 132)
+    assert default_rowwise(int8, 16, 1, None, 132)
+    assert default_rowwise(int8, 512, 1, None, 132)
+    assert not default_rowwise(int8, 8, 1, None, 132)
+    assert not default_rowwise(int8, 12, 1, None, 132)        # 384 programs: 2.9 an SM
+    assert default_rowwise(int8, 1, 1, None, None)
+    assert not default_rowwise(int8, 512, 4, None, 132)       # GQA
+    assert default_rowwise(int8.to(torch.float32).to(torch.float8_e4m3fn), 512, 1, None, 132)
+    assert not default_rowwise(int8.to(torch.bfloat16), 512, 1, None, 132)
 
 
-def test_the_rowwise_walk_takes_int8_without_gqa_or_score_mods_only(device):
+def test_rowwise_splits_fill_the_gpu_with_at_most_its_programs_per_sm():
+    """The largest power of two of splits whose (request, kv head, split) programs stay within
+    ROWWISE_PROGRAMS_PER_SM an SM; at least one, at most MAX_SPLITS."""
+    from kernels.decode_attention import MAX_SPLITS, ROWWISE_PROGRAMS_PER_SM, rowwise_splits
+
+    assert ROWWISE_PROGRAMS_PER_SM * 132 == 2112
+    assert [rowwise_splits(batch, 32, 132) for batch in (16, 24, 32, 40, 66, 512)] == [4, 2, 2, 1, 1, 1]
+    assert rowwise_splits(1, 1, 132) == MAX_SPLITS
+    assert rowwise_splits(2112, 1, 132) == 1 and rowwise_splits(2113, 1, 132) == 1
+
+
+def test_the_rowwise_walk_takes_a_quantized_cache_without_gqa_or_score_mods_only(device):
     from kernels.decode_attention import launch, rowwise_applies
     from kernels.score_mods import ScoreMods
 
@@ -353,28 +395,28 @@ def test_the_rowwise_walk_takes_int8_without_gqa_or_score_mods_only(device):
     assert rowwise_applies(data, 1, ScoreMods())
     assert not rowwise_applies(data, 4, None)
     assert not rowwise_applies(data, 1, ScoreMods(softcap=30.0))
-    fp8 = data.to(torch.float32).to(torch.float8_e4m3fn)
-    assert not rowwise_applies(fp8, 1, None)
+    assert rowwise_applies(data.to(torch.float32).to(torch.float8_e5m2), 1, None)
+    assert not rowwise_applies(data.to(torch.float32), 1, None)
     gqa_q, gqa, gqa_table, gqa_rows, gqa_len, _, gqa_scales = decode_case([3, 9], 8, 2, 32, torch.int8, device)
-    with pytest.raises(ValueError, match="int8 cache without GQA"):
+    with pytest.raises(ValueError, match="int8 or fp8 cache without GQA"):
         launch(gqa_q, gqa, gqa_table, gqa_rows, gqa_len, scale, torch.empty_like(gqa_q), 1, 32, 2, 1,
                kv_scales=gqa_scales, rowwise=True)
 
 
 def test_decode_attention_asks_default_rowwise_when_not_told(device, monkeypatch):
-    """``launch`` without ``rowwise`` takes ``default_rowwise``'s answer for its batch and splits (int8, no GQA)."""
+    """``launch`` without ``rowwise`` takes ``default_rowwise``'s answer for its batch (int8, no GQA)."""
     from kernels import decode_attention as module
 
     asked = []
 
-    def recording(kv_layer, batch, group, mods, splits, sms):
-        asked.append((batch, group, splits, sms))
+    def recording(kv_layer, batch, group, mods, sms):
+        asked.append((batch, group, sms))
         return True
 
     monkeypatch.setattr(module, "default_rowwise", recording)
     q, data, table, rows, seq_len, scale, scales = decode_case([5, 40], 4, 4, 32, torch.int8, device)
     out = decode_attention(q, data, table, rows, seq_len, scale, num_splits=1, kv_scales=scales)
     sms = module.device_sms(q.device) if q.is_cuda else None
-    assert asked == [(2, 1, 1, sms)]
+    assert asked == [(2, 1, sms)]
     torch.testing.assert_close(out, decode_attention_ref(q, data, table, rows, seq_len, scale, kv_scales=scales),
                                atol=TOL[0], rtol=TOL[1])
