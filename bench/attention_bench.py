@@ -10,7 +10,8 @@ request walks the prefix) and with it, for each of its launch parameters (tile r
 warps, stages), and checks the best against the output without it.
 
 For each (batch, sequence length) it times ``kernels.decode_attention.launch`` (split stage +
-merge stage) for every combination of split count, BLOCK_N, warps and stages, as 32 back-to-back
+merge stage) for every combination of walk (the dot walk, and the rowwise walk where it applies: a
+quantized cache without GQA), split count, BLOCK_N, warps and stages, as 32 back-to-back
 calls (one per layer) replayed from a CUDA graph, so launch gaps count as they do in a decode
 step. It prints the default's time and the best few, and checks the best against the default's
 output. With ``--verify-drafts N`` it times instead the prefill attention of verify rows (1 + N new tokens a
@@ -31,16 +32,18 @@ import triton
 
 from kernels.decode_attention import (
     CUDA_LAUNCH,
-    cuda_launch,
+    cuda_walk,
     decode_attention,
     default_num_splits,
     launch,
+    rowwise_applies,
 )
 from kernels.prefill_attention import PrefillLaunch, prefill_attention, prefill_launch
 from kernels.prefill_attention import default_splits as default_prefill_splits
 from kernels.prefill_attention import launch as prefill_launch_kernels
 from engine.worker.kv_cache import KV_CACHE_DTYPES
 from kernels._kv_quant import quantize_ref
+from kernels.skinny_gemm import device_sms
 from kernels.shared_prefix import SHARED_LAUNCH
 
 LAYERS = 32
@@ -98,20 +101,28 @@ def sweep(batch: int, seq_len: int, args) -> dict:
     kv_layer, kv_scales = quantize_cache(kv_layer, args.kv_cache_dtype)
     inputs = (q, kv_layer, *rest)
     out = torch.empty_like(q)
-    *default, tail_n = cuda_launch(kv_layer, default_num_splits(batch, args.kv_heads, out.device))
-    default = tuple(default)                      # decode_attention's launch on CUDA (and its tail blocks)
+    group = args.q_heads // args.kv_heads
+    # decode_attention's walk and launch on CUDA (and its tail blocks)
+    *default, tail_n, rowwise = cuda_walk(kv_layer, batch, group, None,
+                                          default_num_splits(batch, args.kv_heads, out.device), device_sms(out.device))
+    default = (rowwise, *default)
     reference = decode_attention(*inputs, kv_scales=kv_scales)
-    results = {}                                  # (splits, block_n, warps, stages) -> us, tail blocks as long
-    for params in itertools.product(sorted({1, 2, 4, 8, 16, 32, default[0]}), (16, 32, 64, 128), (1, 2, 4),
+    walks = (False, True) if rowwise_applies(kv_layer, group, None) else (False,)
+    results = {}                                  # (rowwise, splits, block_n, warps, stages) -> us, tails as long
+    for params in itertools.product(walks, sorted({1, 2, 4, 8, 16, 32, default[1]}), (16, 32, 64, 128), (1, 2, 4),
                                     (1, 2)):
         try:
-            results[params] = time_us(lambda: launch(*inputs, out, *params, kv_scales=kv_scales))
+            results[params] = time_us(lambda: launch(*inputs, out, *params[1:], kv_scales=kv_scales,
+                                                     rowwise=params[0]))
         except triton.runtime.errors.OutOfResources as e:      # e.g. too much shared memory for this tile
             print(f"  skipped {params}: {e}", flush=True)
-    default_us = time_us(lambda: launch(*inputs, out, *default, kv_scales=kv_scales, tail_n=tail_n))
+    default_us = time_us(lambda: launch(*inputs, out, *default[1:], kv_scales=kv_scales, tail_n=tail_n,
+                                        rowwise=rowwise))
     best = min(results, key=results.get)
-    launch(*inputs, out, *best, kv_scales=kv_scales)
-    name = "s{} n{} w{} st{}".format
+    launch(*inputs, out, *best[1:], kv_scales=kv_scales, rowwise=best[0])
+
+    def name(row, *params):
+        return ("row " if row else "dot ") + "s{} n{} w{} st{}".format(*params)
     return {"batch": batch, "seq_len": seq_len, "default": name(*default) + f" tail {tail_n}",
             "default_us": round(default_us, 2),
             "best": name(*best), "best_us": round(results[best], 2),
