@@ -1,7 +1,7 @@
 """What the small launches of a decode step cost: the step's device time with some of them skipped.
 
     python -m bench.launch_cost --model-dir /tmp/moe/qwen3-30b-a3b-16l \
-        [--variants base,norms,rotary,merge,route,all,base] [--batch-size 1] [--context 128] [--json out.json]
+        [--variants base,norms,rotary,merge,route,reduce,all,base] [--batch-size 1] [--context 128] [--json out.json]
 
 A variant skips the launches ``SKIPS`` names (``all``: every one of them) and measures the step as
 ``bench.profile_step`` does; its gpu_ms below ``base``'s bounds what fusing those launches into the kernels
@@ -28,6 +28,7 @@ SKIPS = {
     "rotary": "the rotary + KV store launch (Qwen3's q/k norms inside it)",
     "merge": "the decode attention's split merge",
     "route": "MoE routing (every token takes experts 0..k-1 at equal weights)",
+    "reduce": "the split-K reduce of the skinny, 4-bit and FP8 GEMMs (their outputs stay unwritten)",
 }
 VARIANTS = ("base", *SKIPS, "all")
 
@@ -58,7 +59,7 @@ def apply_skips(names: set[str]) -> list[tuple[object, str, object]]:
     """Patch the ops of both backends (and the merge kernel) so that the launches ``names`` are skipped; returns
     what was replaced, as (owner, attribute, original), for ``restore``."""
     from engine.ops import TorchOps, TritonOps
-    from kernels import decode_attention
+    from kernels import decode_attention, skinny_gemm
 
     unknown = names - set(SKIPS)
     if unknown:
@@ -77,6 +78,8 @@ def apply_skips(names: set[str]) -> list[tuple[object, str, object]]:
             patches.append((ops, "moe_route", route))
     if "merge" in names:
         patches.append((decode_attention, "_decode_merge_kernel", _NoLaunch()))
+    if "reduce" in names:
+        patches.append((skinny_gemm, "_split_k_reduce_kernel", _NoLaunch()))
     replaced = []
     for owner, name, value in patches:
         replaced.append((owner, name, getattr(owner, name)))
@@ -139,7 +142,7 @@ def _variants(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="checkpoint directory")
-    parser.add_argument("--variants", type=_variants, default="base,norms,rotary,merge,route,all,base",
+    parser.add_argument("--variants", type=_variants, default="base,norms,rotary,merge,route,reduce,all,base",
                         help=f"comma-separated, in order, from: {', '.join(VARIANTS)}")
     parser.add_argument("--batch-size", type=positive_int, default=1, help="decode rows a step")
     parser.add_argument("--context", type=positive_int, default=128, help="tokens each request holds before decoding")

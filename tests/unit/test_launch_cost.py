@@ -6,15 +6,15 @@ import torch
 
 from bench import launch_cost
 from engine.ops import TorchOps, TritonOps
-from kernels import decode_attention
+from kernels import decode_attention, skinny_gemm
 
 
 def test_skips_patch_both_backends_and_restore_them():
     ops = TorchOps()
     x, residual, weight = torch.randn(2, 8), torch.randn(2, 8), torch.ones(8)
     originals = {name: getattr(TritonOps, name) for name in ("add_rmsnorm", "moe_route", "rotary_store_kv")}
-    merge = decode_attention._decode_merge_kernel
-    replaced = launch_cost.apply_skips({"norms", "route", "merge", "rotary"})
+    merge, reduce = decode_attention._decode_merge_kernel, skinny_gemm._split_k_reduce_kernel
+    replaced = launch_cost.apply_skips({"norms", "route", "merge", "rotary", "reduce"})
     try:
         assert ops.add_rmsnorm(x, residual, weight, 1e-6) is x and ops.rmsnorm(x, weight, 1e-6) is x
         weights, ids = ops.moe_route(torch.randn(3, 16), 4, True)
@@ -23,11 +23,14 @@ def test_skips_patch_both_backends_and_restore_them():
         assert again[0] is weights and again[1] is ids
         assert ops.rotary_store_kv(None, None, None, None, None, None, None) is None
         assert decode_attention._decode_merge_kernel is not merge
+        out = torch.zeros(1, 4)
+        skinny_gemm.reduce_split_k(torch.ones(2, 1, 4), None, out)   # the reduce launches nothing
+        assert torch.all(out == 0)
         assert TritonOps.add_rmsnorm is not originals["add_rmsnorm"]
     finally:
         launch_cost.restore(replaced)
     assert {name: getattr(TritonOps, name) for name in originals} == originals
-    assert decode_attention._decode_merge_kernel is merge
+    assert decode_attention._decode_merge_kernel is merge and skinny_gemm._split_k_reduce_kernel is reduce
     before = residual.clone()
     assert not torch.equal(ops.add_rmsnorm(x, residual, weight, 1e-6), x)
     assert torch.equal(residual, before + x)
