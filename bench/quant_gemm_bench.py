@@ -23,7 +23,7 @@ import triton
 from bench.gemm_bench import LAYER_SHAPES, LLAMA2_7B, NUM_LAYERS, time_per_launch
 from kernels.fp8_gemm import FP8, Fp8Config, Fp8Weight, fp8_gemm, fp8_linear
 from kernels.fp8_gemm import _config as fp8_default
-from kernels.quant_gemm import Int4Config, Int4Weight, fill_split_k, int4_gemm, int4_linear
+from kernels.quant_gemm import Int4Config, Int4Weight, fill_split_k, idot_fits, int4_gemm, int4_linear
 from kernels.quant_gemm import _config as int4_default
 from kernels.skinny_gemm import MAX_ROWS, default_split_k, device_sms, skinny_gemm
 
@@ -63,7 +63,8 @@ def fp8_bytes(N: int, K: int) -> int:
     return N * K + 4 * N
 
 
-def int4_candidates(M: int, N: int, K: int, sms: int) -> list[Int4Config]:
+def int4_candidates(M: int, N: int, K: int, sms: int, idot: bool = False) -> list[Int4Config]:
+    """``idot``: the integer walk can take the product (``quant_gemm.idot_fits``): its configs too."""
     out = []
     if M == 1:
         for block_n, block_k in ((16, 512), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128)):
@@ -78,6 +79,11 @@ def int4_candidates(M: int, N: int, K: int, sms: int) -> list[Int4Config]:
             split = max(1, round(per_sm * sms / triton.cdiv(N, 256)))
             for rows in (4, 8):
                 out.append(Int4Config(1, 256, 128, split, 4, 3, sub_n=128, rows=rows))
+        for block_n in (128, 256) if idot else ():   # the integer walk, in loads of 2, 4 or 8 word rows
+            for per_sm in (1, 2, 4):
+                split = max(1, min(K // 128, round(per_sm * sms / triton.cdiv(N, block_n))))
+                for rows in (2, 4, 8):
+                    out.append(Int4Config(1, block_n, 128, split, 4, 3, rows=rows, idot=True))
     elif M <= 16:
         for block_n in (64, 128):
             for warps in (4, 8):
@@ -141,7 +147,8 @@ def sweep(fmt: str, M: int, name: str, sms: int, device, configs: bool = True) -
     x = torch.randn(M, K, device=device).to(torch.bfloat16)
     if fmt == "int4":
         weights, gemm, linear, nbytes = int4_weights(N, K, device), int4_gemm, int4_linear, int4_bytes(N, K)
-        default, candidates = int4_default(M, N, K, sms), int4_candidates(M, N, K, sms)
+        idot = idot_fits(x, weights[0], weights[0].group_size)
+        default, candidates = int4_default(M, N, K, sms, idot=idot), int4_candidates(M, N, K, sms, idot)
     else:
         weights, gemm, linear, nbytes = fp8_weights(N, K, device), fp8_gemm, fp8_linear, fp8_bytes(N, K)
         default, candidates = fp8_default(M, N, K, sms), fp8_candidates(M, N, K, sms)

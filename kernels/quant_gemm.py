@@ -40,6 +40,14 @@ memory):
 - a tile inside one group (``GROUP_PER_TILE``: no g_idx, BLOCK_K dividing the group) multiplies the raw
   values and applies the group's zero and scale to the product, ``(x @ q - sum(x) * z) * s``; other
   tiles gather each row's group and dequantize first;
+- one bfloat16 row of a wide or deep weight (``Int4Config.idot``, ``_config``; gate_up and down of Llama-2-7B):
+  integer dot products. A launch of its own (``_x_bytes_kernel``) rounds x to integers per tile of 128 columns,
+  ``x * 2^(13 - e)`` with e the exponent of the tile's largest magnitude (|.| < 2^14: x's error at most 2^-14 of
+  that magnitude), and writes each word row's low and high bytes of its even and odd columns; the walk
+  (``_int4_row_idot_kernel``) takes a word's even nibbles in place (``w & 0x0F0F0F0F``) and its odd ones times 16
+  (``w & 0xF0F0F0F0``) against them in four dp4a (``_IDOT_PTX``; two logic ops and four integer dot products
+  for eight nibbles, where the FMA walk spends at least two instructions a nibble), sums a tile in int32 and folds
+  it once with the group's scale and x's scale; zeros as above;
 - decode splits K so that the SMs get about two programs each (``_config``).
 
 Several splits store float32 partials that ``skinny_gemm``'s reduce kernel sums in split order (no
@@ -92,6 +100,7 @@ class Int4Config(NamedTuple):
     expand: bool = False   # the dot path with one [BLOCK_K, BLOCK_N] tile a step (each word read for 8 rows)
     sub_n: int = 0         # one row: [block_n / sub_n, rows, sub_n] loads (0: sub_n = block_n), see the module
     rows: int = 0          # one row: word rows a load, block_k / (8 rows) loads a tile (0: block_k / 8, one load)
+    idot: bool = False     # one bfloat16 row by integer dot products (block_k 128; rows: word rows a load, 0: 16)
 
 
 @triton.jit
@@ -447,6 +456,207 @@ def store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, st
         tl.store(out_ptr + out_offs, round_to(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
 
+# ---- one bfloat16 row by integer dot products (``Int4Config.idot``) ------------------------------------------------
+
+IDOT_TILE = 128        # x's quantization tile and the walk's K tile (inside one group)
+IDOT_BLOCK_N = 256     # the walk's columns a program (N a multiple of it)
+IDOT_X_TILES = 2       # x tiles a program of _x_bytes_kernel (1 warp)
+IDOT_MIN_N, IDOT_MIN_K = 16384, 8192    # _config takes the walk from here (measured: see _config)
+_X_MAGIC: tl.constexpr = tl.constexpr(12582912.0)     # 1.5 * 2^23: v + it rounds v to an integer in its low bits
+_X_MAGIC_BITS: tl.constexpr = tl.constexpr(1262485504)
+
+
+def _idot_ptx() -> str:
+    """PTX of ``_idot``: a word's even nibbles (w & 0x0F0F0F0F) and its odd ones times 16 (w & 0xF0F0F0F0), each
+    against x's low (unsigned) and high (signed) bytes of the same rows: two logic ops and four dp4a a word."""
+    return "\n".join(["{", ".reg .b32 e, o;", "and.b32 e, $8, 0x0F0F0F0F;", "and.b32 o, $8, 0xF0F0F0F0;",
+                      "dp4a.u32.u32 $0, e, $9, $4;", "dp4a.u32.s32 $1, e, $10, $5;",
+                      "dp4a.u32.u32 $2, o, $11, $6;", "dp4a.u32.s32 $3, o, $12, $7;", "}"])
+
+
+_IDOT_PTX: tl.constexpr = tl.constexpr(_idot_ptx())
+
+
+@triton.jit
+def _dp4a(a, b, c, B_SIGNED: tl.constexpr):
+    """c + the dot product of a's four unsigned bytes with b's (signed or not): dp4a for the interpreter."""
+    for i in tl.static_range(4):
+        if B_SIGNED:
+            b_byte = (b << (24 - 8 * i)) >> 24
+        else:
+            b_byte = (b >> (8 * i)) & 255
+        c += ((a >> (8 * i)) & 255) * b_byte
+    return c
+
+
+@triton.jit
+def _idot(w, x_el, x_eh, x_ol, x_oh, a_el, a_eh, a_ol, a_oh, HW_ASM: tl.constexpr):
+    """The four integer sums a word adds to: even nibbles x low bytes, even x high, odd (times 16) x low, odd x
+    high (``_IDOT_PTX`` on the GPU)."""
+    if HW_ASM:
+        a_el, a_eh, a_ol, a_oh = tl.inline_asm_elementwise(
+            _IDOT_PTX, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [a_el, a_eh, a_ol, a_oh, w, x_el, x_eh, x_ol, x_oh],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        even = w & 0x0F0F0F0F
+        odd = w & -252645136       # 0xF0F0F0F0
+        a_el = _dp4a(even, x_el, a_el, False)
+        a_eh = _dp4a(even, x_eh, a_eh, True)
+        a_ol = _dp4a(odd, x_ol, a_ol, False)
+        a_oh = _dp4a(odd, x_oh, a_oh, True)
+    return a_el, a_eh, a_ol, a_oh
+
+
+@triton.jit
+def _byte(v, SHIFT: tl.constexpr, I: tl.constexpr):
+    """Byte SHIFT / 8 of v, moved to byte I."""
+    return ((v >> SHIFT) & 255) << (8 * I)
+
+
+@triton.jit
+def _x_bytes(x_ptr, xq_ptr, xt_ptr, k_begin, n_tiles, tile0, TILES: tl.constexpr):
+    """x's tiles ``tile0 ..`` (``n_tiles`` of them, from column ``k_begin``) as integers: each tile's values times
+    2^(13 - e), e the exponent of its largest magnitude, rounded (|v| < 2^14); per word row p (columns 8p..8p+7) four
+    int32 of bytes, ``xq[tile, p]``: the low bytes of columns 8p, +2, +4, +6, their high bytes, then the same of the
+    odd columns; per tile ``xt[tile]``: 2^(e - 13) / 16 and the sum of its rounded values times 2^(e - 13). The
+    rounding adds 1.5 * 2^23, whose float32 bits then hold the integer in two's complement in their low bytes.
+    An inf or NaN in x is not carried into the sums (the float walks' FMAs would make the outputs non-finite)."""
+    t = tl.arange(0, TILES)[:, None]
+    p = tl.arange(0, 16)[None, :]
+    t_mask = t < n_tiles
+    pairs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + k_begin // 2 + t * 64 + p * 4
+    v0 = tl.load(pairs, mask=t_mask, other=0)
+    v1 = tl.load(pairs + 1, mask=t_mask, other=0)
+    v2 = tl.load(pairs + 2, mask=t_mask, other=0)
+    v3 = tl.load(pairs + 3, mask=t_mask, other=0)
+    e0, o0 = (v0 << 16).to(tl.float32, bitcast=True), (v0 & -65536).to(tl.float32, bitcast=True)
+    e1, o1 = (v1 << 16).to(tl.float32, bitcast=True), (v1 & -65536).to(tl.float32, bitcast=True)
+    e2, o2 = (v2 << 16).to(tl.float32, bitcast=True), (v2 & -65536).to(tl.float32, bitcast=True)
+    e3, o3 = (v3 << 16).to(tl.float32, bitcast=True), (v3 & -65536).to(tl.float32, bitcast=True)
+    largest = tl.maximum(tl.maximum(tl.maximum(tl.abs(e0), tl.abs(o0)), tl.maximum(tl.abs(e1), tl.abs(o1))),
+                         tl.maximum(tl.maximum(tl.abs(e2), tl.abs(o2)), tl.maximum(tl.abs(e3), tl.abs(o3))))
+    e = tl.maximum((tl.max(largest, axis=1).to(tl.int32, bitcast=True) >> 23) - 127, -100)   # [TILES]
+    lift = ((127 + 13 - e) << 23).to(tl.float32, bitcast=True)
+    f = lift[:, None]
+    b0, c0 = (e0 * f + _X_MAGIC).to(tl.int32, bitcast=True), (o0 * f + _X_MAGIC).to(tl.int32, bitcast=True)
+    b1, c1 = (e1 * f + _X_MAGIC).to(tl.int32, bitcast=True), (o1 * f + _X_MAGIC).to(tl.int32, bitcast=True)
+    b2, c2 = (e2 * f + _X_MAGIC).to(tl.int32, bitcast=True), (o2 * f + _X_MAGIC).to(tl.int32, bitcast=True)
+    b3, c3 = (e3 * f + _X_MAGIC).to(tl.int32, bitcast=True), (o3 * f + _X_MAGIC).to(tl.int32, bitcast=True)
+    m = _X_MAGIC_BITS
+    ints = ((b0 - m) + (c0 - m)) + ((b1 - m) + (c1 - m)) + ((b2 - m) + (c2 - m)) + ((b3 - m) + (c3 - m))
+    words = xq_ptr + (tile0 + t) * 64 + p * 4
+    tl.store(words, _byte(b0, 0, 0) | _byte(b1, 0, 1) | _byte(b2, 0, 2) | _byte(b3, 0, 3), mask=t_mask)
+    tl.store(words + 1, _byte(b0, 8, 0) | _byte(b1, 8, 1) | _byte(b2, 8, 2) | _byte(b3, 8, 3), mask=t_mask)
+    tl.store(words + 2, _byte(c0, 0, 0) | _byte(c1, 0, 1) | _byte(c2, 0, 2) | _byte(c3, 0, 3), mask=t_mask)
+    tl.store(words + 3, _byte(c0, 8, 0) | _byte(c1, 8, 1) | _byte(c2, 8, 2) | _byte(c3, 8, 3), mask=t_mask)
+    tiles = tl.arange(0, TILES)
+    unit = 1.0 / lift
+    tl.store(xt_ptr + (tile0 + tiles) * 2, unit / 16, mask=tiles < n_tiles)
+    tl.store(xt_ptr + (tile0 + tiles) * 2 + 1, tl.sum(ints, axis=1).to(tl.float32) * unit, mask=tiles < n_tiles)
+
+
+@triton.jit
+def _x_bytes_kernel(x_ptr, xq_ptr, xt_ptr, K, TILES: tl.constexpr, PDL: tl.constexpr):
+    """``_x_bytes`` of TILES tiles a program (K a multiple of IDOT_TILE)."""
+    pid = tl.program_id(0)
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
+    k_begin = pid * TILES * 128
+    _x_bytes(x_ptr, xq_ptr, xt_ptr, k_begin, tl.minimum(TILES, (K - k_begin) // 128), pid * TILES, TILES)
+
+
+@triton.jit
+def _idot_tile(acc, acc_zero, w_ptrs, tile, scales_ptr, zeros_ptr, xq_ptr, xt_ptr, N, cols, rows,
+               group_size: tl.constexpr, ROWS: tl.constexpr, HW_ASM: tl.constexpr):
+    """One tile's 16 word rows in loads of ROWS rows into four int32 sums [ROWS, BLOCK_N], folded once:
+    ``acc += (16 (256 EH + EL) + 256 OH + OL) * unit / 16 * s`` and ``acc_zero += z * s * sum(x)``."""
+    a_el = tl.zeros(acc.shape, dtype=tl.int32)
+    a_eh = a_el
+    a_ol = a_el
+    a_oh = a_el
+    for r in tl.static_range(16 // ROWS):
+        w = tl.load(w_ptrs + r * ROWS * N, eviction_policy="evict_first")
+        x_words = xq_ptr + tile * 64 + (r * ROWS + rows)[:, None] * 4
+        a_el, a_eh, a_ol, a_oh = _idot(w, tl.load(x_words), tl.load(x_words + 1), tl.load(x_words + 2),
+                                       tl.load(x_words + 3), a_el, a_eh, a_ol, a_oh, HW_ASM)
+    sums = a_eh * 4096 + a_el * 16 + a_oh * 256 + a_ol      # 16 x (the tile's integer products): |.| < 2^31
+    group = tile * 128 // group_size
+    s = tl.load(scales_ptr + group * N + cols).to(tl.float32)[None, :]
+    z = tl.load(zeros_ptr + group * N + cols).to(tl.float32)[None, :]
+    acc += sums.to(tl.float32) * (s * tl.load(xt_ptr + tile * 2))
+    acc_zero += z * s * tl.load(xt_ptr + tile * 2 + 1)
+    return acc, acc_zero
+
+
+@triton.jit
+def _int4_row_idot_kernel(qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, xq_ptr, xt_ptr, N, K, k_per_split,
+                          stride_split, group_size: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                          BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HW_ASM: tl.constexpr,
+                          NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr):
+    """Program (n, s): BLOCK_N columns over the s-th chunk of K, from x's bytes (``_x_bytes_kernel``)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    k_begin = pid_k * k_per_split
+    n_tiles = (tl.minimum(k_begin + k_per_split, K) - k_begin) // 128
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, ROWS)
+    w_ptrs = qw_ptr + (k_begin // 8 + rows)[:, None].to(tl.int64) * N + cols[None, :]
+    wait_for_prior_kernel(PDL)
+    allow_next_kernel(PDL)
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    acc_zero = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    tile0 = k_begin // 128
+    if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
+        t = 0
+        while t < n_tiles:
+            acc, acc_zero = _idot_tile(acc, acc_zero, w_ptrs, tile0 + t, scales_ptr, zeros_ptr, xq_ptr, xt_ptr, N,
+                                       cols, rows, group_size, ROWS, HW_ASM)
+            w_ptrs += 16 * N
+            t += 1
+    else:
+        for t in tl.range(0, n_tiles, num_stages=NUM_STAGES):
+            acc, acc_zero = _idot_tile(acc, acc_zero, w_ptrs, tile0 + t, scales_ptr, zeros_ptr, xq_ptr, xt_ptr, N,
+                                       cols, rows, group_size, ROWS, HW_ASM)
+            w_ptrs += 16 * N
+    result = tl.reshape(tl.sum(acc, axis=0) - tl.sum(acc_zero, axis=0), [1, BLOCK_N])
+    store_tile(result, out_ptr, bias_ptr, tl.arange(0, 1), cols, tl.full([1], True, tl.int1), cols < N, pid_k,
+               0, stride_split, HAS_BIAS, SPLIT)
+
+
+def idot_fits(x: torch.Tensor, weight: Int4Weight, group_size: int, block_n: int | None = IDOT_BLOCK_N) -> bool:
+    """Whether the integer walk takes this product: one bfloat16 row (x's columns paired in int32 loads), no
+    act-order, K in whole tiles of 128 inside groups, N in whole blocks of ``block_n`` (None: any N)."""
+    n, k = weight.shape
+    return (x.shape[0] == 1 and x.dtype == torch.bfloat16 and weight.g_idx is None and weight.perm is None
+            and k % IDOT_TILE == 0 and group_size % IDOT_TILE == 0 and (block_n is None or n % block_n == 0)
+            and x.data_ptr() % 4 == 0)
+
+
+def _int4_row_idot(x, weight: Int4Weight, bias, out, cfg: Int4Config, group_size: int) -> None:
+    K = x.shape[1]
+    N = weight.shape[0]
+    if not idot_fits(x, weight, group_size, None) or cfg.block_k != IDOT_TILE:
+        raise ValueError(f"config {tuple(cfg)}: the integer walk takes one bfloat16 row, no act-order, K and the "
+                         f"group in whole tiles of {IDOT_TILE} (block_k {IDOT_TILE}), N in whole blocks of block_n")
+    if N % cfg.block_n:
+        raise ValueError(f"config {tuple(cfg)}: the integer walk takes N ({N}) in whole blocks of block_n")
+    rows = cfg.rows or 16
+    if rows < 1 or rows & (rows - 1) or 16 % rows:
+        raise ValueError(f"config {tuple(cfg)}: rows must be a power of two dividing 16 (word rows of one load)")
+    tiles = K // IDOT_TILE
+    xq = torch.empty(tiles * 64, dtype=torch.int32, device=x.device)
+    xt = torch.empty(tiles * 2, dtype=torch.float32, device=x.device)
+    pdl = launch_options(x)
+    _x_bytes_kernel[(triton.cdiv(tiles, IDOT_X_TILES),)](x, xq, xt, K, TILES=IDOT_X_TILES, num_warps=1, **pdl)
+    splits, k_per_split = split_layout(K, cfg)
+    partial = split_k_partials(out, splits)
+    _int4_row_idot_kernel[(N // cfg.block_n, splits)](
+        weight.qweight, weight.scales, weight.zeros, bias if bias is not None else out, partial, xq, xt, N, K,
+        k_per_split, partial.stride(0) if splits > 1 else 0, group_size, HAS_BIAS=bias is not None,
+        SPLIT=splits > 1, BLOCK_N=cfg.block_n, ROWS=rows, HW_ASM=x.is_cuda, NUM_STAGES=cfg.num_stages,
+        WHILE_LOOP=not x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+    reduce_split_k(partial, bias, out, pdl)
+
+
 def fill_split_k(tiles: int, K: int, block_k: int, programs_per_sm: int, num_sms: int) -> int:
     """Splits of K that give each SM about ``programs_per_sm`` programs (of ``tiles`` output tiles), each
     split keeping at least 4 K tiles."""
@@ -458,7 +668,7 @@ def fill_split_k(tiles: int, K: int, block_k: int, programs_per_sm: int, num_sms
 
 
 def _config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfloat16,
-            group_per_tile: bool = True) -> Int4Config:
+            group_per_tile: bool = True, idot: bool = False) -> Int4Config:
     """One row: FMA on [128, 64] tiles (a group of 128 a tile) as two sub-tiles of 32 columns, 4 warps, 3 stages,
     K split for about two programs an SM: the best of a sweep on one H100 for every Llama-2-7B shape
     (bench.quant_gemm_bench: 2.02 ms of linear layers a step; K tiles of 256 or 512 leave a group's fold and lose,
@@ -474,7 +684,16 @@ def _config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfl
     9.27 ms before (one 2-D tile; 64 columns, four programs an SM), 2.52 / 4.59 / 6.98 ms with these. Other dtypes
     keep the 64 columns (not measured wider; float32 dots on 128 columns need 296 KB of shared memory, past the
     H200's 227 KB). More rows: 32- or 64-row tiles of 128 columns, K in 128s, split while the tiles leave SMs
-    idle."""
+    idle.
+    ``idot`` (``idot_fits``: the integer walk can take the product): wide or deep weights (N >= IDOT_MIN_N or K >=
+    IDOT_MIN_K) take it, 256 columns in loads of 4 word rows, about two programs an SM. One H200, launches with
+    their split reduce and x's byte launch, 8 weights in turn (stop 69's prototype bench), us: Llama-2-7B's
+    gate_up 22.17 -> 18.61, down 14.27 -> 12.69; qkv 13.89 -> 13.63 and o_proj 7.36 -> 8.55 keep the FMA walk.
+    Its x bytes made inside each program instead of in a launch of their own: gate_up 30.1, qkv 19.6 (each
+    program redoes its chunk's, behind a barrier)."""
+    if M == 1 and idot and (N >= IDOT_MIN_N or K >= IDOT_MIN_K):
+        splits = max(1, min(K // IDOT_TILE, round(2 * num_sms / (N // IDOT_BLOCK_N))))
+        return Int4Config(1, IDOT_BLOCK_N, IDOT_TILE, splits, 4, 3, rows=4, idot=True)
     if M == 1:
         wide_blocks = triton.cdiv(N, 256)
         if dtype == torch.bfloat16 and group_per_tile and 2 * wide_blocks >= num_sms:
@@ -519,8 +738,13 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
         return out
     group_size = weight.group_size if weight.g_idx is None else K
     cfg = (Int4Config(*config) if config is not None
-           else _config(M, N, K, device_sms(x.device), x.dtype,
-                        _group_per_tile(weight, group_size, K, 128)))   # _config's tiles: 128 rows
+           else _config(M, N, K, device_sms(x.device), x.dtype, _group_per_tile(weight, group_size, K, 128),
+                        idot_fits(x, weight, group_size)))   # _config's tiles: 128 rows
+    if cfg.idot:
+        if cfg.block_m != 1 or cfg.expand:
+            raise ValueError(f"config {tuple(cfg)}: the integer walk is one row's (block_m 1, no expand)")
+        _int4_row_idot(x, weight, bias, out, cfg, group_size)
+        return out
     if cfg.expand and (cfg.block_m < 16 or cfg.block_k < 16):
         raise ValueError(f"config {tuple(cfg)}: the expanded dot path takes block_m and block_k of at least 16")
     sub_n = cfg.sub_n or cfg.block_n

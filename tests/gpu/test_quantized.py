@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 from engine.models.quantized import sorted_by_group
 from kernels.fp8_gemm import Fp8Weight, fp8_gemm, fp8_gemm_ref, fp8_linear
 from kernels.quant_gemm import Int4Weight, int4_gemm, int4_gemm_ref, int4_linear
-from tests.gpu.greedy import (describe, engine_greedy, greedy_runs, near_tie_problem, prompts, release_memory,
-                              transformers_greedy)
+from tests.gpu.greedy import (describe, engine_greedy, engine_greedy_batch_and_alone, greedy_runs, near_tie_problem,
+                              prompts, release_memory, transformers_greedy)
 from tests.quant_models import fake_quantize_activations, save_quantized_pair
 from weights.quant_formats import (AWQ_ORDER, QuantConfig, act_order_g_idx, dequantize_linear, fp8_quantize, pack_int4,
                                    unpack_int4)
@@ -163,6 +163,20 @@ def test_float32_greedy_tokens_equal_transformers_on_the_dequantized_twin(name, 
         assert [near_tie_problem(a, b, "ours", "transformers") for a, b in zip(ours, ref)] == [None] * len(ours)
     else:
         assert [g.tokens for g in ours] == [g.tokens for g in ref]
+
+
+@pytest.mark.parametrize("name", ["gptq", "awq"])
+def test_bfloat16_4bit_greedy_tokens_are_close_to_transformers_on_the_dequantized_twin(name, quantized_pairs):
+    """bfloat16, batched and each prompt alone (batch-1 decode: the integer walk on gate_up and down, x rounded
+    to 15-bit integers a tile): transformers bfloat16 on the dequantized twin, parting only at a near-tie."""
+    quantized, twin = quantized_pairs[name]
+    all_prompts = prompts()[:2]
+    ref = transformers_greedy(str(twin), torch.bfloat16, all_prompts, new_tokens=32)
+    batch, alone = engine_greedy_batch_and_alone(all_prompts, new_tokens=32, model_dir=str(quantized),
+                                                 dtype="bfloat16")
+    for label, ours in (("batched", batch), ("alone", alone)):
+        print(f"\n{name} {label}: " + describe(ours, ref, "ours bf16", "transformers bf16"))
+        assert [near_tie_problem(a, b, "ours", "transformers") for a, b in zip(ours, ref)] == [None] * len(ours)
 
 
 # ---- Phi-3 (fused packed tensors) and StarCoder2 (biases, GeLU MLP) through the GPU kernels ---------------

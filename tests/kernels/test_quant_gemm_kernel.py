@@ -270,3 +270,53 @@ def test_the_many_row_route_dequantizes_then_multiplies(device, group, act_order
     torch.testing.assert_close(dequantized_linear(x, served, bias), expected, atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match=r"x has shape \(2, 64\); expected \(\*, 288\)"):
         dequantized_linear(torch.randn(2, 64, device=device), weight)
+
+
+# ---- the integer walk (one bfloat16 row by dp4a; the interpreter sums the same bytes in Triton ops) --------------
+
+IDOT = Int4Config(1, 64, 128, 2, 4, 1, rows=4, idot=True)
+
+
+@pytest.mark.parametrize("splits,has_bias", [(1, True), (2, False), (3, True)])
+def test_integer_walk_gives_the_float32_product_within_a_bfloat16_rounding(device, splits, has_bias):
+    """x rounded to 15-bit integers per tile of 128 (against its largest value) and the nibbles summed exactly:
+    within the output's own rounding and the float32 sums' of the exact product, outliers of 1000x, zeros and
+    tiny values included; one split stores bfloat16 with the bias, several go through the reduce."""
+    weight, _ = make_weight(128, 384, 128, torch.bfloat16, device)
+    x = torch.randn(1, 384, device=device)
+    x[0, 5], x[0, 200], x[0, 7:20] = 1000.0, -3000.0, 0.0
+    x[0, 300:310] = 1e-30
+    x = x.to(torch.bfloat16)
+    bias = torch.randn(128, device=device).to(torch.bfloat16) if has_bias else None
+    out = int4_gemm(x, weight, bias, config=IDOT._replace(split_k=splits))
+    w = int4_dequantize(Int4Weight(weight.qweight, weight.scales.float(), weight.zeros.float(), None, 128))
+    exact = x.double() @ w.double().T + (bias.double() if has_bias else 0)
+    largest = x.double().abs().view(3, 128).amax(dim=1)
+    steps = torch.exp2(torch.floor(torch.log2(largest)) - 13).repeat_interleave(128)    # x's integer step a tile
+    x_rounding = (steps / 2) @ w.double().abs().T
+    terms = x.double().abs() @ w.double().abs().T
+    bound = 2 ** -8 * exact.abs() + x_rounding + 2 ** -20 * terms    # the output's rounding, x's, float32 sums'
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+def test_integer_walk_refuses_what_it_cannot_take(device):
+    weight, _ = make_weight(128, 384, 128, torch.bfloat16, device)
+    x = torch.randn(1, 384, device=device).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="one bfloat16 row"):
+        int4_gemm(x.float(), Int4Weight(weight.qweight, weight.scales.float(), weight.zeros.float(), None, 128),
+                  config=IDOT)
+    with pytest.raises(ValueError, match="one bfloat16 row"):
+        int4_gemm(torch.cat([x, x]), weight, config=IDOT)
+    odd, _ = make_weight(128, 384, 32, torch.bfloat16, device)       # groups of 32: several groups a tile
+    with pytest.raises(ValueError, match="one bfloat16 row"):
+        int4_gemm(x, odd, config=IDOT)
+    with pytest.raises(ValueError, match="whole blocks of block_n"):
+        int4_gemm(x, make_weight(96, 384, 128, torch.bfloat16, device)[0], config=IDOT)
+
+
+def test_default_config_takes_the_integer_walk_for_wide_or_deep_weights():
+    """Llama-2-7B at batch 1 in bfloat16: gate_up (N 22,016) and down (K 11,008) take it, qkv and o_proj not."""
+    gate_up, down = _config(1, 22016, 4096, 132, idot=True), _config(1, 4096, 11008, 132, idot=True)
+    assert gate_up.idot and gate_up.split_k == 3 and down.idot and down.split_k == 16
+    assert not _config(1, 12288, 4096, 132, idot=True).idot and not _config(1, 4096, 4096, 132, idot=True).idot
+    assert not _config(1, 22016, 4096, 132).idot and not _config(2, 22016, 4096, 132, idot=True).idot
