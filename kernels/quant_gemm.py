@@ -462,6 +462,7 @@ IDOT_TILE = 128        # x's quantization tile and the walk's K tile (inside one
 IDOT_BLOCK_N = 256     # the walk's columns a program (N a multiple of it)
 IDOT_X_TILES = 2       # x tiles a program of _x_bytes_kernel (1 warp)
 IDOT_MIN_N, IDOT_MIN_K = 16384, 8192    # _config takes the walk from here (measured: see _config)
+IDOT_DEEP_MIN_N = 4096                  # ... a deep weight from this N on (narrower ones not measured)
 _X_MAGIC: tl.constexpr = tl.constexpr(12582912.0)     # 1.5 * 2^23: v + it rounds v to an integer in its low bits
 _X_MAGIC_BITS: tl.constexpr = tl.constexpr(1262485504)
 
@@ -685,14 +686,15 @@ def _config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfl
     keep the 64 columns (not measured wider; float32 dots on 128 columns need 296 KB of shared memory, past the
     H200's 227 KB). More rows: 32- or 64-row tiles of 128 columns, K in 128s, split while the tiles leave SMs
     idle.
-    ``idot`` (``idot_fits``: the integer walk can take the product): wide or deep weights (N >= IDOT_MIN_N or K >=
-    IDOT_MIN_K) take it, 256 columns in loads of 4 word rows, about two programs an SM. One H200, launches with
+    ``idot`` (``idot_fits``: the integer walk can take the product): wide or deep weights (N >= IDOT_MIN_N, or K >=
+    IDOT_MIN_K with N >= IDOT_DEEP_MIN_N) take it, 256 columns in loads of 4 word rows, about two programs an SM
+    with at least 4 tiles a split. One H200, launches with
     their split reduce and x's byte launch, 8 weights in turn (stop 69's prototype bench), us: Llama-2-7B's
     gate_up 22.17 -> 18.61, down 14.27 -> 12.69; qkv 13.89 -> 13.63 and o_proj 7.36 -> 8.55 keep the FMA walk.
     Its x bytes made inside each program instead of in a launch of their own: gate_up 30.1, qkv 19.6 (each
     program redoes its chunk's, behind a barrier)."""
-    if M == 1 and idot and (N >= IDOT_MIN_N or K >= IDOT_MIN_K):
-        splits = max(1, min(K // IDOT_TILE, round(2 * num_sms / (N // IDOT_BLOCK_N))))
+    if M == 1 and idot and (N >= IDOT_MIN_N or (K >= IDOT_MIN_K and N >= IDOT_DEEP_MIN_N)):
+        splits = max(1, min(K // IDOT_TILE // 4, round(2 * num_sms / (N // IDOT_BLOCK_N))))   # 4+ tiles a split
         return Int4Config(1, IDOT_BLOCK_N, IDOT_TILE, splits, 4, 3, rows=4, idot=True)
     if M == 1:
         wide_blocks = triton.cdiv(N, 256)

@@ -320,3 +320,6 @@ def test_default_config_takes_the_integer_walk_for_wide_or_deep_weights():
     assert gate_up.idot and gate_up.split_k == 3 and down.idot and down.split_k == 16
     assert not _config(1, 12288, 4096, 132, idot=True).idot and not _config(1, 4096, 4096, 132, idot=True).idot
     assert not _config(1, 22016, 4096, 132).idot and not _config(2, 22016, 4096, 132, idot=True).idot
+    assert not _config(1, 1536, 8960, 132, idot=True).idot          # deep but narrow: not measured, the FMA walk
+    assert _config(1, 4096, 14336, 132, idot=True).split_k == 16    # Llama-3-8B's down: 112 tiles, 7 a split
+    assert _config(1, 16384, 1024, 132, idot=True).split_k == 2     # 4 would leave 2 of its 8 tiles a split
