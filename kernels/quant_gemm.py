@@ -632,17 +632,17 @@ def idot_fits(x: torch.Tensor, weight: Int4Weight, group_size: int, block_n: int
             and x.data_ptr() % 4 == 0)
 
 
-def _int4_row_idot(x, weight: Int4Weight, bias, out, cfg: Int4Config, group_size: int) -> None:
+def _int4_row_idot(x, weight: Int4Weight, bias, out, cfg: Int4Config, group_size: int, rows: int) -> None:
+    """``int4_gemm`` by the integer walk (``rows``: word rows a load, checked by the caller)."""
     K = x.shape[1]
     N = weight.shape[0]
+    if cfg.block_m != 1 or cfg.expand or cfg.sub_n:
+        raise ValueError(f"config {tuple(cfg)}: the integer walk is one row's (block_m 1), with no expand or sub_n")
     if not idot_fits(x, weight, group_size, None) or cfg.block_k != IDOT_TILE:
         raise ValueError(f"config {tuple(cfg)}: the integer walk takes one bfloat16 row, no act-order, K and the "
-                         f"group in whole tiles of {IDOT_TILE} (block_k {IDOT_TILE}), N in whole blocks of block_n")
-    if N % cfg.block_n:
-        raise ValueError(f"config {tuple(cfg)}: the integer walk takes N ({N}) in whole blocks of block_n")
-    rows = cfg.rows or 16
-    if rows < 1 or rows & (rows - 1) or 16 % rows:
-        raise ValueError(f"config {tuple(cfg)}: rows must be a power of two dividing 16 (word rows of one load)")
+                         f"group in whole tiles of {IDOT_TILE} (block_k {IDOT_TILE})")
+    if cfg.block_n < 1 or cfg.block_n & (cfg.block_n - 1) or N % cfg.block_n:
+        raise ValueError(f"config {tuple(cfg)}: the integer walk takes a power-of-two block_n dividing N ({N})")
     tiles = K // IDOT_TILE
     xq = torch.empty(tiles * 64, dtype=torch.int32, device=x.device)
     xt = torch.empty(tiles * 2, dtype=torch.float32, device=x.device)
@@ -742,11 +742,6 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
     cfg = (Int4Config(*config) if config is not None
            else _config(M, N, K, device_sms(x.device), x.dtype, _group_per_tile(weight, group_size, K, 128),
                         idot_fits(x, weight, group_size)))   # _config's tiles: 128 rows
-    if cfg.idot:
-        if cfg.block_m != 1 or cfg.expand:
-            raise ValueError(f"config {tuple(cfg)}: the integer walk is one row's (block_m 1, no expand)")
-        _int4_row_idot(x, weight, bias, out, cfg, group_size)
-        return out
     if cfg.expand and (cfg.block_m < 16 or cfg.block_k < 16):
         raise ValueError(f"config {tuple(cfg)}: the expanded dot path takes block_m and block_k of at least 16")
     sub_n = cfg.sub_n or cfg.block_n
@@ -759,6 +754,9 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
                          f"of one load)")
     if cfg.rows and cfg.block_m != 1:
         raise ValueError(f"config {tuple(cfg)}: rows is the one-row path's (block_m 1)")
+    if cfg.idot:
+        _int4_row_idot(x, weight, bias, out, cfg, group_size, rows)
+        return out
     if cfg.block_m > 1 and not cfg.expand and cfg.block_k % 128:
         raise ValueError(f"config {tuple(cfg)}: the dot path (block_m > 1) takes block_k in multiples of 128 "
                          f"(eight dots of block_k / 8 rows, at least 16 each)")

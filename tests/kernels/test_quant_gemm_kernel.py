@@ -310,8 +310,14 @@ def test_integer_walk_refuses_what_it_cannot_take(device):
     odd, _ = make_weight(128, 384, 32, torch.bfloat16, device)       # groups of 32: several groups a tile
     with pytest.raises(ValueError, match="one bfloat16 row"):
         int4_gemm(x, odd, config=IDOT)
-    with pytest.raises(ValueError, match="whole blocks of block_n"):
+    with pytest.raises(ValueError, match="power-of-two block_n dividing N"):
         int4_gemm(x, make_weight(96, 384, 128, torch.bfloat16, device)[0], config=IDOT)
+    with pytest.raises(ValueError, match="power-of-two block_n dividing N"):
+        int4_gemm(x, make_weight(96, 384, 128, torch.bfloat16, device)[0], config=IDOT._replace(block_n=48))
+    with pytest.raises(ValueError, match="no expand or sub_n"):     # a field the walk would not apply
+        int4_gemm(x, weight, config=IDOT._replace(sub_n=32))
+    with pytest.raises(ValueError, match="rows must be a power of two"):
+        int4_gemm(x, weight, config=IDOT._replace(rows=3))
 
 
 def test_default_config_takes_the_integer_walk_for_wide_or_deep_weights():
