@@ -23,7 +23,8 @@ import triton
 from bench.gemm_bench import LAYER_SHAPES, LLAMA2_7B, NUM_LAYERS, time_per_launch
 from kernels.fp8_gemm import FP8, Fp8Config, Fp8Weight, fp8_gemm, fp8_linear
 from kernels.fp8_gemm import _config as fp8_default
-from kernels.quant_gemm import Int4Config, Int4Weight, fill_split_k, idot_fits, int4_gemm, int4_linear
+from kernels.quant_gemm import (IDOT_MAX_ROWS, Int4Config, Int4Weight, fill_split_k, idot_fits, int4_gemm,
+                                int4_linear)
 from kernels.quant_gemm import _config as int4_default
 from kernels.skinny_gemm import MAX_ROWS, default_split_k, device_sms, skinny_gemm
 
@@ -93,6 +94,10 @@ def int4_candidates(M: int, N: int, K: int, sms: int, idot: bool = False) -> lis
                     for block_k in (64, 128):     # the expanded one-dot tiles
                         split = fill_split_k(triton.cdiv(N, block_n), K, block_k, per_sm, sms)
                         out.append(Int4Config(16, block_n, block_k, split, warps, 3, True))
+        for per_sm in (1, 2, 4) if idot and M <= IDOT_MAX_ROWS else ():   # the integer walk on both rows
+            split = max(1, min(K // 128, round(per_sm * sms / triton.cdiv(N, 256))))
+            for rows in (1, 2, 4):
+                out.append(Int4Config(M, 256, 128, split, 4, 3, rows=rows, idot=True))
     else:
         for block_m in (64, 128):
             for block_n in (128, 256):

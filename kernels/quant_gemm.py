@@ -40,14 +40,16 @@ memory):
 - a tile inside one group (``GROUP_PER_TILE``: no g_idx, BLOCK_K dividing the group) multiplies the raw
   values and applies the group's zero and scale to the product, ``(x @ q - sum(x) * z) * s``; other
   tiles gather each row's group and dequantize first;
-- one bfloat16 row of a wide or deep weight (``Int4Config.idot``, ``_config``; gate_up and down of Llama-2-7B):
-  integer dot products. A launch of its own (``_x_bytes_kernel``) rounds x to integers per tile of 128 columns,
+- one bfloat16 row of a wide or deep weight (``Int4Config.idot``, ``_config``; gate_up and down of Llama-2-7B), or
+  two rows of any weight from 4,096 x 4,096: integer dot products. A launch of its own (``_x_bytes_kernel``, a
+  program per row and two tiles) rounds x to integers per tile of 128 columns,
   ``x * 2^(13 - e)`` with e the exponent of the tile's largest magnitude (|.| < 2^14: x's error at most 2^-14 of
   that magnitude), and writes each word row's low and high bytes of its even and odd columns; the walk
   (``_int4_row_idot_kernel``) takes a word's even nibbles in place (``w & 0x0F0F0F0F``) and its odd ones times 16
   (``w & 0xF0F0F0F0``) against them in four dp4a (``_IDOT_PTX``; two logic ops and four integer dot products
-  for eight nibbles, where the FMA walk spends at least two instructions a nibble), sums a tile in int32 and folds
-  it once with the group's scale and x's scale; zeros as above;
+  for eight nibbles, where the FMA walk spends at least two instructions a nibble; a second row of x reuses the
+  taken-apart word: four more dp4a), sums a tile in int32 and folds it once with the group's scale and x's scale;
+  zeros as above;
 - decode splits K so that the SMs get about two programs each (``_config``).
 
 Several splits store float32 partials that ``skinny_gemm``'s reduce kernel sums in split order (no
@@ -100,7 +102,8 @@ class Int4Config(NamedTuple):
     expand: bool = False   # the dot path with one [BLOCK_K, BLOCK_N] tile a step (each word read for 8 rows)
     sub_n: int = 0         # one row: [block_n / sub_n, rows, sub_n] loads (0: sub_n = block_n), see the module
     rows: int = 0          # one row: word rows a load, block_k / (8 rows) loads a tile (0: block_k / 8, one load)
-    idot: bool = False     # one bfloat16 row by integer dot products (block_k 128; rows: word rows a load, 0: 16)
+    idot: bool = False     # 1-2 bfloat16 rows by integer dot products (block_m: x's rows; block_k 128; rows: word
+                           # rows a load, 0: 16)
 
 
 @triton.jit
@@ -463,19 +466,25 @@ IDOT_BLOCK_N = 256     # the walk's columns a program (N a multiple of it)
 IDOT_X_TILES = 2       # x tiles a program of _x_bytes_kernel (1 warp)
 IDOT_MIN_N, IDOT_MIN_K = 16384, 8192    # _config takes the walk from here (measured: see _config)
 IDOT_DEEP_MIN_N = 4096                  # ... a deep weight from this N on (narrower ones not measured)
+IDOT_MAX_ROWS = 2      # rows of x the walk takes (one program holds them all)
+IDOT_PAIR_MIN_K = 4096                  # two rows take the walk from this K on (with N >= IDOT_DEEP_MIN_N)
 _X_MAGIC: tl.constexpr = tl.constexpr(12582912.0)     # 1.5 * 2^23: v + it rounds v to an integer in its low bits
 _X_MAGIC_BITS: tl.constexpr = tl.constexpr(1262485504)
 
 
-def _idot_ptx() -> str:
+def _idot_ptx(split: bool) -> str:
     """PTX of ``_idot``: a word's even nibbles (w & 0x0F0F0F0F) and its odd ones times 16 (w & 0xF0F0F0F0), each
-    against x's low (unsigned) and high (signed) bytes of the same rows: two logic ops and four dp4a a word."""
-    return "\n".join(["{", ".reg .b32 e, o;", "and.b32 e, $8, 0x0F0F0F0F;", "and.b32 o, $8, 0xF0F0F0F0;",
-                      "dp4a.u32.u32 $0, e, $9, $4;", "dp4a.u32.s32 $1, e, $10, $5;",
-                      "dp4a.u32.u32 $2, o, $11, $6;", "dp4a.u32.s32 $3, o, $12, $7;", "}"])
+    against x's low (unsigned) and high (signed) bytes of the same rows: two logic ops and four dp4a a word; with
+    ``split`` the even and odd nibbles come taken apart ($8, $9) and only the dp4a are here."""
+    even, odd, x = ("$8", "$9", 10) if split else ("e", "o", 9)
+    return "\n".join(["{"] + ([] if split else [".reg .b32 e, o;", "and.b32 e, $8, 0x0F0F0F0F;",
+                                                "and.b32 o, $8, 0xF0F0F0F0;"]) +
+                     [f"dp4a.u32.u32 $0, {even}, ${x}, $4;", f"dp4a.u32.s32 $1, {even}, ${x + 1}, $5;",
+                      f"dp4a.u32.u32 $2, {odd}, ${x + 2}, $6;", f"dp4a.u32.s32 $3, {odd}, ${x + 3}, $7;", "}"])
 
 
-_IDOT_PTX: tl.constexpr = tl.constexpr(_idot_ptx())
+_IDOT_PTX: tl.constexpr = tl.constexpr(_idot_ptx(False))
+_IDOT_SPLIT_PTX: tl.constexpr = tl.constexpr(_idot_ptx(True))
 
 
 @triton.jit
@@ -491,16 +500,25 @@ def _dp4a(a, b, c, B_SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _idot(w, x_el, x_eh, x_ol, x_oh, a_el, a_eh, a_ol, a_oh, HW_ASM: tl.constexpr):
+def _idot(w, x_el, x_eh, x_ol, x_oh, a_el, a_eh, a_ol, a_oh, HW_ASM: tl.constexpr, SPLIT_W: tl.constexpr):
     """The four integer sums a word adds to: even nibbles x low bytes, even x high, odd (times 16) x low, odd x
-    high (``_IDOT_PTX`` on the GPU)."""
-    if HW_ASM:
+    high (``_IDOT_PTX`` on the GPU). ``SPLIT_W`` (several rows of x: w [1, ROWS, BLOCK_N] against their bytes [M,
+    ROWS, 1]): the nibbles are taken apart once, outside the PTX, for all the rows. One row keeps them inside it:
+    taking them apart outside made one H200's batch-1 GPTQ Llama-2-7B step 2.18 -> 2.39 ms (stop 70, with [1, ROWS,
+    BLOCK_N] tiles for one row)."""
+    if HW_ASM and not SPLIT_W:
         a_el, a_eh, a_ol, a_oh = tl.inline_asm_elementwise(
             _IDOT_PTX, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [a_el, a_eh, a_ol, a_oh, w, x_el, x_eh, x_ol, x_oh],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        return a_el, a_eh, a_ol, a_oh
+    even = w & 0x0F0F0F0F
+    odd = w & -252645136       # 0xF0F0F0F0
+    if HW_ASM:
+        a_el, a_eh, a_ol, a_oh = tl.inline_asm_elementwise(
+            _IDOT_SPLIT_PTX, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
+            [a_el, a_eh, a_ol, a_oh, even, odd, x_el, x_eh, x_ol, x_oh],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
     else:
-        even = w & 0x0F0F0F0F
-        odd = w & -252645136       # 0xF0F0F0F0
         a_el = _dp4a(even, x_el, a_el, False)
         a_eh = _dp4a(even, x_eh, a_eh, True)
         a_ol = _dp4a(odd, x_ol, a_ol, False)
@@ -515,13 +533,20 @@ def _byte(v, SHIFT: tl.constexpr, I: tl.constexpr):
 
 
 @triton.jit
+def _non_finite(pair):
+    """1 where either bfloat16 of an int32 pair has an exponent of all ones (inf or NaN), else 0."""
+    return (((pair & 0x7F80) == 0x7F80) | ((pair & 0x7F800000) == 0x7F800000)).to(tl.int32)
+
+
+@triton.jit
 def _x_bytes(x_ptr, xq_ptr, xt_ptr, k_begin, n_tiles, tile0, TILES: tl.constexpr):
     """x's tiles ``tile0 ..`` (``n_tiles`` of them, from column ``k_begin``) as integers: each tile's values times
     2^(13 - e), e the exponent of its largest magnitude, rounded (|v| < 2^14); per word row p (columns 8p..8p+7) four
     int32 of bytes, ``xq[tile, p]``: the low bytes of columns 8p, +2, +4, +6, their high bytes, then the same of the
     odd columns; per tile ``xt[tile]``: 2^(e - 13) / 16 and the sum of its rounded values times 2^(e - 13). The
     rounding adds 1.5 * 2^23, whose float32 bits then hold the integer in two's complement in their low bytes.
-    An inf or NaN in x is not carried into the sums (the float walks' FMAs would make the outputs non-finite)."""
+    A tile holding an inf or NaN (a bfloat16 exponent of all ones) gets a NaN unit, so every output the walk sums
+    from it is NaN, as the float walks' products make theirs inf or NaN; its bytes are then never read as numbers."""
     t = tl.arange(0, TILES)[:, None]
     p = tl.arange(0, 16)[None, :]
     t_mask = t < n_tiles
@@ -551,110 +576,140 @@ def _x_bytes(x_ptr, xq_ptr, xt_ptr, k_begin, n_tiles, tile0, TILES: tl.constexpr
     tl.store(words + 2, _byte(c0, 0, 0) | _byte(c1, 0, 1) | _byte(c2, 0, 2) | _byte(c3, 0, 3), mask=t_mask)
     tl.store(words + 3, _byte(c0, 8, 0) | _byte(c1, 8, 1) | _byte(c2, 8, 2) | _byte(c3, 8, 3), mask=t_mask)
     tiles = tl.arange(0, TILES)
-    unit = 1.0 / lift
+    unit = tl.where(tl.max(_non_finite(v0) | _non_finite(v1) | _non_finite(v2) | _non_finite(v3), axis=1) != 0,
+                    float("nan"), 1.0 / lift)
     tl.store(xt_ptr + (tile0 + tiles) * 2, unit / 16, mask=tiles < n_tiles)
     tl.store(xt_ptr + (tile0 + tiles) * 2 + 1, tl.sum(ints, axis=1).to(tl.float32) * unit, mask=tiles < n_tiles)
 
 
 @triton.jit
-def _x_bytes_kernel(x_ptr, xq_ptr, xt_ptr, K, TILES: tl.constexpr, PDL: tl.constexpr):
-    """``_x_bytes`` of TILES tiles a program (K a multiple of IDOT_TILE)."""
-    pid = tl.program_id(0)
+def _x_bytes_kernel(x_ptr, xq_ptr, xt_ptr, K, stride_xm, stride_q, stride_t, TILES: tl.constexpr, PDL: tl.constexpr):
+    """``_x_bytes`` of TILES tiles of row m a program (t, m) (K a multiple of IDOT_TILE)."""
+    pid, m = tl.program_id(0), tl.program_id(1)
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
     k_begin = pid * TILES * 128
-    _x_bytes(x_ptr, xq_ptr, xt_ptr, k_begin, tl.minimum(TILES, (K - k_begin) // 128), pid * TILES, TILES)
+    _x_bytes(x_ptr + m * stride_xm, xq_ptr + m * stride_q, xt_ptr + m * stride_t, k_begin,
+             tl.minimum(TILES, (K - k_begin) // 128), pid * TILES, TILES)
 
 
 @triton.jit
-def _idot_tile(acc, acc_zero, w_ptrs, tile, scales_ptr, zeros_ptr, xq_ptr, xt_ptr, N, cols, rows,
-               group_size: tl.constexpr, ROWS: tl.constexpr, HW_ASM: tl.constexpr):
-    """One tile's 16 word rows in loads of ROWS rows into four int32 sums [ROWS, BLOCK_N], folded once:
-    ``acc += (16 (256 EH + EL) + 256 OH + OL) * unit / 16 * s`` and ``acc_zero += z * s * sum(x)``."""
+def _idot_tile(acc, acc_zero, w_ptrs, tile, scales_ptr, zeros_ptr, xq_ptr, xt_ptr, N, cols, rows, ms, stride_q,
+               stride_t, group_size: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, HW_ASM: tl.constexpr):
+    """One tile's 16 word rows in loads of ROWS rows into four int32 sums ([ROWS, BLOCK_N] for one row of x, [M,
+    ROWS, BLOCK_N] for its rows ``ms``), folded once: ``acc += (16 (256 EH + EL) + 256 OH + OL) * unit / 16 * s``
+    and ``acc_zero += z * s * sum(x)``."""
     a_el = tl.zeros(acc.shape, dtype=tl.int32)
     a_eh = a_el
     a_ol = a_el
     a_oh = a_el
     for r in tl.static_range(16 // ROWS):
         w = tl.load(w_ptrs + r * ROWS * N, eviction_policy="evict_first")
-        x_words = xq_ptr + tile * 64 + (r * ROWS + rows)[:, None] * 4
+        if M == 1:
+            x_words = xq_ptr + tile * 64 + (r * ROWS + rows)[:, None] * 4
+        else:
+            w = w[None, :, :]
+            x_words = xq_ptr + ms[:, None, None] * stride_q + tile * 64 + (r * ROWS + rows)[None, :, None] * 4
         a_el, a_eh, a_ol, a_oh = _idot(w, tl.load(x_words), tl.load(x_words + 1), tl.load(x_words + 2),
-                                       tl.load(x_words + 3), a_el, a_eh, a_ol, a_oh, HW_ASM)
+                                       tl.load(x_words + 3), a_el, a_eh, a_ol, a_oh, HW_ASM, M > 1)
     sums = a_eh * 4096 + a_el * 16 + a_oh * 256 + a_ol      # 16 x (the tile's integer products): |.| < 2^31
     group = tile * 128 // group_size
-    s = tl.load(scales_ptr + group * N + cols).to(tl.float32)[None, :]
-    z = tl.load(zeros_ptr + group * N + cols).to(tl.float32)[None, :]
-    acc += sums.to(tl.float32) * (s * tl.load(xt_ptr + tile * 2))
-    acc_zero += z * s * tl.load(xt_ptr + tile * 2 + 1)
+    s = tl.load(scales_ptr + group * N + cols).to(tl.float32)
+    z = tl.load(zeros_ptr + group * N + cols).to(tl.float32)
+    if M == 1:
+        acc += sums.to(tl.float32) * (s[None, :] * tl.load(xt_ptr + tile * 2))
+        acc_zero += z[None, :] * s[None, :] * tl.load(xt_ptr + tile * 2 + 1)
+    else:
+        units = xt_ptr + ms * stride_t + tile * 2
+        acc += sums.to(tl.float32) * (s[None, None, :] * tl.load(units)[:, None, None])
+        acc_zero += z[None, None, :] * s[None, None, :] * tl.load(units + 1)[:, None, None]
     return acc, acc_zero
 
 
 @triton.jit
 def _int4_row_idot_kernel(qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, xq_ptr, xt_ptr, N, K, k_per_split,
-                          stride_split, group_size: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                          BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HW_ASM: tl.constexpr,
-                          NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr):
-    """Program (n, s): BLOCK_N columns over the s-th chunk of K, from x's bytes (``_x_bytes_kernel``)."""
+                          stride_split, stride_om, stride_q, stride_t, group_size: tl.constexpr, M: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                          HW_ASM: tl.constexpr, NUM_STAGES: tl.constexpr, WHILE_LOOP: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Program (n, s): BLOCK_N columns of x's M rows over the s-th chunk of K, from their bytes
+    (``_x_bytes_kernel``): each word is loaded and taken apart once for the M rows."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     k_begin = pid_k * k_per_split
     n_tiles = (tl.minimum(k_begin + k_per_split, K) - k_begin) // 128
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, ROWS)
+    ms = tl.arange(0, M)
     w_ptrs = qw_ptr + (k_begin // 8 + rows)[:, None].to(tl.int64) * N + cols[None, :]
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    acc_zero = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    if M == 1:      # 2-D tiles: one row was measured with these (see _idot)
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        acc_zero = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([M, ROWS, BLOCK_N], dtype=tl.float32)
+        acc_zero = tl.zeros([M, 1, BLOCK_N], dtype=tl.float32)
     tile0 = k_begin // 128
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds
         t = 0
         while t < n_tiles:
             acc, acc_zero = _idot_tile(acc, acc_zero, w_ptrs, tile0 + t, scales_ptr, zeros_ptr, xq_ptr, xt_ptr, N,
-                                       cols, rows, group_size, ROWS, HW_ASM)
+                                       cols, rows, ms, stride_q, stride_t, group_size, M, ROWS, HW_ASM)
             w_ptrs += 16 * N
             t += 1
     else:
         for t in tl.range(0, n_tiles, num_stages=NUM_STAGES):
             acc, acc_zero = _idot_tile(acc, acc_zero, w_ptrs, tile0 + t, scales_ptr, zeros_ptr, xq_ptr, xt_ptr, N,
-                                       cols, rows, group_size, ROWS, HW_ASM)
+                                       cols, rows, ms, stride_q, stride_t, group_size, M, ROWS, HW_ASM)
             w_ptrs += 16 * N
-    result = tl.reshape(tl.sum(acc, axis=0) - tl.sum(acc_zero, axis=0), [1, BLOCK_N])
-    store_tile(result, out_ptr, bias_ptr, tl.arange(0, 1), cols, tl.full([1], True, tl.int1), cols < N, pid_k,
-               0, stride_split, HAS_BIAS, SPLIT)
+    if M == 1:
+        result = tl.reshape(tl.sum(acc, axis=0) - tl.sum(acc_zero, axis=0), [1, BLOCK_N])
+    else:
+        result = tl.sum(acc, axis=1) - tl.sum(acc_zero, axis=1)       # [M, BLOCK_N]
+    store_tile(result, out_ptr, bias_ptr, ms, cols, ms < M, cols < N, pid_k, stride_om, stride_split, HAS_BIAS,
+               SPLIT)
 
 
 def idot_fits(x: torch.Tensor, weight: Int4Weight, group_size: int, block_n: int | None = IDOT_BLOCK_N) -> bool:
-    """Whether the integer walk takes this product: one bfloat16 row (x's columns paired in int32 loads), no
-    act-order, K in whole tiles of 128 inside groups, N in whole blocks of ``block_n`` (None: any N)."""
+    """Whether the integer walk takes this product: 1 to IDOT_MAX_ROWS bfloat16 rows (their columns paired in int32
+    loads), no act-order, K in whole tiles of 128 inside groups, N in whole blocks of ``block_n`` (None: any N)."""
     n, k = weight.shape
-    return (x.shape[0] == 1 and x.dtype == torch.bfloat16 and weight.g_idx is None and weight.perm is None
-            and k % IDOT_TILE == 0 and group_size % IDOT_TILE == 0 and (block_n is None or n % block_n == 0)
-            and x.data_ptr() % 4 == 0)
+    return (1 <= x.shape[0] <= IDOT_MAX_ROWS and x.dtype == torch.bfloat16 and weight.g_idx is None
+            and weight.perm is None and k % IDOT_TILE == 0 and group_size % IDOT_TILE == 0
+            and (block_n is None or n % block_n == 0) and x.data_ptr() % 4 == 0
+            and (x.shape[0] == 1 or x.stride(0) % 2 == 0))
 
 
-def _int4_row_idot(x, weight: Int4Weight, bias, out, cfg: Int4Config, group_size: int, rows: int) -> None:
-    """``int4_gemm`` by the integer walk (``rows``: word rows a load, checked by the caller)."""
-    K = x.shape[1]
+def _int4_row_idot(x, weight: Int4Weight, bias, out, cfg: Int4Config, group_size: int) -> None:
+    """``int4_gemm`` by the integer walk."""
+    M, K = x.shape
     N = weight.shape[0]
-    if cfg.block_m != 1 or cfg.expand or cfg.sub_n:
-        raise ValueError(f"config {tuple(cfg)}: the integer walk is one row's (block_m 1), with no expand or sub_n")
+    if cfg.block_m != M or cfg.expand or cfg.sub_n:
+        raise ValueError(f"config {tuple(cfg)}: the integer walk takes all of x's rows in a program (block_m {M}), "
+                         f"with no expand or sub_n")
     if not idot_fits(x, weight, group_size, None) or cfg.block_k != IDOT_TILE:
-        raise ValueError(f"config {tuple(cfg)}: the integer walk takes one bfloat16 row, no act-order, K and the "
-                         f"group in whole tiles of {IDOT_TILE} (block_k {IDOT_TILE})")
+        raise ValueError(f"config {tuple(cfg)}: the integer walk takes 1 to {IDOT_MAX_ROWS} bfloat16 rows, each "
+                         f"starting 4-byte aligned, no act-order, K and the group in whole tiles of {IDOT_TILE} "
+                         f"(block_k {IDOT_TILE})")
     if cfg.block_n < 1 or cfg.block_n & (cfg.block_n - 1) or N % cfg.block_n:
         raise ValueError(f"config {tuple(cfg)}: the integer walk takes a power-of-two block_n dividing N ({N})")
+    rows = cfg.rows or 16
+    if rows & (rows - 1) or rows > 16:
+        raise ValueError(f"config {tuple(cfg)}: rows must be a power of two dividing 16 (the word rows of one load)")
     tiles = K // IDOT_TILE
-    xq = torch.empty(tiles * 64, dtype=torch.int32, device=x.device)
-    xt = torch.empty(tiles * 2, dtype=torch.float32, device=x.device)
+    xq = torch.empty((M, tiles * 64), dtype=torch.int32, device=x.device)
+    xt = torch.empty((M, tiles * 2), dtype=torch.float32, device=x.device)
     pdl = launch_options(x)
-    _x_bytes_kernel[(triton.cdiv(tiles, IDOT_X_TILES),)](x, xq, xt, K, TILES=IDOT_X_TILES, num_warps=1, **pdl)
+    _x_bytes_kernel[(triton.cdiv(tiles, IDOT_X_TILES), M)](x, xq, xt, K, x.stride(0), xq.stride(0), xt.stride(0),
+                                                           TILES=IDOT_X_TILES, num_warps=1, **pdl)
     splits, k_per_split = split_layout(K, cfg)
     partial = split_k_partials(out, splits)
     _int4_row_idot_kernel[(N // cfg.block_n, splits)](
         weight.qweight, weight.scales, weight.zeros, bias if bias is not None else out, partial, xq, xt, N, K,
-        k_per_split, partial.stride(0) if splits > 1 else 0, group_size, HAS_BIAS=bias is not None,
-        SPLIT=splits > 1, BLOCK_N=cfg.block_n, ROWS=rows, HW_ASM=x.is_cuda, NUM_STAGES=cfg.num_stages,
-        WHILE_LOOP=not x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+        k_per_split, partial.stride(0) if splits > 1 else 0, partial.stride(-2), xq.stride(0), xt.stride(0),
+        group_size, M=M, HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_N=cfg.block_n, ROWS=rows,
+        HW_ASM=x.is_cuda, NUM_STAGES=cfg.num_stages, WHILE_LOOP=not x.is_cuda, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl)
     reduce_split_k(partial, bias, out, pdl)
 
 
@@ -692,10 +747,18 @@ def _config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfl
     their split reduce and x's byte launch, 8 weights in turn (stop 69's prototype bench), us: Llama-2-7B's
     gate_up 22.17 -> 18.61, down 14.27 -> 12.69; qkv 13.89 -> 13.63 and o_proj 7.36 -> 8.55 keep the FMA walk.
     Its x bytes made inside each program instead of in a launch of their own: gate_up 30.1, qkv 19.6 (each
-    program redoes its chunk's, behind a barrier)."""
-    if M == 1 and idot and (N >= IDOT_MIN_N or (K >= IDOT_MIN_K and N >= IDOT_DEEP_MIN_N)):
+    program redoes its chunk's, behind a barrier).
+    Two rows (batch-2 decode) take it on every weight from N and K of 4,096 on, in loads of one word row (each
+    word taken apart once for both rows), split alike. One H200, stop 70's prototype (a byte launch a row, where
+    ``_x_bytes_kernel`` now takes both in one) against the 16-row dot path, us: qkv 25.78 -> 22.77, o_proj 13.68
+    -> 12.54, gate_up 47.46 -> 35.58, down 24.27 -> 20.16. Four and eight rows lost on every weight (qkv 27.25 ->
+    33.44 and 34.65 -> 51.91: the integer sums grow with the rows, the dot path's tiles do not). A random GPTQ
+    Llama-2-7B's decode step (bench.profile_step, one H200, HEAD and this two runs each in one call): batch 2 4.164
+    -> 3.150 ms, batch 1 2.177 -> 2.192."""
+    if idot and ((M == 1 and (N >= IDOT_MIN_N or (K >= IDOT_MIN_K and N >= IDOT_DEEP_MIN_N)))
+                 or (M == 2 and N >= IDOT_DEEP_MIN_N and K >= IDOT_PAIR_MIN_K)):
         splits = max(1, min(K // IDOT_TILE // 4, round(2 * num_sms / (N // IDOT_BLOCK_N))))   # 4+ tiles a split
-        return Int4Config(1, IDOT_BLOCK_N, IDOT_TILE, splits, 4, 3, rows=4, idot=True)
+        return Int4Config(M, IDOT_BLOCK_N, IDOT_TILE, splits, 4, 3, rows=4 if M == 1 else 1, idot=True)
     if M == 1:
         wide_blocks = triton.cdiv(N, 256)
         if dtype == torch.bfloat16 and group_per_tile and 2 * wide_blocks >= num_sms:
@@ -748,15 +811,15 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = N
     if sub_n <= 0 or cfg.block_n % sub_n or (sub_n != cfg.block_n and cfg.block_m != 1):
         raise ValueError(f"config {tuple(cfg)}: sub_n must be positive and divide block_n, and sub-tiles are the "
                          f"one-row path's (block_m 1)")
+    if cfg.idot:
+        _int4_row_idot(x, weight, bias, out, cfg, group_size)
+        return out
     rows = cfg.rows or cfg.block_k // 8
     if cfg.block_m == 1 and (rows < 1 or rows & (rows - 1) or (cfg.block_k // 8) % rows):
         raise ValueError(f"config {tuple(cfg)}: rows must be a power of two dividing block_k / 8 (the word rows "
                          f"of one load)")
     if cfg.rows and cfg.block_m != 1:
         raise ValueError(f"config {tuple(cfg)}: rows is the one-row path's (block_m 1)")
-    if cfg.idot:
-        _int4_row_idot(x, weight, bias, out, cfg, group_size, rows)
-        return out
     if cfg.block_m > 1 and not cfg.expand and cfg.block_k % 128:
         raise ValueError(f"config {tuple(cfg)}: the dot path (block_m > 1) takes block_k in multiples of 128 "
                          f"(eight dots of block_k / 8 rows, at least 16 each)")

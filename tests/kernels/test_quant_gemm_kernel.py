@@ -277,38 +277,63 @@ def test_the_many_row_route_dequantizes_then_multiplies(device, group, act_order
 IDOT = Int4Config(1, 64, 128, 2, 4, 1, rows=4, idot=True)
 
 
-@pytest.mark.parametrize("splits,has_bias", [(1, True), (2, False), (3, True)])
-def test_integer_walk_gives_the_float32_product_within_a_bfloat16_rounding(device, splits, has_bias):
-    """x rounded to 15-bit integers per tile of 128 (against its largest value) and the nibbles summed exactly:
-    within the output's own rounding and the float32 sums' of the exact product, outliers of 1000x, zeros and
-    tiny values included; one split stores bfloat16 with the bias, several go through the reduce."""
+@pytest.mark.parametrize("splits,has_bias,rows", [(1, True, 1), (2, False, 1), (3, True, 1), (1, False, 2),
+                                                  (3, True, 2)])
+def test_integer_walk_gives_the_float32_product_within_a_bfloat16_rounding(device, splits, has_bias, rows):
+    """x rounded to 15-bit integers per row and tile of 128 (against its largest value) and the nibbles summed
+    exactly: within the output's own rounding and the float32 sums' of the exact product, outliers of 1000x, zeros
+    and tiny values included, each row of two at its own scale; one split stores bfloat16 with the bias, several go
+    through the reduce."""
     weight, _ = make_weight(128, 384, 128, torch.bfloat16, device)
-    x = torch.randn(1, 384, device=device)
+    x = torch.randn(rows, 384, device=device)
     x[0, 5], x[0, 200], x[0, 7:20] = 1000.0, -3000.0, 0.0
     x[0, 300:310] = 1e-30
+    x[rows - 1, 130:135] *= 1e-3
     x = x.to(torch.bfloat16)
     bias = torch.randn(128, device=device).to(torch.bfloat16) if has_bias else None
-    out = int4_gemm(x, weight, bias, config=IDOT._replace(split_k=splits))
+    out = int4_gemm(x, weight, bias, config=IDOT._replace(block_m=rows, split_k=splits, rows=4 // rows))
     w = int4_dequantize(Int4Weight(weight.qweight, weight.scales.float(), weight.zeros.float(), None, 128))
     exact = x.double() @ w.double().T + (bias.double() if has_bias else 0)
-    largest = x.double().abs().view(3, 128).amax(dim=1)
-    steps = torch.exp2(torch.floor(torch.log2(largest)) - 13).repeat_interleave(128)    # x's integer step a tile
+    largest = x.double().abs().view(rows, 3, 128).amax(dim=2)
+    steps = torch.exp2(torch.floor(torch.log2(largest)) - 13).repeat_interleave(128, dim=1)   # x's integer steps
     x_rounding = (steps / 2) @ w.double().abs().T
     terms = x.double().abs() @ w.double().abs().T
     bound = 2 ** -8 * exact.abs() + x_rounding + 2 ** -20 * terms    # the output's rounding, x's, float32 sums'
     assert ((out.double() - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("column,value", [(64, float("inf")), (201, float("-inf")), (383, float("nan"))])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_integer_walk_makes_outputs_of_a_non_finite_x_nan(device, column, value, rows):
+    """An inf or NaN in x (an even or odd column of its pair, any tile) makes every output of its row NaN, where
+    the float product makes each inf or NaN; the integers of its tile are never read as numbers, and the other row
+    stays as it was."""
+    weight, _ = make_weight(128, 384, 128, torch.bfloat16, device)
+    x = torch.randn(rows, 384, device=device).to(torch.bfloat16)
+    config = IDOT._replace(block_m=rows, split_k=2)
+    finite = int4_gemm(x, weight, config=config)
+    x[rows - 1, column] = value
+    out = int4_gemm(x, weight, config=config)
+    assert not torch.isfinite(int4_gemm_ref(x, weight)[-1]).any()
+    assert torch.isnan(out[-1]).all()
+    assert torch.equal(out[:-1], finite[:-1])
+
+
 def test_integer_walk_refuses_what_it_cannot_take(device):
     weight, _ = make_weight(128, 384, 128, torch.bfloat16, device)
     x = torch.randn(1, 384, device=device).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="one bfloat16 row"):
+    with pytest.raises(ValueError, match="1 to 2 bfloat16 rows"):
         int4_gemm(x.float(), Int4Weight(weight.qweight, weight.scales.float(), weight.zeros.float(), None, 128),
                   config=IDOT)
-    with pytest.raises(ValueError, match="one bfloat16 row"):
+    with pytest.raises(ValueError, match="1 to 2 bfloat16 rows"):
+        int4_gemm(torch.cat([x, x, x]), weight, config=IDOT._replace(block_m=3))
+    with pytest.raises(ValueError, match=r"all of x's rows in a program \(block_m 2\)"):
         int4_gemm(torch.cat([x, x]), weight, config=IDOT)
+    with pytest.raises(ValueError, match="1 to 2 bfloat16 rows"):      # rows 4 bytes apart, not paired
+        int4_gemm(torch.randn(2, 385, device=device).to(torch.bfloat16)[:, :384], weight,
+                  config=IDOT._replace(block_m=2))
     odd, _ = make_weight(128, 384, 32, torch.bfloat16, device)       # groups of 32: several groups a tile
-    with pytest.raises(ValueError, match="one bfloat16 row"):
+    with pytest.raises(ValueError, match="1 to 2 bfloat16 rows"):
         int4_gemm(x, odd, config=IDOT)
     with pytest.raises(ValueError, match="power-of-two block_n dividing N"):
         int4_gemm(x, make_weight(96, 384, 128, torch.bfloat16, device)[0], config=IDOT)
@@ -325,7 +350,10 @@ def test_default_config_takes_the_integer_walk_for_wide_or_deep_weights():
     gate_up, down = _config(1, 22016, 4096, 132, idot=True), _config(1, 4096, 11008, 132, idot=True)
     assert gate_up.idot and gate_up.split_k == 3 and down.idot and down.split_k == 16
     assert not _config(1, 12288, 4096, 132, idot=True).idot and not _config(1, 4096, 4096, 132, idot=True).idot
-    assert not _config(1, 22016, 4096, 132).idot and not _config(2, 22016, 4096, 132, idot=True).idot
+    assert not _config(1, 22016, 4096, 132).idot and not _config(3, 22016, 4096, 132, idot=True).idot
+    for n, k, splits in ((12288, 4096, 6), (4096, 4096, 8), (22016, 4096, 3), (4096, 11008, 16)):  # two rows: all
+        assert _config(2, n, k, 132, idot=True) == Int4Config(2, 256, 128, splits, 4, 3, rows=1, idot=True)
+    assert not _config(2, 1536, 8960, 132, idot=True).idot and not _config(2, 8192, 2048, 132, idot=True).idot
     assert not _config(1, 1536, 8960, 132, idot=True).idot          # deep but narrow: not measured, the FMA walk
     assert _config(1, 4096, 14336, 132, idot=True).split_k == 16    # Llama-3-8B's down: 112 tiles, 7 a split
     assert _config(1, 16384, 1024, 132, idot=True).split_k == 2     # 4 would leave 2 of its 8 tiles a split
