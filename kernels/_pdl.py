@@ -26,6 +26,13 @@ Because each kernel waits for the complete previous one, and that one waited for
 predecessor, the order of the stream is kept transitively. Kernels that are not ours
 (cuBLAS, torch, NCCL) are launched without the attribute and serialise as usual.
 ``ENGINE_PDL=0`` turns PDL off (for measuring what it brings); it is off on the CPU.
+
+Prefetching more of a launch's weights before its wait, into L2 only (no registers held), was slower on one
+H200 (stop 70, ``bench.profile_step`` batch-1 GPU step, the skinny GEMM, the 4-bit one-row walks and the one-token
+MoE down kernel each prefetching their whole slice; two runs each): per 128-byte line (``prefetch.global.L2``)
+bfloat16 Llama-2-7B 3.678 -> 4.694 ms, GPTQ Llama-2-7B 2.209 -> 2.593, Qwen3-30B-A3B (16 layers) 0.927 -> 1.033; per
+row (``cp.async.bulk.prefetch.L2``) 3.723 -> 8.931, 2.209 -> 2.590 and 0.930 -> 1.391. The early reads take
+bandwidth from the launch still running and the L2 space its data needs.
 """
 from __future__ import annotations
 
