@@ -583,14 +583,20 @@ def _x_bytes(x_ptr, xq_ptr, xt_ptr, k_begin, n_tiles, tile0, TILES: tl.constexpr
 
 
 @triton.jit
-def _x_bytes_kernel(x_ptr, xq_ptr, xt_ptr, K, stride_xm, stride_q, stride_t, TILES: tl.constexpr, PDL: tl.constexpr):
-    """``_x_bytes`` of TILES tiles of row m a program (t, m) (K a multiple of IDOT_TILE)."""
-    pid, m = tl.program_id(0), tl.program_id(1)
+def _x_bytes_kernel(x_ptr, xq_ptr, xt_ptr, K, stride_xm, stride_q, stride_t, TILES: tl.constexpr, M: tl.constexpr,
+                    PDL: tl.constexpr):
+    """``_x_bytes`` of TILES tiles of row m a program (t, m) (K a multiple of IDOT_TILE). One row (M 1) takes no
+    row offsets: the code its batch-1 step was measured with."""
+    pid = tl.program_id(0)
     wait_for_prior_kernel(PDL)
     allow_next_kernel(PDL)
     k_begin = pid * TILES * 128
-    _x_bytes(x_ptr + m * stride_xm, xq_ptr + m * stride_q, xt_ptr + m * stride_t, k_begin,
-             tl.minimum(TILES, (K - k_begin) // 128), pid * TILES, TILES)
+    if M > 1:
+        m = tl.program_id(1)
+        x_ptr += m * stride_xm
+        xq_ptr += m * stride_q
+        xt_ptr += m * stride_t
+    _x_bytes(x_ptr, xq_ptr, xt_ptr, k_begin, tl.minimum(TILES, (K - k_begin) // 128), pid * TILES, TILES)
 
 
 @triton.jit
@@ -701,7 +707,7 @@ def _int4_row_idot(x, weight: Int4Weight, bias, out, cfg: Int4Config, group_size
     xt = torch.empty((M, tiles * 2), dtype=torch.float32, device=x.device)
     pdl = launch_options(x)
     _x_bytes_kernel[(triton.cdiv(tiles, IDOT_X_TILES), M)](x, xq, xt, K, x.stride(0), xq.stride(0), xt.stride(0),
-                                                           TILES=IDOT_X_TILES, num_warps=1, **pdl)
+                                                           TILES=IDOT_X_TILES, M=M, num_warps=1, **pdl)
     splits, k_per_split = split_layout(K, cfg)
     partial = split_k_partials(out, splits)
     _int4_row_idot_kernel[(N // cfg.block_n, splits)](
@@ -754,7 +760,8 @@ def _config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfl
     -> 12.54, gate_up 47.46 -> 35.58, down 24.27 -> 20.16. Four and eight rows lost on every weight (qkv 27.25 ->
     33.44 and 34.65 -> 51.91: the integer sums grow with the rows, the dot path's tiles do not). A random GPTQ
     Llama-2-7B's decode step (bench.profile_step, one H200, HEAD and this two runs each in one call): batch 2 4.164
-    -> 3.150 ms, batch 1 2.177 -> 2.192."""
+    -> 3.150 ms, batch 1 2.177 -> 2.192; one row's byte launch then lost its row offsets, and its sm_90 SASS is now
+    that of the version measured at 2.181 against 2.181 (the walk's is HEAD's): not rerun on the GPU."""
     if idot and ((M == 1 and (N >= IDOT_MIN_N or (K >= IDOT_MIN_K and N >= IDOT_DEEP_MIN_N)))
                  or (M == 2 and N >= IDOT_DEEP_MIN_N and K >= IDOT_PAIR_MIN_K)):
         splits = max(1, min(K // IDOT_TILE // 4, round(2 * num_sms / (N // IDOT_BLOCK_N))))   # 4+ tiles a split
