@@ -459,7 +459,7 @@ def store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, st
         tl.store(out_ptr + out_offs, round_to(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
 
-# ---- one bfloat16 row by integer dot products (``Int4Config.idot``) ------------------------------------------------
+# ---- one or two bfloat16 rows by integer dot products (``Int4Config.idot``) ----------------------------------------
 
 IDOT_TILE = 128        # x's quantization tile and the walk's K tile (inside one group)
 IDOT_BLOCK_N = 256     # the walk's columns a program (N a multiple of it)

@@ -167,8 +167,9 @@ def test_float32_greedy_tokens_equal_transformers_on_the_dequantized_twin(name, 
 
 @pytest.mark.parametrize("name", ["gptq", "awq"])
 def test_bfloat16_4bit_greedy_tokens_are_close_to_transformers_on_the_dequantized_twin(name, quantized_pairs):
-    """bfloat16, batched and each prompt alone (batch-1 decode: the integer walk on gate_up and down, x rounded
-    to 15-bit integers a tile): transformers bfloat16 on the dequantized twin, parting only at a near-tie."""
+    """bfloat16, the two prompts batched (batch-2 decode: the integer walk on every projection) and each alone
+    (batch 1: on gate_up and down), x rounded to 15-bit integers a tile: transformers bfloat16 on the dequantized
+    twin, parting only at a near-tie."""
     quantized, twin = quantized_pairs[name]
     all_prompts = prompts()[:2]
     ref = transformers_greedy(str(twin), torch.bfloat16, all_prompts, new_tokens=32)

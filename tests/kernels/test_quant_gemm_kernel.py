@@ -272,7 +272,7 @@ def test_the_many_row_route_dequantizes_then_multiplies(device, group, act_order
         dequantized_linear(torch.randn(2, 64, device=device), weight)
 
 
-# ---- the integer walk (one bfloat16 row by dp4a; the interpreter sums the same bytes in Triton ops) --------------
+# ---- the integer walk (1-2 bfloat16 rows by dp4a; the interpreter sums the same bytes in Triton ops) -------------
 
 IDOT = Int4Config(1, 64, 128, 2, 4, 1, rows=4, idot=True)
 
