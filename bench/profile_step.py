@@ -173,9 +173,9 @@ def _pipelined_ms(worker: ModelWorker, fixture: DecodeFixture, repeats: int) -> 
 def _kernel_table(worker: ModelWorker, step: Step, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    batch = worker._forward_batch(step)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if worker.device.type == "cuda" else [])
-    forward = lambda: worker.model.compute_logits(worker.model.forward(batch, worker.kv_cache))  # noqa: E731
+    forward = lambda: worker._forward(step, [], eager=True)  # noqa: E731  (the step's own work: the last layer
+    #                                                          and the LM head for the rows it reads)
     forward()
     with profile(activities=activities) as prof:
         for _ in range(3):

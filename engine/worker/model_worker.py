@@ -361,14 +361,15 @@ class ModelWorker:
             state.grammar = grammars.matcher(row.params.grammar_type, row.params.grammar)
         return state
 
-    def _forward(self, step: Step, results: list[RowResult], meanwhile: Callable[[], None] | None = None):
+    def _forward(self, step: Step, results: list[RowResult], meanwhile: Callable[[], None] | None = None,
+                 eager: bool = False):
         """The forward of a step the decode and verify graphs do not take (through the piecewise graphs where
-        they take it, else eagerly): (indices of the sampled rows, their logits, the final hidden states at the
-        same positions)."""
+        they take it, else eagerly; ``eager``: always eagerly, e.g. for a profiler to see each kernel): (indices
+        of the sampled rows, their logits, the final hidden states at the same positions)."""
         sampled = [i for i, r in enumerate(step.rows) if r.sample]
         read = [logit_positions(r) if r.sample else 0 for r in step.rows]     # each row's last tokens read
         narrowed = False
-        if self.piecewise is not None and self.piecewise.accepts(step):
+        if not eager and self.piecewise is not None and self.piecewise.accepts(step):
             hidden = self.piecewise.run(step, meanwhile)
         else:
             batch = self._forward_batch(step, read)

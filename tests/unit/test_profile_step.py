@@ -41,9 +41,9 @@ def test_mixed_steps_carry_the_prompt_chunk_beside_the_decode_rows(monkeypatch, 
         worker = real(config)
         eager = worker._forward
 
-        def recording(step, results, meanwhile=None):
+        def recording(step, results, meanwhile=None, **kwargs):
             forwards.append([(len(r.input_ids), r.start_pos, r.sample) for r in step.rows])
-            return eager(step, results, meanwhile)
+            return eager(step, results, meanwhile, **kwargs)
         worker._forward = recording
         launch = worker.sampler.launch
         worker.sampler.launch = lambda logits, rows, **kw: sampled.append((logits.shape[0], len(rows))) or launch(
@@ -61,6 +61,26 @@ def test_mixed_steps_carry_the_prompt_chunk_beside_the_decode_rows(monkeypatch, 
     assert len(measured) > 10
     assert all(rows[:2] == [(1, rows[0][1], True)] * 2 and rows[2] == (5, held, False) for rows in measured)
     assert sampled[0] == (3, 3) and all(pair == (2, 2) for pair in sampled[1:])   # the prompts, then 2 rows each
+
+
+def test_the_kernel_table_profiles_the_steps_own_work(monkeypatch, tmp_path):
+    """The table's forward is the step's: a mixed step's LM head runs on the decode rows it samples, not on the
+    prompt chunk's tokens too (before, it multiplied every token of the step, 1,000 times more at a 4,096-token
+    chunk, and showed that GEMM and its float32 copy as part of the step)."""
+    head_rows = []
+    real = profile_step.ModelWorker
+
+    def build(config):
+        worker = real(config)
+        logits = worker.model.compute_logits
+        worker.model.compute_logits = lambda hidden: head_rows.append(hidden.shape[0]) or logits(hidden)
+        return worker
+
+    monkeypatch.setattr(profile_step, "ModelWorker", build)
+    profile_step.main(["--model-dir", "weights/demo", "--batch-sizes", "2", "--context", "8", "--repeats", "1",
+                       "--prompt-chunk", "5", "--table-dir", str(tmp_path)])
+    assert (tmp_path / "kernels_b2.txt").read_text().count("aten::") > 0
+    assert head_rows[-4:] == [2] * 4        # the table's warm-up and its three profiled forwards
 
 
 def test_a_negative_prompt_chunk_is_a_usage_error(capsys):
