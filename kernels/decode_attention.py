@@ -140,6 +140,7 @@ def _decode_split_kernel(
     window, softcap_log2, alibi_ptr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     scales_ptr, stride_scale_slot, stride_scale_head, v_scale_offset, KV_SCALES: tl.constexpr,
     ROWWISE: tl.constexpr = False, TAIL_N: tl.constexpr = 0, FP8_SHIFT: tl.constexpr = 0,
+    FP8_UNBIAS: tl.constexpr = 1.0,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -181,7 +182,7 @@ def _decode_split_kernel(
     if ROWWISE:
         m_i, l_i, acc = _attend_row(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask,
                                     k_scale_base, k_scale_base + v_scale_offset, stride_scale_slot, BLOCK_N,
-                                    WHILE_LOOP, KV_SCALES, FP8_SHIFT)
+                                    WHILE_LOOP, KV_SCALES, FP8_SHIFT, FP8_UNBIAS)
     else:
         m_i, l_i, acc = attend_range(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask,
                                      scale_log2, BLOCK_N, UPCAST, WHILE_LOOP, q_pos, window, softcap_log2, alibi_log2,
@@ -202,17 +203,17 @@ def _decode_split_kernel(
 @triton.jit
 def _attend_row(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_kv_slot, d_mask, k_scale_base,
                 v_scale_base, stride_scale_slot, BLOCK_N: tl.constexpr, WHILE_LOOP: tl.constexpr,
-                KV_SCALES: tl.constexpr, FP8_SHIFT: tl.constexpr):
+                KV_SCALES: tl.constexpr, FP8_SHIFT: tl.constexpr, FP8_UNBIAS: tl.constexpr):
     """The online softmax of one query row ``q`` [1, D] (float32, log2 units) over a quantized cache's positions
     [start, end): each block's scores and weighted values as products and sums in float32 (no ``tl.dot``, whose
     16 rows would hold this one; ``rowwise_applies``). int8 values are read as float32 integers, their per-slot
     scales applied to the scores and the probabilities; fp8 values as float32 times 2**-bias (``fp8_as_float32``,
-    ``FP8_SHIFT`` its shift), with ``ROW_LIFT`` on q and on the probabilities, so that no product leaves float32's
+    ``FP8_SHIFT`` its shift; ``FP8_UNBIAS``: ``fp8_row_read``'s factor), with ``ROW_LIFT`` on q and on the probabilities, so that no product leaves float32's
     normal range, and the per-tensor scales and the rest of the offset applied to q before the walk and to the
     accumulator after it."""
     unbias = 1.0
     if KV_SCALES == 2:
-        unbias = _fp8_unbias(FP8_SHIFT)
+        unbias = FP8_UNBIAS
         q = q * (tl.load(k_scale_base) * ROW_LIFT)
     if WHILE_LOOP:  # the CPU interpreter cannot take runtime `range` bounds (numpy >= 2.4)
         start_n = start
@@ -233,17 +234,19 @@ def _attend_row(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_
 
 # fp8's rowwise walk: q and the probabilities are lifted by 2**64 against values read 2**-120 (e4m3) or 2**-112
 # (e5m2) small (``fp8_as_float32``), so products keep float32's normal range; the scores and the accumulator are
-# brought back by 2**56 or 2**48 (``_fp8_unbias``)
-ROW_LIFT: tl.constexpr = tl.constexpr(2.0 ** 64)
+# brought back by 2**56 or 2**48 (``fp8_row_read``)
+ROW_LIFT_LOG2 = 64
+ROW_LIFT: tl.constexpr = tl.constexpr(2.0 ** ROW_LIFT_LOG2)
 
 
-@triton.jit
-def _fp8_unbias(FP8_SHIFT: tl.constexpr):
-    """2**(bias offset - 64) of the fp8 format read with ``FP8_SHIFT`` (``FP8_AS_FLOAT32``)."""
-    if FP8_SHIFT == 20:
-        return 72057594037927936.0       # 2**56
-    else:
-        return 281474976710656.0         # 2**48
+def fp8_row_read(dtype: torch.dtype) -> tuple[int, float]:
+    """(FP8_SHIFT, FP8_UNBIAS) of the rowwise walk over a ``dtype`` cache: ``fp8_as_float32``'s shift, and
+    2**(its bias offset - ``ROW_LIFT_LOG2``), which brings the lifted scores and accumulator back; (0, 1.0) for a
+    cache that is not fp8. Both from ``FP8_AS_FLOAT32``, so a format's shift and offset cannot disagree."""
+    if dtype not in FP8_AS_FLOAT32:
+        return 0, 1.0
+    shift, offset = FP8_AS_FLOAT32[dtype]
+    return shift, 2.0 ** (offset - ROW_LIFT_LOG2)
 
 
 @triton.jit
@@ -478,7 +481,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
         UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, SHARED=shared is not None,
         **mod_args, **mod_flags, **scale_args(kv_layer, kv_scales), ROWWISE=rowwise,
         TAIL_N=tail_n if tail_n is not None and tail_n < block_n else 0,
-        FP8_SHIFT=FP8_AS_FLOAT32[kv_layer.dtype][0] if rowwise and kv_layer.dtype in FP8_AS_FLOAT32 else 0,
+        **dict(zip(("FP8_SHIFT", "FP8_UNBIAS"), fp8_row_read(kv_layer.dtype) if rowwise else (0, 1.0))),
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if shared is not None:

@@ -279,6 +279,18 @@ def test_fp8_values_become_float32_times_their_offset_exactly(device, dtype):
     assert torch.equal(y.to(torch.float64)[finite] * 2.0 ** offset, expected[finite])
 
 
+def test_the_rowwise_walk_brings_fp8_back_by_its_format_offset_less_the_lift():
+    """``fp8_row_read``: the shift and the factor that undoes the read's 2**-offset and the 2**64 lift, both from
+    ``FP8_AS_FLOAT32`` (e4m3: 2**(120 - 64), e5m2: 2**(112 - 64)); a cache that is not fp8 reads no fp8."""
+    from kernels.decode_attention import ROW_LIFT_LOG2, fp8_row_read
+
+    assert ROW_LIFT_LOG2 == 64
+    assert fp8_row_read(torch.float8_e4m3fn) == (20, 2.0 ** 56)
+    assert fp8_row_read(torch.float8_e5m2) == (21, 2.0 ** 48)
+    for dtype in (torch.int8, torch.bfloat16):
+        assert fp8_row_read(dtype) == (0, 1.0)
+
+
 def test_the_rowwise_walk_takes_its_own_launch_and_split_count():
     """Where the walk is rowwise (a quantized cache without GQA, enough requests) its launch is
     ``CUDA_LAUNCH_ROWWISE`` in ``rowwise_splits``' count; a smaller batch keeps the dot walk's launch and splits."""
