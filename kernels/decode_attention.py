@@ -208,9 +208,9 @@ def _attend_row(q, m_i, l_i, acc, start, end, table_row, k_base, v_base, stride_
     [start, end): each block's scores and weighted values as products and sums in float32 (no ``tl.dot``, whose
     16 rows would hold this one; ``rowwise_applies``). int8 values are read as float32 integers, their per-slot
     scales applied to the scores and the probabilities; fp8 values as float32 times 2**-bias (``fp8_as_float32``,
-    ``FP8_SHIFT`` its shift; ``FP8_UNBIAS``: ``fp8_row_read``'s factor), with ``ROW_LIFT`` on q and on the probabilities, so that no product leaves float32's
-    normal range, and the per-tensor scales and the rest of the offset applied to q before the walk and to the
-    accumulator after it."""
+    ``FP8_SHIFT`` its shift), with ``ROW_LIFT`` on q and on the probabilities, so that no product leaves float32's
+    normal range, and the per-tensor scales and the rest of the offset (``FP8_UNBIAS``, ``fp8_row_read``'s)
+    applied to q before the walk and to the accumulator after it."""
     unbias = 1.0
     if KV_SCALES == 2:
         unbias = FP8_UNBIAS
