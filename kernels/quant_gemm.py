@@ -761,7 +761,9 @@ def _config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfl
     33.44 and 34.65 -> 51.91: the integer sums grow with the rows, the dot path's tiles do not). A random GPTQ
     Llama-2-7B's decode step (bench.profile_step, one H200, HEAD and this two runs each in one call): batch 2 4.164
     -> 3.150 ms, batch 1 2.177 -> 2.192; one row's byte launch then lost its row offsets, and its sm_90 SASS is now
-    that of the version measured at 2.181 against 2.181 (the walk's is HEAD's): not rerun on the GPU."""
+    that of the version measured at 2.181 against 2.181 (the walk's is HEAD's). Rerun so (stop 71, one H200, two
+    runs each in one call): batch 2 4.188 / 4.181 -> 3.156 / 3.157 ms, batch 1 2.185 / 2.183 -> 2.193 / 2.194: the
+    0.4% batch-1 loss is not in that launch's code."""
     if idot and ((M == 1 and (N >= IDOT_MIN_N or (K >= IDOT_MIN_K and N >= IDOT_DEEP_MIN_N)))
                  or (M == 2 and N >= IDOT_DEEP_MIN_N and K >= IDOT_PAIR_MIN_K)):
         splits = max(1, min(K // IDOT_TILE // 4, round(2 * num_sms / (N // IDOT_BLOCK_N))))   # 4+ tiles a split
