@@ -349,6 +349,11 @@ ONE_TOKEN_TOKENS = 1         # a batch of this many tokens takes the one-token p
 # Qwen1.5-MoE 45.0-45.6 -> 44.4-44.6, Mixtral (two rounds) 176.1-176.3 -> 165.1-165.5; of the others tried
 # (4, 256, 3) gave 25.5 / 44.1-44.5 / 165.7-166.1, (8, 128, 3) 26.2-26.3 / 45.4-45.6 / 165.0-165.3, (2, 256, 2)
 # 26.2-26.3 / 47.6 / 167.4-167.8. Qwen3's 16-layer bench.moe_bench: 1,045.9 / 1,047.7 -> 1,051.5 / 1,050.4 tokens/s.
+# Stop 71 (one H200, .diag/s71_moe_tiles.py: blocks as above, each candidate's output checked against fused_moe_ref)
+# kept both: against Qwen3's 25.1-25.3 us and Qwen1.5-MoE's 44.6, whole-K gate|up tiles in registers (one stage:
+# (2, 2048, 1, 2), (1, 2048, 1, 1), (4, 2048, 1, 4)) gave 28.5-30.0 and 47.5-61.3 us, (1, 1024, 4, 1) 25.9-28.2 /
+# 59.5-70.5; down tiles of one stage ((8, 256, 1), (2, 512, 1), (4, 128, 1)) 25.6-28.5 / 45.4-54.4. Mixtral-8x7B's
+# best, (2, 1024, 2, 2) at 165.6, matched this tile's 165.3.
 ONE_TOKEN_TILES = (2, 1024, 4, 2)
 ONE_TOKEN_DOWN_TILES = (4, 256, 2)
 
