@@ -468,6 +468,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
     block_d = max(16, triton.next_power_of_2(head_dim))
     mid_strides = (mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1))
     scale_log2 = float(sm_scale) * math.log2(math.e)
+    fp8_shift, fp8_unbias = fp8_row_read(kv_layer.dtype) if rowwise else (0, 1.0)
     pdl = launch_options(q)
     first = b_seq_len if shared is None else shared[0]     # unread without SHARED
     mod_args, mod_flags = score_mods.kernel_args(mods, unread=mid_lse)
@@ -481,7 +482,7 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_seq_len, sm_scale, out, split
         UPCAST=upcast_dots(q), WHILE_LOOP=not q.is_cuda, SHARED=shared is not None,
         **mod_args, **mod_flags, **scale_args(kv_layer, kv_scales), ROWWISE=rowwise,
         TAIL_N=tail_n if tail_n is not None and tail_n < block_n else 0,
-        **dict(zip(("FP8_SHIFT", "FP8_UNBIAS"), fp8_row_read(kv_layer.dtype) if rowwise else (0, 1.0))),
+        FP8_SHIFT=fp8_shift, FP8_UNBIAS=fp8_unbias,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if shared is not None:
