@@ -25,6 +25,12 @@ past the largest bucket), so gpu_ms is that forward between CUDA events and pipe
 launches fall behind the device:
 
     python -m bench.profile_step --model-dir /tmp/llama2-7b --batch-sizes 1,64,200 --prompt-chunk 704
+
+A batch size of 0 (with --prompt-chunk) measures the chunk alone, as a long prompt's steps run when nothing
+else decodes (no row samples: sample_ms and tokens/s are 0):
+
+    python -m bench.profile_step --model-dir /tmp/llama31-8b --batch-sizes 0 --prompt-chunk 4096 \
+        --chunk-context 28672 --table-dir DIR
 """
 from __future__ import annotations
 
@@ -201,7 +207,7 @@ def profile_batch(worker: ModelWorker, batch_size: int, context: int, repeats: i
         launch_ms = _launch_ms(worker, step, repeats)
         _, logits, _ = worker._forward(step, [])           # the sampled rows' logits, as a step's sampler gets them
         states = [worker._sampling[r.request_id] for r in step.rows if r.sample]
-        sample_ms = _wall_ms(lambda: worker.sampler(logits, states), repeats)
+        sample_ms = _wall_ms(lambda: worker.sampler(logits, states), repeats) if states else 0.0
         if table_dir is not None:
             _kernel_table(worker, step, table_dir / f"kernels_b{batch_size}.txt")
     finally:
@@ -220,10 +226,21 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 0, got {text!r}")
+    return sizes
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="checkpoint directory")
-    parser.add_argument("--batch-sizes", default="1,64,256", help="comma-separated decode batch sizes")
+    parser.add_argument("--batch-sizes", type=_batch_sizes, default="1,64,256",
+                        help="comma-separated decode batch sizes (0: none, the --prompt-chunk alone)")
     parser.add_argument("--context", type=int, default=384, help="tokens each request holds before decoding")
     parser.add_argument("--repeats", type=int, default=30, help="timed repetitions per measurement")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default="on", help="decode CUDA graphs")
@@ -242,8 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> list[dict]:
-    args = build_parser().parse_args(argv)
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sizes = args.batch_sizes
+    if 0 in sizes and not args.prompt_chunk:
+        parser.error("--batch-sizes: 0 (no decode rows) needs --prompt-chunk, or a step would carry nothing")
     chunk_context = args.context if args.chunk_context is None else args.chunk_context
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = load_model_config(args.model_dir)

@@ -87,3 +87,23 @@ def test_a_negative_prompt_chunk_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exited:
         profile_step.main(["--model-dir", "weights/demo", "--prompt-chunk", "-1"])
     assert exited.value.code == 2 and "--prompt-chunk: must be a whole number >= 0, got -1" in capsys.readouterr().err
+
+
+def test_a_prompt_chunk_alone_is_measured_at_batch_size_zero():
+    """--batch-sizes 0 with --prompt-chunk: steps of the chunk alone (a long prompt with nothing decoding beside
+    it); no row samples, so the sampler is not timed (before, timing it on no logits raised)."""
+    results = profile_step.main(["--model-dir", "weights/demo", "--batch-sizes", "0", "--context", "8",
+                                 "--repeats", "1", "--prompt-chunk", "5", "--chunk-context", "6"])
+    assert [r["batch_size"] for r in results] == [0]
+    assert results[0]["gpu_ms"] > 0 and results[0]["sample_ms"] == 0 and results[0]["tokens_per_s"] == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-sizes", "0"], "--batch-sizes: 0 (no decode rows) needs --prompt-chunk"),
+    (["--batch-sizes", "1,x"], "expected comma-separated whole numbers >= 0, got '1,x'"),
+    (["--batch-sizes", "-1"], "expected comma-separated whole numbers >= 0, got '-1'"),
+])
+def test_bad_batch_sizes_are_usage_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as exited:
+        profile_step.main(["--model-dir", "weights/demo", *args])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
