@@ -64,6 +64,11 @@ def fp8_bytes(N: int, K: int) -> int:
     return N * K + 4 * N
 
 
+def idot_split(N: int, K: int, block_n: int, per_sm: int, sms: int) -> int:
+    """Splits of K giving the integer walk's column blocks about ``per_sm`` programs an SM (at most a tile each)."""
+    return max(1, min(K // 128, round(per_sm * sms / triton.cdiv(N, block_n))))
+
+
 def int4_candidates(M: int, N: int, K: int, sms: int, idot: bool = False) -> list[Int4Config]:
     """``idot``: the integer walk can take the product (``quant_gemm.idot_fits``): its configs too."""
     out = []
@@ -82,9 +87,9 @@ def int4_candidates(M: int, N: int, K: int, sms: int, idot: bool = False) -> lis
                 out.append(Int4Config(1, 256, 128, split, 4, 3, sub_n=128, rows=rows))
         for block_n in (128, 256) if idot else ():   # the integer walk, in loads of 2, 4 or 8 word rows
             for per_sm in (1, 2, 4):
-                split = max(1, min(K // 128, round(per_sm * sms / triton.cdiv(N, block_n))))
                 for rows in (2, 4, 8):
-                    out.append(Int4Config(1, block_n, 128, split, 4, 3, rows=rows, idot=True))
+                    out.append(Int4Config(1, block_n, 128, idot_split(N, K, block_n, per_sm, sms), 4, 3, rows=rows,
+                                          idot=True))
     elif M <= 16:
         for block_n in (64, 128):
             for warps in (4, 8):
@@ -95,9 +100,8 @@ def int4_candidates(M: int, N: int, K: int, sms: int, idot: bool = False) -> lis
                         split = fill_split_k(triton.cdiv(N, block_n), K, block_k, per_sm, sms)
                         out.append(Int4Config(16, block_n, block_k, split, warps, 3, True))
         for per_sm in (1, 2, 4) if idot and M <= IDOT_MAX_ROWS else ():   # the integer walk on both rows
-            split = max(1, min(K // 128, round(per_sm * sms / triton.cdiv(N, 256))))
             for rows in (1, 2, 4):
-                out.append(Int4Config(M, 256, 128, split, 4, 3, rows=rows, idot=True))
+                out.append(Int4Config(M, 256, 128, idot_split(N, K, 256, per_sm, sms), 4, 3, rows=rows, idot=True))
     else:
         for block_m in (64, 128):
             for block_n in (128, 256):
