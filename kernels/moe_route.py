@@ -8,8 +8,11 @@ transformers' routers compute them from the router logits in float32:
 One program per token reads its E logits once (E rounded up to a power of two in one block) and
 picks the k largest probabilities one at a time, the lowest expert id first among equal ones
 (``torch.topk`` leaves the order of ties unspecified: equal weights may sit in other slots, and a tie
-at the k-th place may choose the other expert). In torch these were six to eight launches per MoE
-layer, each a few microseconds of a batch-1 decode step that reads only a few MB of expert weights.
+at the k-th place may choose the other expert). A row whose probabilities are NaN (a NaN or
+infinite logit) still chooses k real experts, the lowest ids first, with NaN weights: an id past
+the last expert would send the expert kernels out of bounds. In torch these were six to eight
+launches per MoE layer, each a few microseconds of a batch-1 decode step that reads only a few MB
+of expert weights.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from ._pdl import allow_next_kernel, launch_options, wait_for_prior_kernel
 from ._rounding import round_to
 
 ROUND_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+NOT_A_NUMBER: tl.constexpr = tl.constexpr(-0.5)     # the rank of a NaN probability: below 0, above the -1 of no expert
 
 
 @triton.jit
@@ -35,7 +39,10 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
     x = tl.load(logits_ptr + token * stride_logits + experts, mask=valid, other=float("-inf")).to(tl.float32)
     allow_next_kernel(PDL)
     e = tl.exp(x - tl.max(x, 0))
-    probs = tl.where(valid, e / tl.sum(e, 0), -1.0)        # below every probability: never chosen
+    probs = e / tl.sum(e, 0)
+    # past the experts: -1, below every probability, never chosen. A NaN probability (a NaN or infinite logit makes
+    # the whole row NaN) ranks as NOT_A_NUMBER, below the real ones: the ids stay real experts, the weights NaN.
+    probs = tl.where(valid, tl.where(probs == probs, probs, NOT_A_NUMBER), -1.0)
     slots = tl.arange(0, K_BLOCK)
     weights = tl.zeros([K_BLOCK], dtype=tl.float32)
     ids = tl.zeros([K_BLOCK], dtype=tl.int32)
@@ -45,6 +52,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
         weights = tl.where(slots == j, best, weights)
         ids = tl.where(slots == j, chosen, ids)
         probs = tl.where(experts == chosen, -1.0, probs)
+    weights = tl.where(weights == NOT_A_NUMBER, float("nan"), weights)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 0)          # the padding slots hold 0
     weights = round_to(weights, ROUND_DTYPE).to(tl.float32)

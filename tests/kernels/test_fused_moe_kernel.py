@@ -192,3 +192,20 @@ def test_routing_refuses_what_it_cannot_route(device):
         moe_route(logits.T, 1, True)
     with pytest.raises(ValueError, match="round_dtype"):
         moe_route(logits, 1, True, torch.int8)
+
+
+@pytest.mark.parametrize("experts,top_k", [(128, 8), (60, 4), (8, 2)])
+def test_routing_of_nan_logits_chooses_only_real_experts(device, experts, top_k):
+    # NaN activations (a float16 overflow, a broken checkpoint) must not pick an expert past the last: the expert
+    # kernels would read (and the batch path's alignment write) out of bounds, and a CUDA fault ends the worker
+    logits = torch.randn(4, experts, device=device)
+    logits[0] = float("nan")                     # the whole row
+    logits[1, 3] = float("nan")                  # one expert
+    logits[2, :-1] = float("nan")                # all but the last
+    logits[3, ::2] = float("inf")                # infinite logits give NaN probabilities
+    weights, ids = moe_route(logits, top_k, True, torch.bfloat16)
+    assert ids.min().item() >= 0 and ids.max().item() < experts, ids
+    assert weights.isnan().all(), weights        # NaN in, NaN out: nothing pretends the row was routed
+    x, w_gate_up, w_down, _, _ = moe_inputs(device, torch.float32, 4, experts, top_k)
+    fused_moe(x, w_gate_up, w_down, weights, ids)                        # batch path: aligns by these ids
+    fused_moe(x[:1], w_gate_up, w_down, weights[:1], ids[:1])             # one-token path
