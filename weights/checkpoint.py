@@ -22,6 +22,7 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 MEDUSA_FILE = "medusa_lm_head.safetensors"   # draft heads beside a model (engine.models.medusa), never its weights
 _LIST_LIMIT = 10  # names shown per problem kind in check()
+_FINITE_CHUNK = 1 << 26   # elements that check_finite tests at a time (its temporaries stay below ~128 MB)
 
 # safetensors dtype strings -> torch dtypes.
 _DTYPES = {
@@ -179,7 +180,7 @@ class Checkpoint:
     def read(self, name: str, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
         """The full tensor, cast to ``dtype`` and moved to ``device`` when given."""
         tensor = self._handle(self._file_of(name)).get_tensor(self._stored_names.get(name, name))
-        return _cast(tensor, dtype, device)
+        return _cast(name, tensor, dtype, device)
 
     def read_slice(self, name: str, dim: int, part: int, num_parts: int,
                    dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
@@ -202,7 +203,7 @@ class Checkpoint:
         step = size // num_parts
         window = slice(part * step, (part + 1) * step)
         tensor = source[window] if dim == 0 else source[:, window]
-        return _cast(tensor, dtype, device)
+        return _cast(name, tensor, dtype, device)
 
     def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype | None = None,
                   device=None) -> torch.Tensor:
@@ -212,7 +213,7 @@ class Checkpoint:
         rows = tuple(source.get_shape())[0]
         if not 0 <= start < stop <= rows:
             raise CheckpointError(f"rows {start}:{stop} are out of range for {name!r} with {rows} rows")
-        return _cast(source[start:stop], dtype, device)
+        return _cast(name, source[start:stop], dtype, device)
 
     # -- validation ----------------------------------------------------------------------
     def check(self, expected: dict[str, tuple[int, ...]], ignore_unexpected: tuple[str, ...] = ()) -> None:
@@ -269,9 +270,46 @@ def _shapes_text(expected) -> str:
     return " or ".join(str(s) for s in _shape_choices(expected))
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Tensor:
+def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """The tensor on ``device`` in ``dtype``, every value finite (``check_finite``: a NaN weight makes every token
+    garbage, where a clear error at load says which tensor and what to do)."""
     if device is not None:
         tensor = tensor.to(device)
-    if dtype is not None:
-        tensor = tensor.to(dtype)
-    return tensor.contiguous()
+    cast = tensor.to(dtype) if dtype is not None else tensor
+    check_finite(name, cast, stored=tensor)
+    return cast.contiguous()
+
+
+def check_finite(name: str, tensor: torch.Tensor, stored: torch.Tensor | None = None) -> None:
+    """CheckpointError unless every value of the floating-point ``tensor`` is finite. ``stored``: the tensor as the
+    checkpoint holds it, when ``tensor`` is a cast of it (the error then says whether the checkpoint or the cast
+    made the values infinite)."""
+    bad = count_non_finite(tensor)
+    if not bad:
+        return
+    where = f"tensor {name!r} ({tuple(tensor.shape)}, {_dtype_name(tensor)})"
+    if stored is None or stored is tensor or count_non_finite(stored):
+        raise CheckpointError(f"{where} holds {bad} NaN or infinite values: the checkpoint is broken (a diverged "
+                              "training run, a failed conversion or a damaged file). Serve a checkpoint whose "
+                              "weights are all finite.")
+    largest = float(stored.float().abs().max())
+    raise CheckpointError(f"{where} holds {bad} values that are infinite in {_dtype_name(tensor)}: the checkpoint "
+                          f"stores them in {_dtype_name(stored)} (largest magnitude {largest:.4g}). Serve it in a "
+                          "dtype that holds them (--dtype bfloat16 or float32).")
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def count_non_finite(tensor: torch.Tensor) -> int:
+    """How many NaN or infinite values a floating-point tensor holds (0 for other dtypes); tested in chunks, on the
+    tensor's device. One-byte floats (float8) are tested as float16, which holds every one of their values."""
+    if not tensor.is_floating_point() or not tensor.numel():
+        return 0
+    bad = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    for chunk in tensor.reshape(-1).split(_FINITE_CHUNK):
+        if chunk.element_size() == 1:
+            chunk = chunk.to(torch.float16)
+        bad += chunk.isfinite().logical_not_().sum()
+    return int(bad)

@@ -126,6 +126,24 @@ def test_a_taken_port_fails_before_the_model_loads(launcher_model_dir):
     assert f"--port {port} on 127.0.0.1 is taken" in output and "choose another --port" in output
 
 
+def test_a_nan_weight_stops_the_launch_with_the_tensor_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_models import save_tiny_server_model
+
+    model_dir = save_tiny_server_model("llama", tmp_path / "llama")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 4] = float("nan")
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    srv = LaunchedServer(model_dir)
+    code = srv.process.wait(60)
+    output = srv.output()
+    srv.stop()
+    assert code != 0 and "Traceback" not in output, output
+    assert "tensor 'model.layers.1.mlp.down_proj.weight' ((64, 160), float32) holds 1 NaN or infinite values: the " \
+           "checkpoint is broken" in output, output
+
+
 def _stream_events(url: str, body: dict) -> list[dict]:
     response = requests.post(url, json=body, stream=True, timeout=60)
     return [json.loads(line[5:]) for line in response.iter_lines() if line.startswith(b"data:")]

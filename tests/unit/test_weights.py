@@ -259,3 +259,62 @@ def test_read_config(saved, tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         read_config(tmp_path)
+
+
+def _save_tensors(directory, tensors: dict[str, torch.Tensor]):
+    from safetensors.torch import save_file
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_a_nan_or_infinite_weight_is_a_load_error_that_names_the_tensor(tmp_path):
+    good = torch.randn(8, 6)
+    nan, inf = good.clone(), good.clone()
+    nan[5, 1] = float("nan")
+    inf[0, 0], inf[7, 5] = float("inf"), float("-inf")
+    directory = _save_tensors(tmp_path / "ckpt", {"good": good, "a.nan": nan, "b.inf": inf})
+    with open_checkpoint(directory) as checkpoint:
+        torch.testing.assert_close(checkpoint.read("good"), good, rtol=0, atol=0)
+        with pytest.raises(CheckpointError, match=r"tensor 'a\.nan' \(\(8, 6\), float32\) holds 1 NaN or infinite "
+                                                  r"values: the checkpoint is broken"):
+            checkpoint.read("a.nan")
+        with pytest.raises(CheckpointError, match=r"'b\.inf' .* holds 2 NaN or infinite values"):
+            checkpoint.read("b.inf", dtype=torch.bfloat16)
+        # a tensor-parallel rank checks what it reads: the part with the NaN, not the other
+        checkpoint.read_slice("a.nan", 0, 0, 2)
+        with pytest.raises(CheckpointError, match=r"'a\.nan' \(\(4, 6\), float32\) holds 1 NaN"):
+            checkpoint.read_slice("a.nan", 0, 1, 2)
+        with pytest.raises(CheckpointError, match=r"'a\.nan' \(\(8, 3\), float32\) holds 1 NaN"):
+            checkpoint.read_slice("a.nan", 1, 0, 2)
+        checkpoint.read_rows("a.nan", 0, 5)
+        with pytest.raises(CheckpointError, match=r"'a\.nan' \(\(3, 6\), float32\) holds 1 NaN"):
+            checkpoint.read_rows("a.nan", 5, 8)
+
+
+def test_values_that_overflow_the_serving_dtype_say_which_dtype_holds_them(tmp_path):
+    big = torch.ones(4, 4, dtype=torch.bfloat16)
+    big[1, 2], big[3, 3] = 1.0e5, -3.0e5            # finite in bfloat16, beyond float16's 65504
+    with open_checkpoint(_save_tensors(tmp_path / "ckpt", {"w": big})) as checkpoint:
+        torch.testing.assert_close(checkpoint.read("w", dtype=torch.float32), big.float(), rtol=0, atol=0)
+        with pytest.raises(CheckpointError, match=r"'w' \(\(4, 4\), float16\) holds 2 values that are infinite in "
+                                                  r"float16: the checkpoint stores them in bfloat16 \(largest "
+                                                  r"magnitude 2\.99e\+05\)\. Serve it in a dtype that holds them "
+                                                  r"\(--dtype bfloat16 or float32\)"):
+            checkpoint.read("w", dtype=torch.float16)
+
+
+def test_float8_weights_are_checked_and_integer_ones_are_not(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint_module, "_FINITE_CHUNK", 5)        # several chunks per tensor
+    fp8 = torch.linspace(-448, 448, 24).to(torch.float8_e4m3fn)
+    broken = fp8.clone()
+    broken.view(torch.uint8)[[3, 17]] = 0x7F                          # e4m3fn's NaN: it has no infinity
+    packed = torch.randint(-2**31, 2**31 - 1, (6, 4), dtype=torch.int32)   # GPTQ/AWQ nibbles: any bits are values
+    directory = _save_tensors(tmp_path / "ckpt", {"fp8": fp8, "broken": broken, "qweight": packed})
+    with open_checkpoint(directory) as checkpoint:
+        assert torch.equal(checkpoint.read("fp8").view(torch.uint8), fp8.view(torch.uint8))
+        assert torch.equal(checkpoint.read("qweight"), packed)
+        with pytest.raises(CheckpointError, match=r"'broken' \(\(24,\), float8_e4m3fn\) holds 2 NaN"):
+            checkpoint.read("broken")
+    assert checkpoint_module.count_non_finite(torch.full((23,), float("nan"))) == 23
+    assert checkpoint_module.count_non_finite(torch.empty(0)) == 0
