@@ -121,6 +121,8 @@ class Checkpoint:
                     weight_map[name] = file
         self._weight_map = weight_map
         self._stored_names: dict[str, str] = {}       # name -> name in the file, where ``renamed`` changed it
+        # (name, dtype as read, its count of NaN and infinite values on the read's device): what verify_finite checks
+        self._unverified: list[tuple[str, torch.dtype, torch.Tensor]] = []
 
     # -- handles -----------------------------------------------------------------------
     def _handle(self, file: str):
@@ -156,7 +158,7 @@ class Checkpoint:
                                       f"{new!r}: the checkpoint holds one tensor twice; remove one of them")
             weight_map[new], stored[new] = file, self._stored_names.get(name, name)
         view = Checkpoint(self.model_dir, weight_map)
-        view._handles, view._stored_names = self._handles, stored
+        view._handles, view._stored_names, view._unverified = self._handles, stored, self._unverified
         return view
 
     # -- metadata ----------------------------------------------------------------------
@@ -180,7 +182,7 @@ class Checkpoint:
     def read(self, name: str, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
         """The full tensor, cast to ``dtype`` and moved to ``device`` when given."""
         tensor = self._handle(self._file_of(name)).get_tensor(self._stored_names.get(name, name))
-        return _cast(name, tensor, dtype, device)
+        return self._cast(name, tensor, dtype, device)
 
     def read_slice(self, name: str, dim: int, part: int, num_parts: int,
                    dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
@@ -203,7 +205,7 @@ class Checkpoint:
         step = size // num_parts
         window = slice(part * step, (part + 1) * step)
         tensor = source[window] if dim == 0 else source[:, window]
-        return _cast(name, tensor, dtype, device)
+        return self._cast(name, tensor, dtype, device)
 
     def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype | None = None,
                   device=None) -> torch.Tensor:
@@ -213,7 +215,43 @@ class Checkpoint:
         rows = tuple(source.get_shape())[0]
         if not 0 <= start < stop <= rows:
             raise CheckpointError(f"rows {start}:{stop} are out of range for {name!r} with {rows} rows")
-        return _cast(name, source[start:stop], dtype, device)
+        return self._cast(name, source[start:stop], dtype, device)
+
+    def _cast(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Tensor:
+        """The tensor on ``device`` in ``dtype``; its NaN and infinite values counted there for ``verify_finite``
+        (queued on the device, no wait)."""
+        if device is not None:
+            tensor = tensor.to(device)
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        if tensor.is_floating_point():
+            self._unverified.append((name, tensor.dtype, count_non_finite(tensor)))
+        return tensor.contiguous()
+
+    def verify_finite(self) -> None:
+        """CheckpointError unless every floating-point value read since the last call is finite: a NaN weight makes
+        every token garbage, where this names the tensor and says what to do. One wait for all the reads' counts;
+        ``progress`` calls it after its last name, and ``close`` when no error is on its way."""
+        pending = list(self._unverified)
+        self._unverified.clear()
+        counts = _to_host(count for _, _, count in pending)
+        bad = [(name, dtype, count) for (name, dtype, _), count in zip(pending, counts) if count]
+        if bad:
+            raise CheckpointError(self._non_finite_message(*bad[0])
+                                  + (f" {len(bad)} tensors hold such values: {_short_list([b[0] for b in bad])}."
+                                     if len(bad) > 1 else ""))
+
+    def _non_finite_message(self, name: str, dtype: torch.dtype, count: int) -> str:
+        """Whether the checkpoint holds the values, or casting its finite values to ``dtype`` made them infinite."""
+        stored = self._handle(self._file_of(name)).get_tensor(self._stored_names.get(name, name))
+        read_as = str(dtype).removeprefix("torch.")
+        if count_non_finite(stored).item():
+            return (f"tensor {name!r} holds NaN or infinite values ({count} where this shard read it as {read_as}): "
+                    "the checkpoint is broken (a diverged training run, a failed conversion or a damaged file). "
+                    "Serve a checkpoint whose weights are all finite.")
+        return (f"tensor {name!r} holds {count} values that are infinite in {read_as}: the checkpoint stores them in "
+                f"{str(stored.dtype).removeprefix('torch.')} (largest magnitude {float(stored.float().abs().max()):.4g}"
+                "). Serve it in a dtype that holds them (--dtype bfloat16 or float32).")
 
     # -- validation ----------------------------------------------------------------------
     def check(self, expected: dict[str, tuple[int, ...]], ignore_unexpected: tuple[str, ...] = ()) -> None:
@@ -242,19 +280,27 @@ class Checkpoint:
                 + ". Use a checkpoint whose weights match its config.json (same architecture and sizes).")
 
     def progress(self, names: Iterable[str], desc: str = "Loading weights") -> Iterator[str]:
-        """``names`` wrapped in one tqdm bar on stderr (shown even when stderr is not a tty)."""
+        """``names`` wrapped in one tqdm bar on stderr (shown even when stderr is not a tty); after the last one,
+        ``verify_finite``."""
         names = list(names)
-        return iter(tqdm(names, desc=desc, total=len(names), unit="tensor", file=sys.stderr,
-                         disable=False, dynamic_ncols=True, mininterval=0.5))
+        yield from tqdm(names, desc=desc, total=len(names), unit="tensor", file=sys.stderr,
+                        disable=False, dynamic_ncols=True, mininterval=0.5)
+        self.verify_finite()
 
     # -- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
-        self._handles.clear()  # safe_open handles release their mmap when dropped
+        """``verify_finite``, then the files closed (also when it raises)."""
+        try:
+            self.verify_finite()
+        finally:
+            self._handles.clear()  # safe_open handles release their mmap when dropped
 
     def __enter__(self) -> "Checkpoint":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:          # an error on its way: the reads' values are not what it is about
+            self._unverified.clear()
         self.close()
 
     def __repr__(self) -> str:
@@ -270,46 +316,24 @@ def _shapes_text(expected) -> str:
     return " or ".join(str(s) for s in _shape_choices(expected))
 
 
-def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Tensor:
-    """The tensor on ``device`` in ``dtype``, every value finite (``check_finite``: a NaN weight makes every token
-    garbage, where a clear error at load says which tensor and what to do)."""
-    if device is not None:
-        tensor = tensor.to(device)
-    cast = tensor.to(dtype) if dtype is not None else tensor
-    check_finite(name, cast, stored=tensor)
-    return cast.contiguous()
-
-
-def check_finite(name: str, tensor: torch.Tensor, stored: torch.Tensor | None = None) -> None:
-    """CheckpointError unless every value of the floating-point ``tensor`` is finite. ``stored``: the tensor as the
-    checkpoint holds it, when ``tensor`` is a cast of it (the error then says whether the checkpoint or the cast
-    made the values infinite)."""
-    bad = count_non_finite(tensor)
-    if not bad:
-        return
-    where = f"tensor {name!r} ({tuple(tensor.shape)}, {_dtype_name(tensor)})"
-    if stored is None or stored is tensor or count_non_finite(stored):
-        raise CheckpointError(f"{where} holds {bad} NaN or infinite values: the checkpoint is broken (a diverged "
-                              "training run, a failed conversion or a damaged file). Serve a checkpoint whose "
-                              "weights are all finite.")
-    largest = float(stored.float().abs().max())
-    raise CheckpointError(f"{where} holds {bad} values that are infinite in {_dtype_name(tensor)}: the checkpoint "
-                          f"stores them in {_dtype_name(stored)} (largest magnitude {largest:.4g}). Serve it in a "
-                          "dtype that holds them (--dtype bfloat16 or float32).")
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
-
-
-def count_non_finite(tensor: torch.Tensor) -> int:
-    """How many NaN or infinite values a floating-point tensor holds (0 for other dtypes); tested in chunks, on the
-    tensor's device. One-byte floats (float8) are tested as float16, which holds every one of their values."""
-    if not tensor.is_floating_point() or not tensor.numel():
-        return 0
+def count_non_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """How many NaN or infinite values a tensor holds (0 for integer dtypes): an int64 scalar on its device, counted
+    in chunks with no wait. One-byte floats (float8) are tested as float16, which holds every one of their values."""
     bad = torch.zeros((), dtype=torch.int64, device=tensor.device)
-    for chunk in tensor.reshape(-1).split(_FINITE_CHUNK):
-        if chunk.element_size() == 1:
-            chunk = chunk.to(torch.float16)
-        bad += chunk.isfinite().logical_not_().sum()
-    return int(bad)
+    if tensor.is_floating_point():
+        for chunk in tensor.reshape(-1).split(_FINITE_CHUNK):
+            bad += (chunk.to(torch.float16) if chunk.element_size() == 1 else chunk).isfinite().logical_not_().sum()
+    return bad
+
+
+def _to_host(counts: Iterable[torch.Tensor]) -> list[int]:
+    """Device scalars as ints, in order: one copy (one wait) per device."""
+    counts = list(counts)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, count in enumerate(counts):
+        by_device.setdefault(count.device, []).append(i)
+    values = [0] * len(counts)
+    for indices in by_device.values():
+        for i, value in zip(indices, torch.stack([counts[i] for i in indices]).tolist()):
+            values[i] = value
+    return values

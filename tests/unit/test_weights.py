@@ -274,22 +274,28 @@ def test_a_nan_or_infinite_weight_is_a_load_error_that_names_the_tensor(tmp_path
     nan[5, 1] = float("nan")
     inf[0, 0], inf[7, 5] = float("inf"), float("-inf")
     directory = _save_tensors(tmp_path / "ckpt", {"good": good, "a.nan": nan, "b.inf": inf})
-    with open_checkpoint(directory) as checkpoint:
+    checkpoint = open_checkpoint(directory)
+    for _ in checkpoint.progress(["good"]):
         torch.testing.assert_close(checkpoint.read("good"), good, rtol=0, atol=0)
-        with pytest.raises(CheckpointError, match=r"tensor 'a\.nan' \(\(8, 6\), float32\) holds 1 NaN or infinite "
-                                                  r"values: the checkpoint is broken"):
-            checkpoint.read("a.nan")
-        with pytest.raises(CheckpointError, match=r"'b\.inf' .* holds 2 NaN or infinite values"):
-            checkpoint.read("b.inf", dtype=torch.bfloat16)
-        # a tensor-parallel rank checks what it reads: the part with the NaN, not the other
+    # a tensor-parallel rank checks what it reads: the part with the NaN, not the other
+    for _ in checkpoint.progress(["a.nan"]):
         checkpoint.read_slice("a.nan", 0, 0, 2)
-        with pytest.raises(CheckpointError, match=r"'a\.nan' \(\(4, 6\), float32\) holds 1 NaN"):
-            checkpoint.read_slice("a.nan", 0, 1, 2)
-        with pytest.raises(CheckpointError, match=r"'a\.nan' \(\(8, 3\), float32\) holds 1 NaN"):
-            checkpoint.read_slice("a.nan", 1, 0, 2)
         checkpoint.read_rows("a.nan", 0, 5)
-        with pytest.raises(CheckpointError, match=r"'a\.nan' \(\(3, 6\), float32\) holds 1 NaN"):
-            checkpoint.read_rows("a.nan", 5, 8)
+    for read in (lambda: checkpoint.read("a.nan"), lambda: checkpoint.read_slice("a.nan", 0, 1, 2),
+                 lambda: checkpoint.read_slice("a.nan", 1, 0, 2), lambda: checkpoint.read_rows("a.nan", 5, 8)):
+        with pytest.raises(CheckpointError, match=r"^tensor 'a\.nan' holds NaN or infinite values \(1 where this "
+                                                  r"shard read it as float32\): the checkpoint is broken"):
+            for _ in checkpoint.progress(["a.nan"]):      # the loading loop: the error comes after its last name
+                read()
+    with pytest.raises(CheckpointError, match=r"'b\.inf' holds NaN or infinite values \(2 where this shard read "
+                                              r"it as bfloat16\).* 2 tensors hold such values: b\.inf, a\.nan\.$"):
+        with checkpoint:                                 # or when the checkpoint closes
+            checkpoint.read("b.inf", dtype=torch.bfloat16)
+            checkpoint.read("a.nan")
+    with pytest.raises(RuntimeError, match="the loader's own error"), checkpoint:
+        checkpoint.read("a.nan")                         # an error on its way is not replaced
+        raise RuntimeError("the loader's own error")
+    checkpoint.verify_finite()                           # and what it dropped is not raised later
 
 
 def test_values_that_overflow_the_serving_dtype_say_which_dtype_holds_them(tmp_path):
@@ -297,11 +303,13 @@ def test_values_that_overflow_the_serving_dtype_say_which_dtype_holds_them(tmp_p
     big[1, 2], big[3, 3] = 1.0e5, -3.0e5            # finite in bfloat16, beyond float16's 65504
     with open_checkpoint(_save_tensors(tmp_path / "ckpt", {"w": big})) as checkpoint:
         torch.testing.assert_close(checkpoint.read("w", dtype=torch.float32), big.float(), rtol=0, atol=0)
-        with pytest.raises(CheckpointError, match=r"'w' \(\(4, 4\), float16\) holds 2 values that are infinite in "
-                                                  r"float16: the checkpoint stores them in bfloat16 \(largest "
-                                                  r"magnitude 2\.99e\+05\)\. Serve it in a dtype that holds them "
-                                                  r"\(--dtype bfloat16 or float32\)"):
-            checkpoint.read("w", dtype=torch.float16)
+        checkpoint.verify_finite()
+        checkpoint.read("w", dtype=torch.float16)
+        with pytest.raises(CheckpointError, match=r"^tensor 'w' holds 2 values that are infinite in float16: the "
+                                                  r"checkpoint stores them in bfloat16 \(largest magnitude "
+                                                  r"2\.99e\+05\)\. Serve it in a dtype that holds them \(--dtype "
+                                                  r"bfloat16 or float32\)\.$"):
+            checkpoint.verify_finite()
 
 
 def test_float8_weights_are_checked_and_integer_ones_are_not(tmp_path, monkeypatch):
@@ -314,7 +322,10 @@ def test_float8_weights_are_checked_and_integer_ones_are_not(tmp_path, monkeypat
     with open_checkpoint(directory) as checkpoint:
         assert torch.equal(checkpoint.read("fp8").view(torch.uint8), fp8.view(torch.uint8))
         assert torch.equal(checkpoint.read("qweight"), packed)
-        with pytest.raises(CheckpointError, match=r"'broken' \(\(24,\), float8_e4m3fn\) holds 2 NaN"):
-            checkpoint.read("broken")
-    assert checkpoint_module.count_non_finite(torch.full((23,), float("nan"))) == 23
-    assert checkpoint_module.count_non_finite(torch.empty(0)) == 0
+        checkpoint.verify_finite()
+        checkpoint.read("broken")
+        with pytest.raises(CheckpointError, match=r"'broken' holds NaN or infinite values \(2 where this shard "
+                                                  r"read it as float8_e4m3fn\)"):
+            checkpoint.verify_finite()
+    assert checkpoint_module.count_non_finite(torch.full((23,), float("nan"))).item() == 23
+    assert checkpoint_module.count_non_finite(torch.empty(0)).item() == 0
