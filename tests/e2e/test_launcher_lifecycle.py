@@ -136,9 +136,11 @@ def test_a_nan_weight_stops_the_launch_with_the_tensor_named(tmp_path):
     tensors["model.layers.1.mlp.down_proj.weight"][3, 4] = float("nan")
     save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     srv = LaunchedServer(model_dir)
-    code = srv.process.wait(60)
-    output = srv.output()
-    srv.stop()
+    try:
+        code = srv.process.wait(60)       # a launcher that serves the model anyway is stopped, not left behind
+        output = srv.output()
+    finally:
+        srv.stop()
     assert code != 0 and "Traceback" not in output, output
     assert "tensor 'model.layers.1.mlp.down_proj.weight' holds NaN or infinite values (1 where this shard read it " \
            "as float32): the checkpoint is broken" in output, output
