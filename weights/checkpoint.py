@@ -22,7 +22,7 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 MEDUSA_FILE = "medusa_lm_head.safetensors"   # draft heads beside a model (engine.models.medusa), never its weights
 _LIST_LIMIT = 10  # names shown per problem kind in check()
-_FINITE_CHUNK = 1 << 26   # elements that check_finite tests at a time (its temporaries stay below ~128 MB)
+_FINITE_CHUNK = 1 << 26   # elements that count_non_finite tests at a time (its temporaries stay below ~128 MB)
 
 # safetensors dtype strings -> torch dtypes.
 _DTYPES = {
