@@ -8,8 +8,8 @@ transformers' routers compute them from the router logits in float32:
 One program per token reads its E logits once (E rounded up to a power of two in one block) and
 picks the k largest probabilities one at a time, the lowest expert id first among equal ones
 (``torch.topk`` leaves the order of ties unspecified: equal weights may sit in other slots, and a tie
-at the k-th place may choose the other expert). A row whose probabilities are NaN (a NaN or
-infinite logit) still chooses k real experts, the lowest ids first, with NaN weights: an id past
+at the k-th place may choose the other expert). A row whose probabilities are NaN (a NaN or +inf
+logit) still chooses k real experts, the lowest ids first, with NaN weights: an id past
 the last expert would send the expert kernels out of bounds. In torch these were six to eight
 launches per MoE layer, each a few microseconds of a batch-1 decode step that reads only a few MB
 of expert weights.
@@ -40,7 +40,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
     allow_next_kernel(PDL)
     e = tl.exp(x - tl.max(x, 0))
     probs = e / tl.sum(e, 0)
-    # past the experts: -1, below every probability, never chosen. A NaN probability (a NaN or infinite logit makes
+    # past the experts: -1, below every probability, never chosen. A NaN probability (a NaN or +inf logit makes
     # the whole row NaN) ranks as NOT_A_NUMBER, below the real ones: the ids stay real experts, the weights NaN.
     probs = tl.where(valid, tl.where(probs == probs, probs, NOT_A_NUMBER), -1.0)
     slots = tl.arange(0, K_BLOCK)
