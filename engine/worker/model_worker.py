@@ -573,6 +573,8 @@ class ModelWorker:
                 res.token_id, res.logprob = out.token_ids[p], out.logprobs[p]
                 res.top_ids, res.top_logprobs = out.top_ids[p], out.top_logprobs[p]
                 _advance(states[j], res)
+            # a kept draft's failure ends the request as the row's own would (the router reads the row's error)
+            results[i].error = next((res.error for res in [results[i], *kept_results] if res.error), None)
             if kept_results and states[j].penalty_row >= 0:
                 with torch.inference_mode():        # runs when the step is collected, outside ``launch``
                     penalties.add(states[j].penalty_row, [res.token_id for res in kept_results])
@@ -664,10 +666,16 @@ def accepted_length(drafts: list[int], choices: list[int]) -> int:
 
 
 def _advance(state: RowSampling, res: RowResult) -> None:
-    """A kept token into its row's state (and grammar, whose failure ends the request)."""
+    """A kept token into its row's state (and grammar, whose failure ends the request). A NaN logprob ends the
+    request too: its scores were not numbers, so the token is an arbitrary one."""
     state.step += 1
     state.prev_token = res.token_id
     state.num_tokens += 1
+    if res.logprob != res.logprob:
+        res.error = (f"Request failed during generation: the token scores were NaN at new token {state.step}: the "
+                     "model's logits overflowed (in float16? serve the model with --dtype bfloat16 or float32), or "
+                     "a temperature this close to 0 made them infinite (use a larger one, or greedy decoding)")
+        return
     if state.grammar is not None:
         state.grammar.advance(res.token_id)
         if state.grammar.error is not None:
