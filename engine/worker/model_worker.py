@@ -574,7 +574,8 @@ class ModelWorker:
                 res.top_ids, res.top_logprobs = out.top_ids[p], out.top_logprobs[p]
                 _advance(states[j], res)
             # a kept draft's failure ends the request as the row's own would (the router reads the row's error)
-            results[i].error = next((res.error for res in [results[i], *kept_results] if res.error), None)
+            if kept_results and results[i].error is None:
+                results[i].error = next((res.error for res in kept_results if res.error), None)
             if kept_results and states[j].penalty_row >= 0:
                 with torch.inference_mode():        # runs when the step is collected, outside ``launch``
                     penalties.add(states[j].penalty_row, [res.token_id for res in kept_results])
