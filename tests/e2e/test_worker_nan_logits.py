@@ -14,7 +14,7 @@ from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, StepRo
 from engine.sampling.sampler import RowSampling, SampleOutput
 from engine.worker.model_worker import ModelWorker
 
-from .conftest import make_settings, serve
+from .conftest import make_settings, serve, wait_idle
 
 NAN_ERROR = "the token scores were NaN at new token 1"
 
@@ -52,11 +52,16 @@ def test_nan_logits_are_an_error_answer_and_free_the_slots(poisoned, hf_tokenize
     engine.router.scheduler.check_integrity()
 
 
-def test_a_temperature_that_makes_the_scores_infinite_is_the_same_error(server_url):
+def test_a_temperature_that_makes_the_scores_infinite_is_the_same_error(server_url, engine_backend):
     body = {"inputs": "hello", "parameters": {"max_new_tokens": 4, "temperature": 1e-38, "seed": 1}}
     answer = requests.post(server_url + "/generate", json=body, timeout=30)
     assert answer.status_code == 424 and NAN_ERROR in answer.json()["error"], answer.text
     assert "a temperature this close to 0" in answer.json()["error"]
+    wait_idle(engine_backend)                      # its KV slots are back
+    engine_backend.engine.router.scheduler.check_integrity()
+    again = requests.post(server_url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 2}},
+                          timeout=30)
+    assert again.status_code == 200, again.text
 
 
 @pytest.mark.parametrize("nan_at", [0, 1, 2])
