@@ -224,9 +224,10 @@ class Checkpoint:
             tensor = tensor.to(device)
         if dtype is not None:
             tensor = tensor.to(dtype)
+        tensor = tensor.contiguous()        # before the count: its flat view then copies nothing
         if tensor.is_floating_point():
             self._unverified.append((name, tensor.dtype, count_non_finite(tensor)))
-        return tensor.contiguous()
+        return tensor
 
     def verify_finite(self) -> None:
         """CheckpointError unless every floating-point value read since the last call is finite: a NaN weight makes
