@@ -204,7 +204,8 @@ class Attention:
         else:
             attend = batch.attention or ops.prefill_attention
             out = attend(q, kv, req_to_token, batch.req_rows, batch.q_start, batch.q_len, batch.seq_len, self.sm_scale,
-                         batch.max_q_len, shared=batch.shared_prefix, max_seq_len=batch.max_seq_len, mods=self.mods)
+                         batch.max_q_len, shared=batch.shared_prefix, max_seq_len=batch.max_seq_len, mods=self.mods,
+                         context=batch.context)
         return self.o(ops, out.reshape(tokens, q_size))
 
     def head_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
@@ -270,6 +271,20 @@ def gemm_weights(*roots) -> list[LinearWeight]:
     tuples and dicts (``Linear``, ``RowParallelLinear``, ``LMHead``, an MoE block's router). The worker runs
     each once at every row count a step can give it (``engine.worker.gemm_warmup``)."""
     found: dict[tuple, LinearWeight] = {}
+    for obj in engine_objects(*roots):
+        for name in getattr(type(obj), "GEMM_FIELDS", ()):
+            weight = getattr(obj, name)
+            found.setdefault(gemm_key(weight), weight)
+    return list(found.values())
+
+
+def attention_blocks(*roots) -> list[Attention]:
+    """Every ``Attention`` under ``roots`` (a model's layers' self-attention, whatever its family)."""
+    return [obj for obj in engine_objects(*roots) if isinstance(obj, Attention)]
+
+
+def engine_objects(*roots):
+    """Each object reachable from ``roots`` through the engine's objects' attributes, lists, tuples and dicts, once."""
     seen: set[int] = set()
     stack = list(roots)
     while stack:
@@ -277,16 +292,13 @@ def gemm_weights(*roots) -> list[LinearWeight]:
         if isinstance(obj, (torch.Tensor, str, bytes, int, float)) or obj is None or id(obj) in seen:
             continue
         seen.add(id(obj))
-        for name in getattr(type(obj), "GEMM_FIELDS", ()):
-            weight = getattr(obj, name)
-            found.setdefault(gemm_key(weight), weight)
+        yield obj
         if isinstance(obj, (list, tuple)):
             stack.extend(obj)
         elif isinstance(obj, dict):
             stack.extend(obj.values())
         elif type(obj).__module__.startswith("engine.") and hasattr(obj, "__dict__"):
             stack.extend(vars(obj).values())
-    return list(found.values())
 
 
 def gemm_key(weight: LinearWeight) -> tuple:
