@@ -31,6 +31,11 @@ start (earlier keys are not visited) and only its blocks that some row's window 
 take the window mask (the diagonal always does).
 Later keys are never visited. ``first`` is 0, or the shared prefix's length (below).
 
+Context (``context``, ``kernels.context_attention``): a long prompt's chunk may have taken its first ``K`` keys
+from cuDNN (K a multiple of its bucket); its rows start from that result as behind a shared prefix (``first`` =
+K, the partial output in the model's dtype) and walk the rest. Not beside a shared prefix, score modifications or a
+quantized cache (their rows walk every key here).
+
 A chunk late in a long prompt has few query blocks but a long first range: ``splits`` > 1
 cuts that range into parts walked by separate programs (the last also walks the diagonal),
 each writing its normalised partial output and log2-sum-exp, which
@@ -73,6 +78,7 @@ import triton
 import triton.language as tl
 
 from . import score_mods, shared_prefix
+from .context_attention import ContextPlan
 from ._checks import (
     check_last_dim_contiguous,
     check_shape,
@@ -198,7 +204,7 @@ def _start_from_shared_prefix(m_i, l_i, acc, shared_len, tokens, heads, m_mask, 
     lse = tl.load(mid_lse_ptr + tokens * stride_lse_token + heads * stride_lse_head, mask=rows,
                   other=float("-inf"))
     partial = tl.load(mid_out_ptr + tokens[:, None] * stride_mid_token + heads[:, None] * stride_mid_head
-                      + offs_d[None, :], mask=rows[:, None] & d_mask[None, :], other=0.0)
+                      + offs_d[None, :], mask=rows[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
     return tl.where(rows, lse, m_i), tl.where(rows, 1.0, l_i), tl.where(rows[:, None], partial, acc)
 
 
@@ -335,7 +341,8 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: tor
                       b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int,
                       shared: tuple[torch.Tensor, torch.Tensor] | None = None,
                       max_seq_len: int | None = None, mods: ScoreMods | None = None,
-                      kv_scales: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_scales: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      context: ContextPlan | None = None) -> torch.Tensor:
     """q [T, Hq, D]; kv_layer [S+1, 2*Hk, D]; returns out [T, Hq, D] contiguous, q's dtype (``out``: that tensor,
     written in place).
 
@@ -344,9 +351,10 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: tor
     lets a long context be split (``default_splits``). The result is the same with or without them.
     ``mods``: the layer's sliding window, soft-cap, ALiBi (``kernels.score_mods``); with a window or
     ALiBi the shared prefix is not used (its kernel knows no row positions). ``kv_scales``: a quantized
-    cache's scales (``kernels._kv_quant``)."""
+    cache's scales (``kernels._kv_quant``). ``context``: the step's rows whose long contexts go to cuDNN
+    (``kernels.context_attention``); not taken beside a shared prefix, score modifications or a quantized cache."""
     call = PrefillCall(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale, max_q_len,
-                       shared, max_seq_len, mods, kv_scales, out)
+                       shared, max_seq_len, mods, kv_scales, out, context)
     return call(q, kv_layer, kv_scales)
 
 
@@ -362,7 +370,8 @@ class PrefillCall:
                  b_seq_len: torch.Tensor, sm_scale: float, max_q_len: int,
                  shared: tuple[torch.Tensor, torch.Tensor] | None = None,
                  max_seq_len: int | None = None, mods: ScoreMods | None = None,
-                 kv_scales: torch.Tensor | None = None, out: torch.Tensor | None = None):
+                 kv_scales: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 context: ContextPlan | None = None):
         _check(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, max_q_len, kv_scales)
         check_out(out, q)
         score_mods.check(mods, q.shape[1], q.device)
@@ -372,11 +381,15 @@ class PrefillCall:
             max_seq_len = min(max_seq_len, mods.window + max_q_len)     # the most keys a query block walks
         if shared is not None:
             shared_prefix.check(shared, b_req_row.shape[0], q.device)
+        if shared is not None or kv_scales is not None or (mods is not None and mods.any):
+            context = None
+        if context is not None:
+            max_seq_len = context.max_walk      # the keys the kernel walks past the context's
         kv_heads = kv_layer.shape[1] // 2
         self.params = prefill_launch(q.shape[2], q.device, q.dtype, q.shape[1] // kv_heads)
         self.splits = default_splits(b_req_row.shape[0], q.shape[1], kv_heads, max_q_len, max_seq_len, self.params,
                                      q.device)
-        self.sm_scale, self.max_q_len, self.shared, self.mods = sm_scale, max_q_len, shared, mods
+        self.sm_scale, self.max_q_len, self.shared, self.mods, self.context = sm_scale, max_q_len, shared, mods, context
         self.rows = (req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len)
         self.out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
         self.split_out, self.split_lse = split_buffers(q, self.splits)
@@ -389,7 +402,7 @@ class PrefillCall:
                              f"{kv_scales is not None}) is not the layer this call was planned for")
         check_kv(kv_layer, kv_scales, q.dtype)
         return _run(q, kv_layer, *self.rows, self.sm_scale, self.max_q_len, self.params, self.splits,
-                    self.shared, self.mods, kv_scales, self.out, self.split_out, self.split_lse)
+                    self.shared, self.mods, kv_scales, self.out, self.split_out, self.split_lse, self.context)
 
 
 def _layer_shapes(q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple:
@@ -410,13 +423,13 @@ def check_out(out: torch.Tensor | None, q: torch.Tensor) -> None:
 
 def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale: float, max_q_len: int,
            params: PrefillLaunch, splits: int = 1, shared=None, mods: ScoreMods | None = None,
-           kv_scales=None, out: torch.Tensor | None = None) -> torch.Tensor:
+           kv_scales=None, out: torch.Tensor | None = None, context: ContextPlan | None = None) -> torch.Tensor:
     """The kernels with explicit launch parameters (``prefill_attention`` picks them; benchmarks sweep them)."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     split_out, split_lse = split_buffers(q, splits)
     return _run(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale, max_q_len, params,
-                splits, shared, mods, kv_scales, out, split_out, split_lse)
+                splits, shared, mods, kv_scales, out, split_out, split_lse, context)
 
 
 def split_buffers(q: torch.Tensor, splits: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -434,8 +447,10 @@ def split_buffers(q: torch.Tensor, splits: int) -> tuple[torch.Tensor | None, to
 
 def _run(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale: float, max_q_len: int,
          params: PrefillLaunch, splits: int, shared, mods: ScoreMods | None, kv_scales, out: torch.Tensor,
-         split_out: torch.Tensor | None, split_lse: torch.Tensor | None) -> torch.Tensor:
-    """The kernels (and the splits' merge) into ``out``, with the split buffers given."""
+         split_out: torch.Tensor | None, split_lse: torch.Tensor | None,
+         context: ContextPlan | None = None) -> torch.Tensor:
+    """The kernels (and the splits' merge) into ``out``, with the split buffers given; each row's start from a
+    shared prefix or its context (``shared`` / ``context``, not both) where given."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1] // 2
     batch = b_req_row.shape[0]
@@ -448,6 +463,9 @@ def _run(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm
         b_first = shared[0]
         mid_out, mid_lse = _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2, mods,
                                                 kv_scales)
+    elif context is not None:
+        b_first, mid_out, mid_lse = context.start(q, kv_layer, req_to_token, sm_scale)
+    if shared is not None or context is not None:
         mid_strides = (mid_out.stride(0), mid_out.stride(1), mid_lse.stride(0), mid_lse.stride(1))
     split_strides = (0, 0, 0, 0, 0)
     if splits > 1:
@@ -469,7 +487,7 @@ def _run(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm
         split_out, split_lse, *split_strides, splits,
         TOKENS=block_tokens, HEADS=heads, BLOCK_N=params.block_n, PREFETCH=params.prefetch, BLOCK_D=block_d,
         UPCAST=upcast_dots(q),
-        WHILE_LOOP=not q.is_cuda, SHARED=shared is not None, SPLIT=splits > 1, **mod_args, **mod_flags,
+        WHILE_LOOP=not q.is_cuda, SHARED=shared is not None or context is not None, SPLIT=splits > 1, **mod_args, **mod_flags,
         num_warps=params.num_warps, num_stages=params.num_stages, **launch_options(q),
         **scale_args(kv_layer, kv_scales), WIDE_SLOTS=wide_slots(kv_layer),
     )

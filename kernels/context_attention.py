@@ -1,0 +1,171 @@
+"""A prompt chunk's attention to its long context through cuDNN's fused attention, beside the prefill kernel.
+
+A chunk of a long prompt attends to every key before it (the context) and causally to its own. The first part is
+most of the work at long context: 87% of a 32k-token prompt's attention and 96% of a 100k one's in 4,096-token
+chunks. There every query sees every key, and cuDNN's attention (through torch) runs it faster than the prefill
+kernel walks it. One H200, Llama-3.1-8B heads, bf16, 4,096 queries (``.diag``'s probes of stop 73):
+
+| context keys | prefill kernel (its walk of them) | cuDNN, K/V gathered first (gather included) |
+| --- | --- | --- |
+| 4,096 | 0.557 ms (493 TFLOP/s) | 0.482 + 0.021 ms |
+| 28,672 | 4.006 ms (480 TFLOP/s) | 2.847 + 0.077 ms |
+| 98,304 | 15.586 ms (423 TFLOP/s) | 10.560 + 0.227 ms |
+
+How a chunk's row takes it (``ContextAttention.plan``, then ``start``): a row with ``piece`` or more new tokens and
+``bucket`` or more keys before them hands its first ``keys`` positions (the context rounded down to whole buckets)
+to cuDNN. Their K/V are gathered through ``req_to_token`` into a contiguous workspace (any slots, one copy). Each
+``piece`` rows of queries (the last piece ends at the row's last token and may overlap the one before) attend to
+them without a mask. That gives each query row its normalised output and log-sum-exp. The prefill kernel then
+starts those rows from that state, as it does behind a shared prefix (``first`` = ``keys``), and walks the rest:
+the context's last keys short of a bucket and the chunk's own keys, causally.
+
+cuDNN builds a graph for every new shape: about 45 ms each on the H200 (the first about 0.5 s). So the shapes are
+fixed, ``piece`` queries by a multiple of ``bucket`` keys: ``max_keys / bucket`` graphs in all, which ``warm``
+builds at startup. No graph is built while requests wait. 1,024 queries a call run as fast as 4,096 (676 against
+673 TFLOP/s at 28,672 keys).
+
+The workspace (the largest context's K/V for one layer, a ``1 / layers`` share of one longest request's KV) and
+the partial results (the step's tokens) are allocated once, before the KV cache is sized. The CPU runs the same
+plan with a torch reference in place of cuDNN (``_attend_piece_ref``): that is how CI proves the merge.
+
+In the model (one H200, random Llama-3.1-8B, ``bench.profile_step --batch-sizes 0 --prompt-chunk 4096
+--chunk-context 28672 --table-dir``, PDL off): a layer's cuDNN pieces take 3.23 ms (807 us each, 13% slower than
+alone), the prefill kernel 0.40 ms and the gather 0.07 ms; the step 201 ms. Through HTTP (``bench.long_prompt_bench``,
+4eb6600 then this path in one run, two prompts each): one 32,000-token prompt's TTFT 1.313 / 1.296 -> 1.248 / 1.241 s,
+one 100,000-token prompt's 7.638 / 7.665 -> 6.883 / 6.877 s; KV slots 844,991 -> 841,435 (the 480 MiB workspace of
+``--max-input-tokens 120000``); 30 graph shapes built at startup in 1.2 s. A prompt prefilled beside decoding
+streams gets chunks cut by the stall-free cost cap, mostly shorter than a piece: the prefill kernel walks them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+BUCKET = 4096   # keys a cuDNN call takes are a multiple of this (one graph per multiple)
+PIECE = 1024    # queries a cuDNN call takes
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class ContextRow:
+    """One row of the step whose context goes to cuDNN: its first ``keys`` positions."""
+    index: int      # the row's place in the step
+    req_row: int    # its row of req_to_token
+    q_start: int    # its first new token in the step
+    q_len: int
+    keys: int
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """The rows of a step whose contexts go to cuDNN, and what the prefill kernel needs to go on from there."""
+    owner: "ContextAttention"
+    rows: tuple[ContextRow, ...]
+    first: torch.Tensor     # [B] int32: each row's keys already attended (0 for the other rows)
+    max_walk: int           # the most keys the prefill kernel walks for a row (its split rule's length)
+
+    def start(self, q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
+              sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(first [B], partial outputs [T', Hq, D], their log2-sum-exps [T', Hq]) of this layer: the prefill
+        kernel's start for the planned rows (T' >= T: the owner's buffers)."""
+        return self.first, *self.owner.attend(self.rows, q, kv_layer, req_to_token, sm_scale)
+
+
+class ContextAttention:
+    """The workspace, the partial-result buffers and the graph shapes of one model's context attention (one per
+    worker; ``q_heads`` / ``kv_heads``: this shard's)."""
+
+    def __init__(self, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 max_keys: int, max_tokens: int, bucket: int = BUCKET, piece: int = PIECE):
+        if bucket < 1 or piece < 1 or q_heads % kv_heads:
+            raise ValueError(f"bucket ({bucket}) and piece ({piece}) must be positive and q heads ({q_heads}) a "
+                             f"multiple of kv heads ({kv_heads})")
+        self.bucket, self.piece = bucket, piece
+        self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
+        self.max_keys = max(0, max_keys) // bucket * bucket
+        self.max_tokens = max_tokens
+        self.cudnn = torch.device(device).type == "cuda"
+        self.workspace = torch.empty((self.max_keys, 2 * kv_heads, head_dim), dtype=dtype, device=device)
+        self.mid_out = torch.zeros((max_tokens, q_heads, head_dim), dtype=dtype, device=device)
+        self.mid_lse = torch.zeros((max_tokens, q_heads), dtype=torch.float32, device=device)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_keys > 0
+
+    def plan(self, req_rows: list[int], q_start: list[int], q_len: list[int], seq_len: list[int]) -> ContextPlan | None:
+        """The step's rows (host lists) whose contexts go to cuDNN, or None when no row's does."""
+        rows, first = [], [0] * len(req_rows)
+        if sum(q_len) <= self.max_tokens:
+            for b, (row, start, n, total) in enumerate(zip(req_rows, q_start, q_len, seq_len)):
+                keys = min((total - n) // self.bucket * self.bucket, self.max_keys)
+                if keys > 0 and n >= self.piece:
+                    rows.append(ContextRow(b, row, start, n, keys))
+                    first[b] = keys
+        if not rows:
+            return None
+        max_walk = max(total - f for total, f in zip(seq_len, first))
+        first_t = torch.tensor(first, dtype=torch.int32, pin_memory=self.cudnn).to(self.workspace.device,
+                                                                                  non_blocking=True)
+        return ContextPlan(self, tuple(rows), first_t, max_walk)
+
+    def attend(self, rows: tuple[ContextRow, ...], q: torch.Tensor, kv_layer: torch.Tensor,
+               req_to_token: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each planned row's queries against its context's keys (one layer): normalised outputs and log2-sum-exps
+        written at the rows' tokens of ``mid_out`` / ``mid_lse`` (returned whole)."""
+        attend = _attend_piece if self.cudnn else _attend_piece_ref
+        for row in rows:
+            keys = self.workspace[: row.keys]
+            torch.index_select(kv_layer, 0, req_to_token[row.req_row, : row.keys], out=keys)
+            for start in piece_starts(row.q_len, self.piece):
+                tokens = slice(row.q_start + start, row.q_start + start + self.piece)
+                out, lse = attend(q[tokens], keys, self.kv_heads, sm_scale)
+                self.mid_out[tokens] = out
+                torch.mul(lse, LOG2E, out=self.mid_lse[tokens])
+        return self.mid_out, self.mid_lse
+
+    def warm(self) -> int:
+        """Build cuDNN's graph of every shape ``attend`` can use (one call each on the workspace): none is built
+        while requests wait. Returns the number of shapes."""
+        q = self.mid_out[: self.piece]
+        q.zero_()
+        self.workspace.zero_()
+        shapes = 0
+        for keys in range(self.bucket, self.max_keys + 1, self.bucket):
+            (_attend_piece if self.cudnn else _attend_piece_ref)(q, self.workspace[:keys], self.kv_heads, 1.0)
+            shapes += 1
+        return shapes
+
+
+def piece_starts(q_len: int, piece: int) -> list[int]:
+    """Where each ``piece`` of a row's ``q_len`` (>= piece) new tokens starts: whole pieces, then one that ends at
+    the last token (overlapping the one before it unless ``piece`` divides ``q_len``)."""
+    starts = list(range(0, q_len - piece + 1, piece))
+    if starts[-1] + piece < q_len:
+        starts.append(q_len - piece)
+    return starts
+
+
+def _attend_piece(q: torch.Tensor, keys: torch.Tensor, kv_heads: int,
+                  sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, Hq, D] against every key of ``keys`` [S, 2*Hk, D] (K heads, then V heads), no mask, through cuDNN:
+    (output [n, Hq, D], natural log-sum-exp [n, Hq]), both views."""
+    k = keys[:, :kv_heads].permute(1, 0, 2).unsqueeze(0)
+    v = keys[:, kv_heads:].permute(1, 0, 2).unsqueeze(0)
+    result = torch.ops.aten._scaled_dot_product_cudnn_attention(q.permute(1, 0, 2).unsqueeze(0), k, v, None, True,
+                                                                 0.0, False, False, scale=sm_scale)
+    return result[0][0].transpose(0, 1), result[1].reshape(q.shape[1], q.shape[0]).transpose(0, 1)
+
+
+def _attend_piece_ref(q: torch.Tensor, keys: torch.Tensor, kv_heads: int,
+                      sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_attend_piece`` in float32 torch (any device): the CPU's stand-in for cuDNN."""
+    group = q.shape[1] // kv_heads
+    k = keys[:, :kv_heads].float().repeat_interleave(group, 1)
+    v = keys[:, kv_heads:].float().repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,shd->hns", q.float(), k) * sm_scale
+    lse = torch.logsumexp(scores, -1)
+    out = torch.einsum("hns,shd->nhd", torch.exp(scores - lse[..., None]), v)
+    return out.to(q.dtype), lse.transpose(0, 1)

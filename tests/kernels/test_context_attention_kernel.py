@@ -1,0 +1,108 @@
+"""Prompt chunks' long contexts through cuDNN (the CPU: its torch stand-in), then the prefill kernel from there
+(``kernels.context_attention``): the same attention as the prefill kernel's walk of every key."""
+import pytest
+import torch
+from kernel_inputs import ATTENTION_TOL, ON_GPU
+from test_prefill_attention_kernel import prefill_inputs
+
+from kernels.context_attention import ContextAttention, piece_starts
+from kernels.prefill_attention import PrefillCall, launch, prefill_attention, prefill_attention_ref, prefill_launch
+from kernels.score_mods import ScoreMods
+
+# (bucket, piece) small enough for the interpreter; on the GPU cuDNN builds a graph per shape (a few)
+BUCKET, PIECE = (32, 16) if not ON_GPU else (256, 128)
+DTYPE = torch.float32 if not ON_GPU else torch.bfloat16
+S = PIECE // 16     # the layouts below in units of PIECE / 16 tokens
+# (new tokens, cached keys) per request: a chunk behind two buckets and a bit (three pieces, the last overlapping),
+# one behind exactly one bucket (one piece), one too short for a piece, a decode row, a chunk behind less than a
+# bucket: only the first two take the context path
+LAYOUT = ([40 * S, 16 * S, 8 * S, 1, 20 * S], [70 * S, 32 * S, 100 * S, 50 * S, 10 * S])
+
+
+def context_for(args, bucket=BUCKET, piece=PIECE, max_keys=1 << 20, max_tokens=None):
+    q = args[0]
+    kv_heads = args[1].shape[1] // 2
+    return ContextAttention(q.shape[1], kv_heads, q.shape[2], q.dtype, q.device, max_keys,
+                            max_tokens or q.shape[0], bucket, piece)
+
+
+def plan_for(context, args):
+    q, _, _, rows, q_start, q_len, seq_len = args[:7]
+    return context.plan(rows.tolist(), q_start.tolist(), q_len.tolist(), seq_len.tolist())
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 1), (4, 2), (2, 2)])
+def test_long_contexts_through_cudnn_give_the_prefill_attention(device, q_heads, kv_heads):
+    args = prefill_inputs(*LAYOUT, q_heads, kv_heads, 64 if ON_GPU else 32, DTYPE, device)
+    plan = plan_for(context_for(args), args)
+    q_start = args[4].tolist()
+    assert [(r.index, r.q_start, r.q_len, r.keys) for r in plan.rows] == [
+        (0, q_start[0], 40 * S, 64 * S), (1, q_start[1], 16 * S, 32 * S)]
+    assert plan.first.tolist() == [64 * S, 32 * S, 0, 0, 0]
+    assert plan.max_walk == 108 * S     # the short chunk's keys: the rows behind a context walk 46 * S and 16 * S
+    out = prefill_attention(*args, context=plan)
+    expected = prefill_attention_ref(*args)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, **tolerance())
+
+
+def tolerance():
+    atol, rtol = ATTENTION_TOL[DTYPE]
+    return {"atol": atol, "rtol": rtol}
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_context_rows_with_split_keys_give_the_prefill_attention(device, splits):
+    """The kernel's keys after the context split in parts (merged after): only split 0 starts from cuDNN's result."""
+    args = prefill_inputs([16 * S, 1], [40 * S, 90 * S], 4, 1, 64 if ON_GPU else 32, DTYPE, device)
+    context = context_for(args)
+    plan = plan_for(context, args)
+    assert [r.keys for r in plan.rows] == [32 * S]
+    out = launch(*args, params=prefill_launch(args[0].shape[2], device, DTYPE), splits=splits, context=plan)
+    torch.testing.assert_close(out, prefill_attention_ref(*args), **tolerance())
+
+
+def test_the_plan_leaves_steps_it_cannot_hold_and_caps_the_keys(device):
+    args = prefill_inputs([16 * S], [100 * S], 2, 1, 32, DTYPE, device)
+    assert plan_for(context_for(args, max_tokens=16 * S - 1), args) is None          # more tokens than its buffers
+    context = context_for(args, max_keys=40 * S)
+    assert context.max_keys == 32 * S       # whole buckets
+    plan = plan_for(context, args)
+    assert [r.keys for r in plan.rows] == [32 * S] and plan.max_walk == 116 * S - 32 * S
+    torch.testing.assert_close(prefill_attention(*args, context=plan), prefill_attention_ref(*args), **tolerance())
+    assert not context_for(args, max_keys=BUCKET - 1).enabled
+
+
+def test_score_mods_a_shared_prefix_or_a_quantized_cache_set_the_context_aside(device):
+    """Their rows walk every key in the kernel (the result of a window is the window's, not the plain one)."""
+    args = prefill_inputs(*LAYOUT, 4, 2, 32, DTYPE, device)
+    plan = plan_for(context_for(args), args)
+    window = ScoreMods(window=9 * S)
+    call = PrefillCall(*args, mods=window, context=plan)
+    assert call.context is None
+    torch.testing.assert_close(call(args[0], args[1]), prefill_attention_ref(*args, mods=window), **tolerance())
+    assert PrefillCall(*args, context=plan).context is plan
+
+
+@pytest.mark.parametrize("q_len,piece,starts", [(16, 16, [0]), (40, 16, [0, 16, 24]), (48, 16, [0, 16, 32]),
+                                                (17, 16, [0, 1])])
+def test_pieces_cover_a_row_and_end_at_its_last_token(q_len, piece, starts):
+    assert piece_starts(q_len, piece) == starts
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match=r"bucket \(0\) and piece \(16\) must be positive"):
+        ContextAttention(4, 2, 32, torch.float32, "cpu", 1024, 64, bucket=0, piece=16)
+    with pytest.raises(ValueError, match=r"q heads \(3\) a multiple of kv heads \(2\)"):
+        ContextAttention(3, 2, 32, torch.float32, "cpu", 1024, 64)
+
+
+def test_the_warm_up_runs_every_shape_once(device, monkeypatch):
+    import kernels.context_attention as module
+    seen = []
+    real = module._attend_piece_ref if not ON_GPU else module._attend_piece
+    monkeypatch.setattr(module, "_attend_piece_ref" if not ON_GPU else "_attend_piece",
+                        lambda q, keys, *a: seen.append((q.shape[0], keys.shape[0])) or real(q, keys, *a))
+    context = ContextAttention(4, 2, 32, DTYPE, device, 3 * BUCKET + 5, PIECE, BUCKET, PIECE)
+    assert context.warm() == 3
+    assert seen == [(PIECE, BUCKET), (PIECE, 2 * BUCKET), (PIECE, 3 * BUCKET)]
