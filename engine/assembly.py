@@ -31,6 +31,8 @@ from engine.router.router import Router
 from engine.router.scheduler import SchedulerConfig, Scheduler
 from engine.worker.kv_cache import kv_cache_dtype
 from engine.worker.model_worker import WorkerConfig, resolve_dtype
+from kernels.context_attention import BUCKET as CONTEXT_BUCKET
+from kernels.context_attention import PIECE as CONTEXT_PIECE
 from kernels.prefill_attention import prefill_launch, tile_shape
 from weights.checkpoint import MEDUSA_FILE
 
@@ -70,6 +72,9 @@ class EngineConfig:
                                           # draft instead of n-gram lookup; speculate picks the first heads
     arrival_window_s: float = 0.0         # requests came this recently: a prompt step in flight is collected before
                                           # the next is planned (engine.router.router); 0: always pipelined
+    # (bucket, piece): prompt chunks of ``piece``+ tokens behind ``bucket``+ keys attend to their context through
+    # cuDNN where it applies (kernels.context_attention); None: the prefill kernel walks every key
+    context_attention: tuple[int, int] | None = (CONTEXT_BUCKET, CONTEXT_PIECE)
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,8 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         warmup_tokens=max(config.max_prefill_tokens, config.max_requests * (1 + config.speculate)),
         cuda_graphs=config.cuda_graphs,
         watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta,
-        kv_cache_dtype=config.kv_cache_dtype, speculate=config.speculate, draft_heads=config.draft_heads)
+        kv_cache_dtype=config.kv_cache_dtype, speculate=config.speculate, draft_heads=config.draft_heads,
+        context_attention=config.context_attention)
     kv_cache_dtype(config.kv_cache_dtype, worker.dtype)        # a bad name fails here, before any process
     check_draft_heads(config, model_config)
     attention_span, kv_weight_tokens = step_cost_model(model_config)

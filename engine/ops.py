@@ -54,20 +54,23 @@ class TritonOps(KernelOps):
         rotary.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales, head_norms)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
-                          max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None, out=None):
+                          max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None, out=None,
+                          context=None):
         """``mods``: the layer's sliding window / soft-cap / ALiBi (``kernels.score_mods.ScoreMods``); ``out``: write
-        the result there (a piecewise graph's static buffer) rather than into a new tensor."""
+        the result there (a piecewise graph's static buffer) rather than into a new tensor; ``context``: the rows whose
+        long contexts go to cuDNN first (``kernels.context_attention.ContextPlan``)."""
         return prefill_attention.prefill_attention(q, kv.data, req_to_token, req_rows, q_start, q_len, seq_len,
                                                    sm_scale, max_q_len, shared=shared, max_seq_len=max_seq_len,
-                                                   mods=mods, kv_scales=kv.scales, out=out)
+                                                   mods=mods, kv_scales=kv.scales, out=out, context=context)
 
     def prefill_attention_call(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
-                               max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None, out=None):
+                               max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None, out=None,
+                               context=None):
         """``prefill_attention`` of these rows checked and planned once: a callable of any layer's q and ``KVLayer``
         shaped as these that writes ``out`` (the piecewise graphs' eager attention, one call a layer)."""
         call = prefill_attention.PrefillCall(q, kv.data, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
                                              max_q_len, shared=shared, max_seq_len=max_seq_len, mods=mods,
-                                             kv_scales=kv.scales, out=out)
+                                             kv_scales=kv.scales, out=out, context=context)
         return lambda layer_q, layer: call(layer_q, layer.data, layer.scales)
 
     def decode_attention(self, q, kv: KVLayer, req_to_token, req_rows, seq_len, sm_scale, shared=None, mods=None):
@@ -131,13 +134,15 @@ class TorchOps(KernelOps):
         rotary.rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, kv.data, slots, kv.scales, head_norms)
 
     def prefill_attention(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
-                          max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None, out=None):
+                          max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None, out=None,
+                          context=None):
         return prefill_attention.prefill_attention_ref(q, kv.data, req_to_token, req_rows, q_start, q_len,
                                                        seq_len, sm_scale, max_q_len, mods=mods, kv_scales=kv.scales,
                                                        out=out)
 
     def prefill_attention_call(self, q, kv: KVLayer, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale,
-                               max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None, out=None):
+                               max_q_len: int, shared=None, max_seq_len: int | None = None, mods=None, out=None,
+                               context=None):
         return lambda layer_q, layer: self.prefill_attention(layer_q, layer, req_to_token, req_rows, q_start, q_len,
                                                              seq_len, sm_scale, max_q_len, shared, max_seq_len, mods,
                                                              out)

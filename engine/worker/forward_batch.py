@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from engine.transfer import to_device
+from kernels.context_attention import ContextAttention, ContextPlan
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class ForwardBatch:
     attention: Callable | None = None
     # The tokens whose final hidden states the step reads, where that is not all of them (``OutputRows``)
     output: "OutputRows | None" = None
+    # The rows whose long contexts go to cuDNN before the prefill kernel (``kernels.context_attention``)
+    context: ContextPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ def output_rows(batch: ForwardBatch, q_start: list[int], q_len: list[int], read:
     return OutputRows(index_t, replace(
         batch, input_ids=batch.input_ids[index_t], positions=batch.positions[index_t],
         out_slots=batch.out_slots[index_t], q_start=to_device(starts, torch.int32, device),
-        q_len=to_device(read, torch.int32, device), max_q_len=max(read), is_decode=False,
+        q_len=to_device(read, torch.int32, device), max_q_len=max(read), is_decode=False, context=None,
         token_seq_len=None if batch.token_seq_len is None else batch.token_seq_len[index_t]))
 
 
@@ -100,6 +103,11 @@ def ragged_inputs(rows) -> RaggedInputs:
         inputs.q_len.append(n)
         inputs.seq_len.append(r.start_pos + n)
     return inputs
+
+
+def context_plan(context: ContextAttention | None, x: RaggedInputs) -> ContextPlan | None:
+    """``ForwardBatch.context`` of a step's rows (``x``): those whose long contexts go to cuDNN, or None."""
+    return None if context is None else context.plan(x.req_rows, x.q_start, x.q_len, x.seq_len)
 
 
 SHARED_PREFIX_MIN_ROWS = 8    # smaller batches (and CUDA graph buckets) attend to every prefix per row

@@ -30,6 +30,7 @@ from CUDA graphs of their own on a GPU (``cuda_graphs.HeadGraphs``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -37,7 +38,7 @@ import torch
 
 from engine.models import build_model, load_model_config
 from engine.models.config import ModelConfig
-from engine.models.layers import gemm_weights
+from engine.models.layers import attention_blocks, gemm_weights
 from engine.models.medusa import DraftHeads, read_medusa_config
 from engine.models.parallel import TensorParallel
 from engine.ops import KernelOps, default_backend
@@ -48,11 +49,14 @@ from engine.sampling.sampler import RowSampling, Sampler
 from engine.sampling.watermark import WatermarkConfig
 from engine.transfer import start_to_host, to_device
 from engine.worker.cuda_graphs import HeadGraphs, PaddedDecoder, PaddedVerifier
-from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, output_rows, ragged_inputs,
-                                        read_tokens, shared_prefix_tensors)
+from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, context_plan, output_rows,
+                                        ragged_inputs, read_tokens, shared_prefix_tensors)
 from engine.worker.gemm_warmup import padded_tokens, padding_row, warm_gemms
 from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
 from engine.worker.piecewise import PiecewiseGraphs
+from kernels.context_attention import BUCKET as CONTEXT_BUCKET
+from kernels.context_attention import PIECE as CONTEXT_PIECE
+from kernels.context_attention import ContextAttention
 from kernels.prefill_attention import MIN_SPLIT_KEYS
 from weights.checkpoint import open_checkpoint
 
@@ -100,6 +104,9 @@ class WorkerConfig:
     speculate: int = 0                    # --speculate: drafts per verify row (the warm-up runs such a step)
     draft_heads: str | None = None        # a directory of Medusa heads (engine.models.medusa): the first
                                           # ``speculate`` heads draft after every sampled row
+    # (bucket, piece) of the prompt chunks' long contexts through cuDNN (``kernels.context_attention``) where it
+    # applies (``context_attention_applies``); None: the prefill kernel walks every key
+    context_attention: tuple[int, int] | None = (CONTEXT_BUCKET, CONTEXT_PIECE)
 
 
 def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -149,6 +156,7 @@ class ModelWorker:
         if self.device.type == "cuda":    # before the KV cache takes the memory (a vocabulary's logits at 4k rows)
             warm_gemms(self.ops, gemm_weights(self.model, self.draft_heads), warmup_shape(config)[0], config.dtype,
                        self.device)
+        self.context_attention = self._new_context_attention()     # its buffers before the KV cache's
         num_slots = self._size_slots()
         self.kv_cache = self._new_cache(num_slots)
         if self.device.type == "cuda" and self.ops.backend == "triton":
@@ -170,13 +178,39 @@ class ModelWorker:
         if self.sampler.grammars is not None:
             self.sampler.grammars.wait_loaded()    # loaded beside the weights: ready before the first request
 
+    def _new_context_attention(self) -> ContextAttention | None:
+        """The long contexts' cuDNN path with its buffers and every graph shape built, where it applies (else None;
+        a cuDNN that refuses the shapes: one warning, and the prefill kernel walks every key)."""
+        if not context_attention_applies(self.config, self.kv_dtype, self.model, self.ops.backend):
+            return None
+        bucket, piece = self.config.context_attention
+        if warmup_shape(self.config)[0] < piece:     # no step holds a chunk of a piece's tokens
+            return None
+        block = attention_blocks(self.model)[0]          # this shard's heads
+        context = ContextAttention(block.num_heads, block.num_kv_heads, block.head_dim,
+                                   self.config.dtype, self.device, self.config.max_seq_len - piece,
+                                   padded_tokens(warmup_shape(self.config)[0]), bucket, piece)
+        if not context.enabled:
+            return None
+        start = time.perf_counter()
+        try:
+            shapes = context.warm()
+        except RuntimeError as e:
+            log.warning("long prompt contexts: cuDNN's attention refused them (%s); the prefill kernel walks every "
+                        "key", str(e).splitlines()[0])
+            return None
+        log.info("long prompt contexts: cuDNN's attention for chunks of %d+ tokens behind %d+ keys (%d graph shapes "
+                 "built in %.1f s; workspace %.0f MiB)", piece, bucket, shapes, time.perf_counter() - start,
+                 context.workspace.nbytes / 2**20)
+        return context
+
     def _piecewise_graphs(self, capture: bool) -> PiecewiseGraphs | None:
         """Steps of up to the prefill budget's tokens (at most ``PIECEWISE_BUCKETS[-1]``) padded and replayed
         from graphs, but for their attention. If the memory the KV cache left cannot hold the captures, such
         steps run eagerly, as before (one warning)."""
         try:
             return PiecewiseGraphs(self.model, self.ops, self.kv_cache, self.last_tokens, warmup_shape(self.config)[0],
-                                   use_graphs=capture)
+                                   use_graphs=capture, context=self.context_attention)
         except torch.cuda.OutOfMemoryError as e:
             torch.cuda.empty_cache()
             log.warning("piecewise CUDA graphs not captured (%s): steps with prompt tokens run eagerly; a lower "
@@ -280,6 +314,24 @@ class ModelWorker:
                 self._warm_shared_prefix(long_len)
         if long_len >= 2 * MIN_SPLIT_KEYS:
             self._warm_shared_prefix(long_len, members=1)
+        if self.context_attention is not None:
+            self._warm_context()
+
+    def _warm_context(self) -> None:
+        """A prompt chunk of one piece's tokens, then one of up to four pieces, each behind one bucket of keys: the
+        prefill kernel's variants that start from cuDNN's partial results (``kernels.context_attention``; the short
+        chunk may split its keys) run once."""
+        bucket, piece = self.context_attention.bucket, self.context_attention.piece
+        budget = warmup_shape(self.config)[0]
+        for n in sorted({piece, min(4 * piece, budget)}):
+            if bucket + n > min(self.config.max_seq_len, self.num_slots):
+                continue
+            starts = [*range(0, bucket, budget), bucket]
+            for start, end in zip(starts, [*starts[1:], bucket + n]):
+                self.execute(Step(rows=[StepRow(request_id=-1, row=0, start_pos=start, input_ids=[1] * (end - start),
+                                                slots=list(range(start, end)), sample=end == bucket + n,
+                                                params=SamplingParams() if start == 0 else None)]))
+            self.execute(Step(rows=[], released=[-1]))
 
     def _warm_shared_prefix(self, prefix_len: int, members: int = SHARED_PREFIX_MIN_ROWS) -> None:
         """A prompt of ``prefix_len`` tokens, then ``members`` requests that reuse its slots (as the prefix
@@ -412,7 +464,7 @@ class ModelWorker:
             req_rows=to_device(x.req_rows, torch.int32, dev), q_start=to_device(x.q_start, torch.int32, dev),
             q_len=to_device(x.q_len, torch.int32, dev), seq_len=to_device(x.seq_len, torch.int32, dev),
             max_q_len=max(x.q_len), is_decode=max(x.q_len) == 1, shared_prefix=shared_prefix_tensors(rows, dev),
-            max_seq_len=max(x.seq_len),
+            max_seq_len=max(x.seq_len), context=context_plan(self.context_attention, x),
         )
         if narrow is None:
             return batch
@@ -602,6 +654,22 @@ class ModelWorker:
                     parts.append(torch.log_softmax(logits, dim=-1).gather(1, picked[start:end])[:, 0])
             if self.tp.rank == 0:
                 results[i].prompt_logprobs = torch.cat(parts).tolist()     # one wait for the device, not one a slice
+
+
+def context_attention_applies(config: WorkerConfig, kv_dtype: torch.dtype, model, backend: str) -> bool:
+    """Whether prompt chunks' long contexts can go to cuDNN (``kernels.context_attention``): asked for, the Triton
+    kernels, a KV cache in the model's dtype, a layer without score modifications (a window, soft-cap or ALiBi) and,
+    on CUDA, float16 / bfloat16 with a head dim cuDNN takes (a multiple of 8 up to 128). The CPU (the Triton
+    interpreter) runs the plan with a torch stand-in for cuDNN."""
+    if config.context_attention is None or backend != "triton" or kv_dtype != config.dtype:
+        return False
+    blocks = attention_blocks(model)
+    if not any(b.mods is None or not b.mods.any for b in blocks):
+        return False
+    if config.device.type != "cuda":
+        return True
+    return config.dtype in (torch.float16, torch.bfloat16) and all(
+        b.head_dim % 8 == 0 and b.head_dim <= 128 for b in blocks)
 
 
 def warmup_shape(config: WorkerConfig) -> tuple[int, int]:

@@ -39,7 +39,9 @@ import torch
 
 from engine.protocol.messages import FED_BACK, Step
 from engine.transfer import to_device
-from engine.worker.forward_batch import ForwardBatch, RaggedInputs, ragged_inputs, shared_prefix_tensors
+from engine.worker.forward_batch import (ForwardBatch, RaggedInputs, context_plan, ragged_inputs,
+                                        shared_prefix_tensors)
+from kernels.context_attention import ContextAttention, ContextPlan
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +64,13 @@ class RowInputs(NamedTuple):
     max_seq_len: int
     shared: tuple[torch.Tensor, torch.Tensor] | None
     tokens: int                   # the step's own tokens (the rest of the bucket is padding)
+    context: ContextPlan | None = None   # the rows whose long contexts go to cuDNN first
 
 
 ALIGN_INT32 = 4     # int32 values in 16 bytes
 
 
-def row_inputs(x: RaggedInputs, shared, device: torch.device) -> RowInputs:
+def row_inputs(x: RaggedInputs, shared, device: torch.device, context: ContextPlan | None = None) -> RowInputs:
     """The attention's per-row inputs in one copy, each starting 16-byte aligned: Triton compiles a kernel per
     pointer alignment class, and rows packed back to back (a row count not a multiple of 4) compiled the
     prefill attention anew mid-serving: 4.2 s on the H100 (stop 44)."""
@@ -77,7 +80,7 @@ def row_inputs(x: RaggedInputs, shared, device: torch.device) -> RowInputs:
     values = to_device(x.req_rows + padding + x.q_start + padding + x.q_len + padding + x.seq_len + padding,
                        torch.int32, device).view(4, width)[:, :rows]
     return RowInputs(values[0], values[1], values[2], values[3], max(x.q_len), max(x.seq_len), shared,
-                     len(x.input_ids))
+                     len(x.input_ids), context)
 
 
 class Site(NamedTuple):
@@ -98,8 +101,10 @@ class Pieces:
 
 
 class PiecewiseGraphs:
-    def __init__(self, model, ops, kv_cache, last_tokens: torch.Tensor, max_tokens: int, use_graphs: bool):
+    def __init__(self, model, ops, kv_cache, last_tokens: torch.Tensor, max_tokens: int, use_graphs: bool,
+                 context: ContextAttention | None = None):
         self.model, self.ops, self.kv_cache, self.last_tokens = model, ops, kv_cache, last_tokens
+        self.context = context            # long contexts' cuDNN path (``kernels.context_attention``), if any
         limit = min(max_tokens, PIECEWISE_BUCKETS[-1])
         self.buckets = sorted({b for b in PIECEWISE_BUCKETS if b <= limit} | {limit})
         size = self.buckets[-1]
@@ -138,7 +143,8 @@ class PiecewiseGraphs:
         if self.copied is not None:
             self.copied[self.turn].record()
         self.kv_cache.write_table(self.inputs[3, :count], self.inputs[1, :count], self.inputs[2, :count])
-        inputs = row_inputs(x, shared_prefix_tensors(step.rows, self.inputs.device), self.inputs.device)
+        inputs = row_inputs(x, shared_prefix_tensors(step.rows, self.inputs.device), self.inputs.device,
+                            context_plan(self.context, x))
         pieces = self.graphs.get(size)
         if pieces is None:
             return self._forward(size, _Inline(self, inputs, meanwhile))[:count]
@@ -201,7 +207,7 @@ class PiecewiseGraphs:
             call = calls[key] = self.ops.prefill_attention_call(
                 site.q[:n], site.kv, site.req_to_token, rows.req_rows, rows.q_start, rows.q_len, rows.seq_len,
                 site.sm_scale, rows.max_q_len, shared=rows.shared, max_seq_len=rows.max_seq_len, mods=site.mods,
-                out=out[:n])
+                out=out[:n], context=rows.context)
         call(site.q[:n], site.kv)
         return out
 
@@ -242,7 +248,7 @@ class _Hook:
         self.graphs = graphs
 
     def __call__(self, q, kv, req_to_token, req_rows, q_start, q_len, seq_len, sm_scale, max_q_len, shared=None,
-                 max_seq_len=None, mods=None) -> torch.Tensor:
+                 max_seq_len=None, mods=None, context=None) -> torch.Tensor:
         return self.site(Site(q, kv, req_to_token, sm_scale, mods))[: q.shape[0]]
 
     def site(self, site: Site) -> torch.Tensor:

@@ -182,3 +182,32 @@ def test_a_long_prompt_joining_decoding_requests_in_stall_free_chunks_matches_tr
         assert outputs[i] == tokens[: len(outputs[i])] and len(outputs[i]) == (8 if i == 2 else NEW_TOKENS), i
     prompt_chunks = chunks[: len(chunks) - 7]            # then its 7 decode rows
     assert sum(prompt_chunks) == 150 and prompt_chunks[0] > min(prompt_chunks), prompt_chunks
+
+
+def test_prompt_chunks_behind_long_contexts_match_transformers(tmp_path):
+    """A 100-token prompt in 32-token chunks, each behind 32+ keys attending to them first through
+    ``kernels.context_attention`` (bucket 32, piece 16; the CPU's torch stand-in for cuDNN), then the prefill kernel:
+    every prompt position's logprob and the greedy tokens are transformers'. On a GPU float32 does not take cuDNN:
+    the worker has no context path there (``tests/gpu`` runs it in bfloat16)."""
+    path = save_tiny_model("llama3", tmp_path / "llama3")
+    hf = load_hf(path).to(DEVICE)
+    engine = Engine(EngineConfig(model_dir=str(path), device=DEVICE, kernel_backend="triton", num_slots=512,
+                                 dtype="float32", max_requests=4, max_prefill_tokens=32, context_attention=(32, 16)))
+    context = engine.worker.context_attention
+    if DEVICE == "cuda":
+        assert context is None
+        return
+    attended = []
+    attend = context.attend
+    context.attend = lambda rows, *a: attended.append([(r.q_len, r.keys) for r in rows]) or attend(rows, *a)
+    prompt = torch.randint(3, 384, (100,), generator=torch.Generator().manual_seed(7)).tolist()
+    out = engine.generate([GenerationRequest(0, prompt, 4, SamplingParams(prompt_logprobs=True),
+                                             stop_token_ids=[])])[0]
+    layers = engine.worker.model_config.num_layers
+    assert attended == [[(32, 32)]] * layers + [[(32, 64)]] * layers      # the last chunk (4 tokens) is too short
+    tokens, _ = hf_reference(hf, prompt, 4)
+    assert [o.token_id for o in out] == tokens
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    assert out[0].prompt_logprobs[1:] == pytest.approx([ref[p, prompt[p + 1]].item() for p in range(99)], abs=1e-3)
+    assert engine.kv_usage()[0] == 0
