@@ -10,7 +10,8 @@
 #                                         decoding), spec_medusa (the demo's Medusa heads against n-gram
 #                                         lookup), verify_attn (the attention launches of verify rows),
 #                                         spec_profile (a verify step's kernels), frontend, quant_gemm (the
-#                                         4-bit and FP8 GEMMs' config sweep)
+#                                         4-bit and FP8 GEMMs' config sweep), long_context (prompt chunks'
+#                                         contexts through cuDNN: kernel tests, bf16 greedy test)
 # compare/cpu run the same HTTP benchmark (batch-1 decode, 512 requests at once) / the per-process
 # CPU use on each tree of COMPARE_TREES (default: .baseline, an export of an older commit, then
 # this tree), one after the other in this run: before and after numbers from one machine; prefix
@@ -162,6 +163,19 @@ for stage in $stages; do
           --json "$OUT/stall_$tag.json" 2>&1 | tee "$OUT/stall_$tag.log" | grep -v -E "it/s|s/it" | tail -7
         rc=${PIPESTATUS[0]}
       done ;;
+    long_context)
+      # prompt chunks' long contexts through cuDNN (kernels.context_attention): its kernel tests, then
+      # tests/gpu/test_long_context.py's bf16 greedy run of a 12,000-token prompt (random Llama-3.1-8B, 4 layers)
+      # against transformers and against the prefill kernel alone. About 2 minutes (stop 73: 68 s for the test)
+      MODEL_8B_4L=${MODEL_8B_4L:-/tmp/llama31-8b-4l}
+      [ -f "$MODEL_8B_4L/config.json" ] || python3 -m weights.random_checkpoint --config llama-3.1-8b --num-layers 4 \
+        --out "$MODEL_8B_4L" --dtype bfloat16 --device cuda 2>&1 | tail -2
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_context_attention_kernel.py 2>&1 \
+        | tee "$OUT/long_context_kernels.log" | tail -2
+      kernels_rc=${PIPESTATUS[0]}
+      LLAMA31_DIR=$MODEL_8B_4L python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_long_context.py 2>&1 \
+        | tee "$OUT/long_context.log" | grep -E "vs|passed|failed|^E " | tail -8
+      rc=${PIPESTATUS[0]}; [ "$kernels_rc" -eq 0 ] || rc=$kernels_rc ;;
     prefill)
       # the prefill attention's launch sweep at long context (Llama-3.1-8B heads by default)
       python3 -m bench.prefill_attention_bench ${PREFILL_ARGS:-} --json "$OUT/prefill_attention.json" 2>&1 \
