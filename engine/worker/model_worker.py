@@ -195,7 +195,7 @@ class ModelWorker:
         start = time.perf_counter()
         try:
             shapes = context.warm()
-        except RuntimeError as e:
+        except (RuntimeError, AttributeError, TypeError) as e:     # refused; or a torch without that private op
             log.warning("long prompt contexts: cuDNN's attention refused them (%s); the prefill kernel walks every "
                         "key", str(e).splitlines()[0])
             return None

@@ -36,14 +36,21 @@ def test_the_context_path_applies_where_cudnn_can_run_it(cfg, kv_dtype, model, b
     assert context_attention_applies(cfg, kv_dtype, model, backend) is applies
 
 
-def test_a_cudnn_that_refuses_the_shapes_leaves_the_prefill_kernel_every_key(tmp_path, monkeypatch, caplog):
-    """The worker builds every shape at startup; a refusal there is one warning, and the engine serves as before."""
+@pytest.mark.parametrize("error,said", [
+    (RuntimeError("cuDNN Frontend error: No valid execution plans built.\nmore"),
+     "cuDNN Frontend error: No valid execution plans built."),
+    (AttributeError("'_OpNamespace' 'aten' object has no attribute '_scaled_dot_product_cudnn_attention'"),
+     "'_OpNamespace' 'aten' object has no attribute '_scaled_dot_product_cudnn_attention'")])
+def test_a_cudnn_that_refuses_the_shapes_leaves_the_prefill_kernel_every_key(tmp_path, monkeypatch, caplog, error,
+                                                                             said):
+    """The worker builds every shape at startup; a refusal there (or a torch without the op) is one warning, and the
+    engine serves as before."""
     from engine.generation import Engine, EngineConfig, GenerationRequest
     from kernels.context_attention import ContextAttention
     from tests.tiny_models import save_tiny_model
 
     def refuse(self):
-        raise RuntimeError("cuDNN Frontend error: No valid execution plans built.\nmore")
+        raise error
 
     monkeypatch.setattr(ContextAttention, "warm", refuse)
     path = save_tiny_model("llama3", tmp_path / "llama3")
@@ -51,7 +58,7 @@ def test_a_cudnn_that_refuses_the_shapes_leaves_the_prefill_kernel_every_key(tmp
         engine = Engine(EngineConfig(model_dir=str(path), device="cpu", kernel_backend="triton", num_slots=256,
                                      dtype="float32", max_requests=2, max_prefill_tokens=32, context_attention=(32, 16)))
     assert engine.worker.context_attention is None
-    assert "long prompt contexts: cuDNN's attention refused them (cuDNN Frontend error: No valid execution plans " \
-           "built.); the prefill kernel walks every key" in caplog.text
+    assert f"long prompt contexts: cuDNN's attention refused them ({said}); the prefill kernel walks every key" \
+        in caplog.text
     out = engine.generate([GenerationRequest(0, list(range(3, 83)), 2, stop_token_ids=[])])[0]
     assert len(out) == 2 and engine.kv_usage()[0] == 0
