@@ -97,13 +97,14 @@ class ContextAttention:
 
     def plan(self, req_rows: list[int], q_start: list[int], q_len: list[int], seq_len: list[int]) -> ContextPlan | None:
         """The step's rows (host lists) whose contexts go to cuDNN, or None when no row's does."""
+        if max(q_len, default=0) < self.piece or sum(q_len) > self.max_tokens:
+            return None     # no chunk of a piece (checked at C speed: 256 decode rows took 77 us in the loop below)
         rows, first = [], [0] * len(req_rows)
-        if sum(q_len) <= self.max_tokens:
-            for b, (row, start, n, total) in enumerate(zip(req_rows, q_start, q_len, seq_len)):
-                keys = min((total - n) // self.bucket * self.bucket, self.max_keys)
-                if keys > 0 and n >= self.piece:
-                    rows.append(ContextRow(b, row, start, n, keys))
-                    first[b] = keys
+        for b, (row, start, n, total) in enumerate(zip(req_rows, q_start, q_len, seq_len)):
+            keys = min((total - n) // self.bucket * self.bucket, self.max_keys)
+            if keys > 0 and n >= self.piece:
+                rows.append(ContextRow(b, row, start, n, keys))
+                first[b] = keys
         if not rows:
             return None
         max_walk = max(total - f for total, f in zip(seq_len, first))

@@ -71,6 +71,8 @@ def test_the_plan_leaves_steps_it_cannot_hold_and_caps_the_keys(device):
     assert [r.keys for r in plan.rows] == [32 * S] and plan.max_walk == 116 * S - 32 * S
     torch.testing.assert_close(prefill_attention(*args, context=plan), prefill_attention_ref(*args), **tolerance())
     assert not context_for(args, max_keys=BUCKET - 1).enabled
+    assert context.plan([0, 1], [0, 1], [1, 1], [90 * S, 90 * S]) is None     # decode rows only, long contexts
+    assert context.plan([0, 1], [0, PIECE - 1], [PIECE - 1, 1], [90 * S, 90 * S]) is None
 
 
 def test_score_mods_a_shared_prefix_or_a_quantized_cache_set_the_context_aside(device):
