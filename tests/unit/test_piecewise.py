@@ -106,3 +106,30 @@ def test_captures_that_do_not_fit_leave_the_steps_eager_with_one_warning(tmp_pat
     assert [r.getMessage() for r in caplog.records] == [
         "piecewise CUDA graphs not captured (CUDA out of memory. Tried to allocate 2.00 GiB): steps with prompt "
         "tokens run eagerly; a lower --cuda-memory-fraction leaves them room"]
+
+
+def test_piecewise_steps_take_long_contexts_through_the_context_path(tmp_path):
+    """A prompt's later chunks (beside decode rows) behind 16+ keys attend to them through
+    ``kernels.context_attention`` (bucket 16, piece 8; the CPU's torch stand-in for cuDNN) inside the piecewise
+    steps, under the Triton interpreter: the eager torch worker's tokens and logprobs."""
+    from engine.protocol.messages import Step
+    from tests.step_scenarios import Requests, prompt
+
+    path = save_tiny_model("llama3", tmp_path / "llama3")
+    r = Requests()
+    steps = [Step([r.chunk(0, prompt(6, 0), True), r.chunk(1, prompt(20, 1), False)]),
+             Step([r.decode(0), r.chunk(1, prompt(20, 2), False)]),
+             Step([r.decode(0), r.chunk(1, prompt(12, 3), True, logprob_targets=prompt(12, 4))]),
+             Step([r.decode(0), r.decode(1)])]
+    eager = run_steps(new_worker(path, "torch"), steps)
+    worker = ModelWorker(WorkerConfig(model_dir=str(path), dtype=torch.float32, device=torch.device("cpu"),
+                                      kernel_backend="triton", max_requests=8, max_seq_len=256, num_slots=1024,
+                                      context_attention=(16, 8)))
+    worker.piecewise = PiecewiseGraphs(worker.model, worker.ops, worker.kv_cache, worker.last_tokens, max_tokens=32,
+                                       use_graphs=False, context=worker.context_attention)
+    sent, attend = [], worker.context_attention.attend
+    worker.context_attention.attend = lambda rows, *a: sent.append([(x.q_len, x.keys) for x in rows]) or attend(rows,
+                                                                                                                *a)
+    assert_same(run_steps(worker, steps), eager, LOGPROB_TOL)
+    layers = worker.model_config.num_layers
+    assert sent == [[(20, 16)]] * layers + [[(12, 32)]] * layers
