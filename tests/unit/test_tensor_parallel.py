@@ -14,9 +14,9 @@ from weights.checkpoint import open_checkpoint
 PROMPTS = [[5, 9, 11], list(range(3, 40)), [7], list(range(100, 120))]
 
 
-def generate(path, num_shards, backend="torch", prompts=PROMPTS, new_tokens=16):
+def generate(path, num_shards, backend="torch", prompts=PROMPTS, new_tokens=16, **more):
     config = EngineConfig(model_dir=str(path), device="cpu", kernel_backend=backend, num_slots=400, max_requests=8,
-                          max_prefill_tokens=16, num_shards=num_shards, master_port=free_port())
+                          max_prefill_tokens=16, num_shards=num_shards, master_port=free_port(), **more)
     with Engine(config) as engine:
         out = engine.generate([GenerationRequest(i, p, new_tokens, stop_token_ids=[]) for i, p in enumerate(prompts)])
         assert engine.kv_usage()[0] == 0
@@ -43,6 +43,17 @@ def test_two_shards_of_the_one_token_moe_kernels_give_the_same_tokens_as_one(tmp
     path = save_tiny_model("qwen2_moe", tmp_path / "qwen2_moe")
     lone = [[5, 9, 11, 40]]
     assert generate(path, 2, "triton", lone, 4) == generate(path, 1, "triton", lone, 4)
+
+
+def test_two_shards_through_the_context_path_give_the_same_tokens_as_one(tmp_path):
+    """A 40-token prompt in 16-token chunks whose later chunks attend to their first 16 and 32 keys through
+    ``kernels.context_attention`` (bucket 16, piece 8; the CPU's torch stand-in for cuDNN), each shard with its
+    own heads (llama3: one of the two KV heads each): TP=2 gives TP=1's tokens, which are those of the path off."""
+    path = save_tiny_model("llama3", tmp_path / "llama3")
+    lone = [list(range(3, 43))]
+    one = generate(path, 1, "triton", lone, 3, context_attention=(16, 8))
+    assert generate(path, 2, "triton", lone, 3, context_attention=(16, 8)) == one
+    assert generate(path, 1, "triton", lone, 3, context_attention=None) == one
 
 
 class CountingCheckpoint:
