@@ -381,8 +381,7 @@ class PrefillCall:
             max_seq_len = min(max_seq_len, mods.window + max_q_len)     # the most keys a query block walks
         if shared is not None:
             shared_prefix.check(shared, b_req_row.shape[0], q.device)
-        if shared is not None or kv_scales is not None or (mods is not None and mods.any):
-            context = None
+        context = usable_context(context, shared, mods, kv_scales)
         if context is not None:
             max_seq_len = context.max_walk      # the keys the kernel walks past the context's
         kv_heads = kv_layer.shape[1] // 2
@@ -429,7 +428,16 @@ def launch(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     split_out, split_lse = split_buffers(q, splits)
     return _run(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm_scale, max_q_len, params,
-                splits, shared, mods, kv_scales, out, split_out, split_lse, context)
+                splits, shared, mods, kv_scales, out, split_out, split_lse,
+                usable_context(context, shared, mods, kv_scales))
+
+
+def usable_context(context: ContextPlan | None, shared, mods: ScoreMods | None, kv_scales) -> ContextPlan | None:
+    """``context`` unless a shared prefix, a score modification or a quantized cache sets it aside (cuDNN's plain
+    attention cannot take the latter two; the shared-prefix start takes the kernel's one start)."""
+    if shared is not None or kv_scales is not None or (mods is not None and mods.any):
+        return None
+    return context
 
 
 def split_buffers(q: torch.Tensor, splits: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -84,6 +84,9 @@ def test_score_mods_a_shared_prefix_or_a_quantized_cache_set_the_context_aside(d
     assert call.context is None
     torch.testing.assert_close(call(args[0], args[1]), prefill_attention_ref(*args, mods=window), **tolerance())
     assert PrefillCall(*args, context=plan).context is plan
+    params = prefill_launch(args[0].shape[2], device, DTYPE)
+    torch.testing.assert_close(launch(*args, params=params, mods=window, context=plan),
+                               prefill_attention_ref(*args, mods=window), **tolerance())
 
 
 @pytest.mark.parametrize("q_len,piece,starts", [(16, 16, [0]), (40, 16, [0, 16, 24]), (48, 16, [0, 16, 32]),
