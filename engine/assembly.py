@@ -92,6 +92,17 @@ class EnginePlan:
         return self.config.max_requests
 
 
+def check_context_attention(value) -> None:
+    """ValueError unless ``EngineConfig.context_attention`` is None or (bucket, piece), two positive ints: a value
+    the worker would otherwise set aside unread on a device where the path does not apply."""
+    if value is None:
+        return
+    if not (isinstance(value, tuple) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ValueError(f"context_attention must be None (off) or (bucket, piece), two positive ints: the keys a "
+                         f"cuDNN call takes come in multiples of bucket, its queries in pieces; got {value!r}")
+
+
 def plan_engine(config: EngineConfig) -> EnginePlan:
     """Decide every engine setting once; ValueError (with what to change) on any that cannot work."""
     if is_medusa_dir(config.model_dir):
@@ -107,6 +118,7 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
     if not config.arrival_window_s >= 0:
         raise ValueError(f"arrival_window_s must be >= 0 seconds (0: steps always pipelined), got "
                          f"{config.arrival_window_s!r}")
+    check_context_attention(config.context_attention)
     max_seq_len = config.max_seq_len or model_config.max_context
     worker = WorkerConfig(
         model_dir=config.model_dir, dtype=resolve_dtype(config.dtype, model_config, device), device=device,

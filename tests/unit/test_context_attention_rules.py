@@ -62,3 +62,18 @@ def test_a_cudnn_that_refuses_the_shapes_leaves_the_prefill_kernel_every_key(tmp
         in caplog.text
     out = engine.generate([GenerationRequest(0, list(range(3, 83)), 2, stop_token_ids=[])])[0]
     assert len(out) == 2 and engine.kv_usage()[0] == 0
+
+
+@pytest.mark.parametrize("value", [(0, 16), (16,), (16, -1), [4096, 1024], (4096.0, 1024), (True, 8), "on"])
+def test_a_bad_context_attention_setting_is_refused_before_any_process(tmp_path, value):
+    """Refused by ``plan_engine`` on any device, not only where the path would apply and read it."""
+    from engine.assembly import plan_engine
+    from engine.generation import EngineConfig
+    from tests.tiny_models import save_tiny_model
+
+    path = save_tiny_model("llama3", tmp_path / "llama3")
+    with pytest.raises(ValueError, match=r"^context_attention must be None \(off\) or \(bucket, piece\), two positive "
+                                         r"ints: .* got "):
+        plan_engine(EngineConfig(model_dir=str(path), device="cpu", context_attention=value))
+    assert plan_engine(EngineConfig(model_dir=str(path), device="cpu", context_attention=None)).worker \
+        .context_attention is None
