@@ -51,7 +51,6 @@ LOG2E = math.log2(math.e)
 @dataclass(frozen=True)
 class ContextRow:
     """One row of the step whose context goes to cuDNN: its first ``keys`` positions."""
-    index: int      # the row's place in the step
     req_row: int    # its row of req_to_token
     q_start: int    # its first new token in the step
     q_len: int
@@ -103,7 +102,7 @@ class ContextAttention:
         for b, (row, start, n, total) in enumerate(zip(req_rows, q_start, q_len, seq_len)):
             keys = min((total - n) // self.bucket * self.bucket, self.max_keys)
             if keys > 0 and n >= self.piece:
-                rows.append(ContextRow(b, row, start, n, keys))
+                rows.append(ContextRow(row, start, n, keys))
                 first[b] = keys
         if not rows:
             return None

@@ -184,12 +184,12 @@ class ModelWorker:
         if not context_attention_applies(self.config, self.kv_dtype, self.model, self.ops.backend):
             return None
         bucket, piece = self.config.context_attention
-        if warmup_shape(self.config)[0] < piece:     # no step holds a chunk of a piece's tokens
+        budget = warmup_shape(self.config)[0]
+        if budget < piece:     # no step holds a chunk of a piece's tokens
             return None
         block = attention_blocks(self.model)[0]          # this shard's heads
-        context = ContextAttention(block.num_heads, block.num_kv_heads, block.head_dim,
-                                   self.config.dtype, self.device, self.config.max_seq_len - piece,
-                                   padded_tokens(warmup_shape(self.config)[0]), bucket, piece)
+        context = ContextAttention(block.num_heads, block.num_kv_heads, block.head_dim, self.config.dtype,
+                                   self.device, self.config.max_seq_len - piece, padded_tokens(budget), bucket, piece)
         if not context.enabled:
             return None
         start = time.perf_counter()

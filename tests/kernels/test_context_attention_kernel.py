@@ -36,8 +36,9 @@ def test_long_contexts_through_cudnn_give_the_prefill_attention(device, q_heads,
     args = prefill_inputs(*LAYOUT, q_heads, kv_heads, 64 if ON_GPU else 32, DTYPE, device)
     plan = plan_for(context_for(args), args)
     q_start = args[4].tolist()
-    assert [(r.index, r.q_start, r.q_len, r.keys) for r in plan.rows] == [
-        (0, q_start[0], 40 * S, 64 * S), (1, q_start[1], 16 * S, 32 * S)]
+    rows = args[3].tolist()
+    assert [(r.req_row, r.q_start, r.q_len, r.keys) for r in plan.rows] == [
+        (rows[0], q_start[0], 40 * S, 64 * S), (rows[1], q_start[1], 16 * S, 32 * S)]
     assert plan.first.tolist() == [64 * S, 32 * S, 0, 0, 0]
     assert plan.max_walk == 108 * S     # the short chunk's keys: the rows behind a context walk 46 * S and 16 * S
     out = prefill_attention(*args, context=plan)
