@@ -33,8 +33,9 @@ Later keys are never visited. ``first`` is 0, or the shared prefix's length (bel
 
 Context (``context``, ``kernels.context_attention``): a long prompt's chunk may have taken its first ``K`` keys
 from cuDNN (K a multiple of its bucket); its rows start from that result as behind a shared prefix (``first`` =
-K, the partial output in the model's dtype) and walk the rest. Not beside a shared prefix, score modifications or a
-quantized cache (their rows walk every key here).
+K, the partial output in the model's dtype) and walk the rest; the kernel then takes the plan's rows in place of the
+step's (a row's tail short of a piece may be a row of its own, from key 0). Not beside a shared prefix, score
+modifications or a quantized cache (their rows walk every key here).
 
 A chunk late in a long prompt has few query blocks but a long first range: ``splits`` > 1
 cuts that range into parts walked by separate programs (the last also walks the diagonal),
@@ -471,8 +472,10 @@ def _run(q, kv_layer, req_to_token, b_req_row, b_q_start, b_q_len, b_seq_len, sm
         b_first = shared[0]
         mid_out, mid_lse = _shared_prefix_start(q, kv_layer, req_to_token, shared, b_q_len, scale_log2, mods,
                                                 kv_scales)
-    elif context is not None:
-        b_first, mid_out, mid_lse = context.start(q, kv_layer, req_to_token, sm_scale)
+    elif context is not None:       # its rows in place of the step's (a row's tail apart: ``context_attention``)
+        (b_req_row, b_q_start, b_q_len, b_seq_len, b_first), mid_out, mid_lse = context.start(q, kv_layer,
+                                                                                             req_to_token, sm_scale)
+        batch = b_req_row.shape[0]
     if shared is not None or context is not None:
         mid_strides = (mid_out.stride(0), mid_out.stride(1), mid_lse.stride(0), mid_lse.stride(1))
     split_strides = (0, 0, 0, 0, 0)

@@ -5,7 +5,7 @@ import torch
 from kernel_inputs import ATTENTION_TOL, ON_GPU
 from test_prefill_attention_kernel import prefill_inputs
 
-from kernels.context_attention import ContextAttention, piece_starts
+from kernels.context_attention import ContextAttention, piece_starts, tail_walks
 from kernels.prefill_attention import PrefillCall, launch, prefill_attention, prefill_attention_ref, prefill_launch
 from kernels.score_mods import ScoreMods
 
@@ -13,11 +13,11 @@ from kernels.score_mods import ScoreMods
 BUCKET, PIECE = (32, 16) if not ON_GPU else (256, 128)
 DTYPE = torch.float32 if not ON_GPU else torch.bfloat16
 S = PIECE // 16     # the layouts below in units of PIECE / 16 tokens
-# (new tokens, cached keys) per request: a chunk behind two buckets and a bit (three pieces, the last overlapping),
-# one behind exactly one bucket (one piece), one too short for a piece, a decode row, a chunk behind less than a
-# bucket: only the first two take the context path
-LAYOUT = ([40 * S, 16 * S, 8 * S, 1, 20 * S], [70 * S, 32 * S, 100 * S, 50 * S, 10 * S])
-
+# (new tokens, cached keys) per request: a chunk behind two buckets and a bit (two pieces and a tail of half a piece,
+# which walks its context in the kernel), one behind exactly one bucket (one piece), one too short for a piece, a
+# decode row, a chunk behind less than a bucket, a chunk behind a bucket and a bit (a piece and a tail of more than
+# half a piece: a second piece overlapping the first): the first two and the last take the context path
+LAYOUT = ([40 * S, 16 * S, 8 * S, 1, 20 * S, 28 * S], [70 * S, 32 * S, 100 * S, 50 * S, 10 * S, 40 * S])
 
 def context_for(args, bucket=BUCKET, piece=PIECE, max_keys=1 << 20, max_tokens=None):
     q = args[0]
@@ -38,9 +38,15 @@ def test_long_contexts_through_cudnn_give_the_prefill_attention(device, q_heads,
     q_start = args[4].tolist()
     rows = args[3].tolist()
     assert [(r.req_row, r.q_start, r.q_len, r.keys) for r in plan.rows] == [
-        (rows[0], q_start[0], 40 * S, 64 * S), (rows[1], q_start[1], 16 * S, 32 * S)]
-    assert plan.first.tolist() == [64 * S, 32 * S, 0, 0, 0]
-    assert plan.max_walk == 108 * S     # the short chunk's keys: the rows behind a context walk 46 * S and 16 * S
+        (rows[0], q_start[0], 32 * S, 64 * S), (rows[1], q_start[1], 16 * S, 32 * S),
+        (rows[5], q_start[5], 28 * S, 32 * S)]
+    # the kernel's rows (req_row, q_start, q_len, seq_len, first): the first row's tail first, as a row of its own
+    assert [tuple(r) for r in plan.kernel_rows.t().tolist()] == [
+        (rows[0], q_start[0] + 32 * S, 8 * S, 110 * S, 0), (rows[0], q_start[0], 32 * S, 102 * S, 64 * S),
+        (rows[1], q_start[1], 16 * S, 48 * S, 32 * S), (rows[2], q_start[2], 8 * S, 108 * S, 0),
+        (rows[3], q_start[3], 1, 50 * S + 1, 0), (rows[4], q_start[4], 20 * S, 30 * S, 0),
+        (rows[5], q_start[5], 28 * S, 68 * S, 32 * S)]
+    assert plan.max_walk == 110 * S     # the tail's keys
     out = prefill_attention(*args, context=plan)
     expected = prefill_attention_ref(*args)
     assert out.isfinite().all()
@@ -94,6 +100,11 @@ def test_score_mods_a_shared_prefix_or_a_quantized_cache_set_the_context_aside(d
                                                 (17, 16, [0, 1])])
 def test_pieces_cover_a_row_and_end_at_its_last_token(q_len, piece, starts):
     assert piece_starts(q_len, piece) == starts
+
+
+@pytest.mark.parametrize("tail,walks", [(0, False), (1, True), (512, True), (513, False), (1023, False)])
+def test_a_tail_of_up_to_half_a_piece_walks_its_context_in_the_kernel(tail, walks):
+    assert tail_walks(tail, 1024) is walks
 
 
 def test_bad_shapes_are_refused():

@@ -185,9 +185,10 @@ def test_a_long_prompt_joining_decoding_requests_in_stall_free_chunks_matches_tr
 
 
 def test_prompt_chunks_behind_long_contexts_match_transformers(tmp_path):
-    """A 100-token prompt in 32-token chunks, each behind 32+ keys attending to them first through
-    ``kernels.context_attention`` (bucket 32, piece 16; the CPU's torch stand-in for cuDNN), then the prefill kernel:
-    every prompt position's logprob and the greedy tokens are transformers'. On a GPU float32 does not take cuDNN:
+    """An 88-token prompt in chunks of 32, 32 and 24 tokens, the last two behind 32 and 64 keys attending to them
+    first through ``kernels.context_attention`` (bucket 32, piece 16; the CPU's torch stand-in for cuDNN), then the
+    prefill kernel; the last chunk's tail of 8 tokens (half a piece) walks its context in the kernel: every prompt
+    position's logprob and the greedy tokens are transformers'. On a GPU float32 does not take cuDNN:
     the worker has no context path there (``tests/gpu`` runs it in bfloat16)."""
     path = save_tiny_model("llama3", tmp_path / "llama3")
     hf = load_hf(path).to(DEVICE)
@@ -200,14 +201,14 @@ def test_prompt_chunks_behind_long_contexts_match_transformers(tmp_path):
     attended = []
     attend = context.attend
     context.attend = lambda rows, *a: attended.append([(r.q_len, r.keys) for r in rows]) or attend(rows, *a)
-    prompt = torch.randint(3, 384, (100,), generator=torch.Generator().manual_seed(7)).tolist()
+    prompt = torch.randint(3, 384, (88,), generator=torch.Generator().manual_seed(7)).tolist()
     out = engine.generate([GenerationRequest(0, prompt, 4, SamplingParams(prompt_logprobs=True),
                                              stop_token_ids=[])])[0]
     layers = engine.worker.model_config.num_layers
-    assert attended == [[(32, 32)]] * layers + [[(32, 64)]] * layers      # the last chunk (4 tokens) is too short
+    assert attended == [[(32, 32)]] * layers + [[(16, 64)]] * layers      # the last chunk's first piece
     tokens, _ = hf_reference(hf, prompt, 4)
     assert [o.token_id for o in out] == tokens
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
-    assert out[0].prompt_logprobs[1:] == pytest.approx([ref[p, prompt[p + 1]].item() for p in range(99)], abs=1e-3)
+    assert out[0].prompt_logprobs[1:] == pytest.approx([ref[p, prompt[p + 1]].item() for p in range(87)], abs=1e-3)
     assert engine.kv_usage()[0] == 0
