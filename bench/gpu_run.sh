@@ -153,13 +153,17 @@ for stage in $stages; do
       rc=${PIPESTATUS[0]} ;;
     stall)
       # Long prompts beside decoding streams (bench.long_prompt_bench) on a random Llama-3.1-8B with
-      # --max-input-tokens 120000, served by the launcher of each tree of COMPARE_TREES (before, after)
+      # --max-input-tokens 120000, served by the launcher of each tree of COMPARE_TREES (before, after). The front
+      # end tokenizes with the tokenizers' own threads, as a user's would (TOKENIZERS_PARALLELISM unset: with this
+      # script's "false" a 32,000-token prompt's validation took 36-68 ms on one H200 host, a long prompt's TTFT
+      # counting it)
       MODEL_8B=${MODEL_8B:-/tmp/llama31-8b}
       [ -f "$MODEL_8B/config.json" ] || python3 -m weights.random_checkpoint --config llama-3.1-8b --out "$MODEL_8B" \
         --dtype bfloat16 --device cuda 2>&1 | tail -2
       for tree in ${COMPARE_TREES:-.baseline .}; do
         tag=$(basename "$(realpath "$tree")")
-        LAUNCHER_REPO=$tree python3 -m bench.long_prompt_bench --model-dir "$MODEL_8B" ${STALL_ARGS:-} \
+        LAUNCHER_REPO=$tree env -u TOKENIZERS_PARALLELISM python3 -m bench.long_prompt_bench --model-dir "$MODEL_8B" \
+          ${STALL_ARGS:-} \
           --json "$OUT/stall_$tag.json" 2>&1 | tee "$OUT/stall_$tag.log" | grep -v -E "it/s|s/it" | tail -7
         rc=${PIPESTATUS[0]}
       done ;;

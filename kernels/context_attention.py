@@ -24,6 +24,14 @@ first. A 32,000-token prompt's last chunk (3,328 tokens: 3 pieces and 256) saves
 Llama-3.1-8B through HTTP, three prompts before and after in one run, TTFT less the server's validation 1.190-1.211
 -> 1.173-1.178 s (stop 74).
 
+Tried and not kept (stop 74): a row of exactly ``bucket`` new tokens behind whole buckets also attending to its own
+keys through cuDNN (the chunk against itself with cuDNN's causal mask, which torch aligns top-left), merged with its
+context's result by a small Triton kernel, and no prefill kernel for the row. Alone, one H200, Llama-3.1-8B heads,
+bf16, a 4,096-token diagonal took 0.275 ms in cuDNN (499 TFLOP/s) against the prefill kernel's 0.402 (342); in the
+model, a 4,096-token chunk at 28,672 keys (``bench.profile_step``, one run) 203.8 -> 203.4 ms: the merge and the
+copies ate the gain. Through HTTP the tail rows above and this together took a 32,000-token prompt's TTFT 1.219-1.224
+-> 1.201-1.205 s, no more than the tail rows alone gained in another run (stop 74's note).
+
 cuDNN builds a graph for every new shape: about 45 ms each on the H200 (the first about 0.5 s). So the shapes are
 fixed, ``piece`` queries by a multiple of ``bucket`` keys: ``max_keys / bucket`` graphs in all, which ``warm``
 builds at startup. No graph is built while requests wait. 1,024 queries a call run as fast as 4,096 (676 against
