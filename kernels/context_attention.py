@@ -21,8 +21,7 @@ A row's last new tokens short of a whole piece (its tail) take one more piece th
 overlapping the one before, unless they are at most half a piece (``tail_walks``): then they are a row of their own
 in the prefill kernel (``ContextPlan.kernel_rows``), which walks their whole context from key 0, their programs
 first. A 32,000-token prompt's last chunk (3,328 tokens: 3 pieces and 256) saves a piece a layer so: one H200, random
-Llama-3.1-8B through HTTP, three prompts before and after in one run, TTFT less the server's validation 1.190-1.211
--> 1.173-1.178 s (stop 74).
+Llama-3.1-8B through HTTP, three prompts before and after in one run, TTFT 1.223-1.228 -> 1.202-1.213 s (stop 74).
 
 Tried and not kept (stop 74): a row of exactly ``bucket`` new tokens behind whole buckets also attending to its own
 keys through cuDNN (the chunk against itself with cuDNN's causal mask, which torch aligns top-left), merged with its
