@@ -19,6 +19,7 @@ S = PIECE // 16     # the layouts below in units of PIECE / 16 tokens
 # half a piece: a second piece overlapping the first): the first two and the last take the context path
 LAYOUT = ([40 * S, 16 * S, 8 * S, 1, 20 * S, 28 * S], [70 * S, 32 * S, 100 * S, 50 * S, 10 * S, 40 * S])
 
+
 def context_for(args, bucket=BUCKET, piece=PIECE, max_keys=1 << 20, max_tokens=None):
     q = args[0]
     kv_heads = args[1].shape[1] // 2
