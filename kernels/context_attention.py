@@ -55,6 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import aligned_width
+
 BUCKET = 4096   # keys a cuDNN call takes are a multiple of this (one graph per multiple)
 PIECE = 1024    # queries a cuDNN call takes
 LOG2E = math.log2(math.e)
@@ -75,7 +77,8 @@ class ContextPlan:
     owner: "ContextAttention"
     rows: tuple[ContextRow, ...]
     kernel_rows: torch.Tensor   # [5, B'] int32: the prefill kernel's rows (req_to_token row, first new token, new
-    #                             tokens, length, keys already attended), a row's tail (``tail_walks``) apart
+    #                             tokens, length, keys already attended), a row's tail (``tail_walks``) apart; each
+    #                             of the five starts 16-byte aligned (``aligned_width``)
     max_walk: int               # the most keys the prefill kernel walks for a row (its split rule's length)
 
     def start(self, q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
@@ -127,8 +130,11 @@ class ContextAttention:
             return None
         kernel = tails + kernel         # the tails' long walks start first (the kernel's grid runs rows in order)
         max_walk = max(total - first for _, _, _, total, first in kernel)
-        kernel_rows = torch.tensor(list(zip(*kernel)), dtype=torch.int32, pin_memory=self.cudnn)
-        return ContextPlan(self, tuple(rows), kernel_rows.to(self.workspace.device, non_blocking=True), max_walk)
+        width = aligned_width(len(kernel))        # each of the five arrays 16-byte aligned, as the step's are
+        kernel_rows = torch.zeros((5, width), dtype=torch.int32, pin_memory=self.cudnn)
+        kernel_rows[:, : len(kernel)] = torch.tensor(list(zip(*kernel)), dtype=torch.int32)
+        device_rows = kernel_rows.to(self.workspace.device, non_blocking=True)[:, : len(kernel)]
+        return ContextPlan(self, tuple(rows), device_rows, max_walk)
 
     def attend(self, rows: tuple[ContextRow, ...], q: torch.Tensor, kv_layer: torch.Tensor,
                req_to_token: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,7 +80,8 @@ import triton.language as tl
 
 from . import score_mods, shared_prefix
 from .context_attention import ContextPlan
-from ._checks import (
+from ._checks import (  # noqa: F401  (aligned_width: the row arrays' layout, for the engine)
+    aligned_width,
     check_last_dim_contiguous,
     check_shape,
     check_tensor,

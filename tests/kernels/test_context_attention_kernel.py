@@ -103,6 +103,16 @@ def test_pieces_cover_a_row_and_end_at_its_last_token(q_len, piece, starts):
     assert piece_starts(q_len, piece) == starts
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_the_kernels_rows_start_16_byte_aligned(device, rows):
+    """Each of the plan's five row arrays starts 16-byte aligned, whatever the row count (a chunk with a tail is two
+    rows): Triton compiles a kernel per pointer alignment class, and the step's own arrays are aligned."""
+    args = prefill_inputs([20 * S] + [1] * (rows - 1), [32 * S] * rows, 2, 1, 32, DTYPE, device)
+    plan = plan_for(context_for(args), args)
+    assert plan.kernel_rows.shape == (5, rows + 1)     # the chunk's tail is a row of its own
+    assert [t.data_ptr() % 16 for t in plan.start(*args[:3], args[7])[0]] == [0] * 5
+
+
 @pytest.mark.parametrize("tail,walks", [(0, False), (1, True), (512, True), (513, False), (1023, False)])
 def test_a_tail_of_up_to_half_a_piece_walks_its_context_in_the_kernel(tail, walks):
     assert tail_walks(tail, 1024) is walks
