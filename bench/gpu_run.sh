@@ -31,6 +31,7 @@ fi
 stages=${*:-tests parity7b bench}
 MODEL_7B=${MODEL_7B:-/tmp/llama2-7b}
 declare -A result
+failed=0
 
 ensure_7b() {
   [ -f "$MODEL_7B/config.json" ] && return 0
@@ -415,7 +416,9 @@ from weights.tokenizer_builder import write_tokenizer as w; w('$tok', r('llama-2
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   result[$stage]="rc=$rc $(( $(date +%s) - start ))s"
+  [ "$rc" = 0 ] || failed=1
 done
 echo; echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) =="
 for stage in $stages; do echo "$stage: ${result[$stage]}"; done
 [ -f "$OUT/engine_bench.json" ] && cat "$OUT/engine_bench.json"
+exit $failed
