@@ -22,6 +22,11 @@ overlapping the one before, unless they are at most half a piece (``tail_walks``
 in the prefill kernel (``ContextPlan.kernel_rows``), which walks their whole context from key 0, their programs
 first. A 32,000-token prompt's last chunk (3,328 tokens: 3 pieces and 256) saves a piece a layer so: one H200, random
 Llama-3.1-8B through HTTP, three prompts before and after in one run, TTFT 1.223-1.228 -> 1.202-1.213 s (stop 74).
+A row of exactly ``bucket`` new tokens (every chunk of a long prompt but its last at the default step budget) takes
+them in one call (``ContextAttention.calls``). Where it is the step's only such row, at token 0 (a long prompt alone),
+the kernel starts from that call's output as it is; every other call's output is copied into the buffers. Against four
+pieces (each copied), one H200, random Llama-3.1-8B through HTTP, the two alternating, two runs each (stop 75): a
+32,000-token prompt's TTFT 1.173-1.180 -> 1.169-1.173 s, a 100,000-token one's 6.588 / 6.606 -> 6.583 / 6.585 s.
 
 Tried and not kept (stop 74): a row of exactly ``bucket`` new tokens behind whole buckets also attending to its own
 keys through cuDNN (the chunk against itself with cuDNN's causal mask, which torch aligns top-left), merged with its
@@ -31,10 +36,19 @@ model, a 4,096-token chunk at 28,672 keys (``bench.profile_step``, one run) 203.
 copies ate the gain. Through HTTP the tail rows above and this together took a 32,000-token prompt's TTFT 1.219-1.224
 -> 1.201-1.205 s, no more than the tail rows alone gained in another run (stop 74's note).
 
+Tried and not kept (stop 75; one H200, Llama-3.1-8B heads, bf16, one layer of a 4,096-token chunk: the gather, the
+cuDNN pieces and their copies, then the prefill kernel; CUDA events, ``.diag`` probes of one run): pieces whose
+contexts grow by a piece each (bucket = piece = 1,024: piece j also attends to the chunk's first j pieces through
+cuDNN, and the kernel walks only each piece's own keys, as four rows of 1,024). At 28,672 context keys 3.362 -> 3.342
+ms, at 8,192 1.331 -> 1.296, at 0 (a first chunk) 0.433 -> 0.698, for four times the graph shapes: the kernel's short
+rows took 0.258 ms against the one row's 0.462 for a quarter of its work (alone, launch included). q as the model
+passes it (a view of the fused qkv projection's output) runs a piece at 28,672 keys as fast as a contiguous copy
+(0.835 / 0.861 against 0.822 / 0.840 ms).
+
 cuDNN builds a graph for every new shape: about 45 ms each on the H200 (the first about 0.5 s). So the shapes are
-fixed, ``piece`` queries by a multiple of ``bucket`` keys: ``max_keys / bucket`` graphs in all, which ``warm``
-builds at startup. No graph is built while requests wait. 1,024 queries a call run as fast as 4,096 (676 against
-673 TFLOP/s at 28,672 keys).
+fixed, ``piece`` queries (and ``bucket`` queries, where a step holds that many tokens) by a multiple of ``bucket``
+keys: ``max_keys / bucket`` graphs each, which ``warm`` builds at startup. No graph is built while requests wait.
+1,024 queries a call run as fast as 4,096 (676 against 673 TFLOP/s at 28,672 keys).
 
 The workspace (the largest context's K/V for one layer, a ``1 / layers`` share of one longest request's KV) and
 the partial results (the step's tokens) are allocated once, before the KV cache is sized. The CPU runs the same
@@ -84,8 +98,8 @@ class ContextPlan:
     def start(self, q: torch.Tensor, kv_layer: torch.Tensor, req_to_token: torch.Tensor,
               sm_scale: float) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
         """(the prefill kernel's rows: req_row, q_start, q_len, seq_len, first, each [B']; partial outputs
-        [T', Hq, D]; their log2-sum-exps [T', Hq]) of this layer: the kernel's start for the planned rows (T' >= T:
-        the owner's buffers)."""
+        [T', Hq, D]; their log2-sum-exps [T', Hq]) of this layer: the kernel's start for the planned rows (the owner's
+        buffers, T' >= T; or one call's outputs, ``ContextAttention.attend``)."""
         return tuple(self.kernel_rows.unbind(0)), *self.owner.attend(self.rows, q, kv_layer, req_to_token, sm_scale)
 
 
@@ -106,6 +120,7 @@ class ContextAttention:
         self.workspace = torch.empty((self.max_keys, 2 * kv_heads, head_dim), dtype=dtype, device=device)
         self.mid_out = torch.zeros((max_tokens, q_heads, head_dim), dtype=dtype, device=device)
         self.mid_lse = torch.zeros((max_tokens, q_heads), dtype=torch.float32, device=device)
+        self.whole = bucket != piece and max_tokens >= bucket    # a row of a bucket's tokens takes one call (calls)
 
     @property
     def enabled(self) -> bool:
@@ -139,28 +154,42 @@ class ContextAttention:
     def attend(self, rows: tuple[ContextRow, ...], q: torch.Tensor, kv_layer: torch.Tensor,
                req_to_token: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Each planned row's queries against its context's keys (one layer): normalised outputs and log2-sum-exps
-        written at the rows' tokens of ``mid_out`` / ``mid_lse`` (returned whole)."""
+        written at the rows' tokens of ``mid_out`` / ``mid_lse``, both returned whole; but a lone row at token 0 taken
+        in one call returns that call's outputs in place of ``mid_out`` (its T tokens only: the kernel reads no other
+        token's start)."""
         attend = _attend_piece if self.cudnn else _attend_piece_ref
+        mid_out = self.mid_out
         for row in rows:
             keys = self.workspace[: row.keys]
             torch.index_select(kv_layer, 0, req_to_token[row.req_row, : row.keys], out=keys)
-            for start in piece_starts(row.q_len, self.piece):
-                tokens = slice(row.q_start + start, row.q_start + start + self.piece)
+            for start, size in self.calls(row.q_len):
+                tokens = slice(row.q_start + start, row.q_start + start + size)
                 out, lse = attend(q[tokens], keys, self.kv_heads, sm_scale)
-                self.mid_out[tokens] = out
+                if len(rows) == 1 and row.q_start == 0 and size == row.q_len:
+                    mid_out = out       # the step's one call, at token 0: its output is the kernel's start as it is
+                else:
+                    self.mid_out[tokens] = out
                 torch.mul(lse, LOG2E, out=self.mid_lse[tokens])
-        return self.mid_out, self.mid_lse
+        return mid_out, self.mid_lse
+
+    def calls(self, q_len: int) -> list[tuple[int, int]]:
+        """(first query, queries) of each cuDNN call of a row of ``q_len`` (>= piece) new tokens: one call of them all
+        when they are a whole bucket and the buffers hold one (``whole``), else its pieces (``piece_starts``)."""
+        if q_len == self.bucket and self.whole:
+            return [(0, q_len)]
+        return [(start, self.piece) for start in piece_starts(q_len, self.piece)]
 
     def warm(self) -> int:
         """Build cuDNN's graph of every shape ``attend`` can use (one call each on the workspace): none is built
         while requests wait. Returns the number of shapes."""
-        q = self.mid_out[: self.piece]
-        q.zero_()
+        self.mid_out.zero_()
         self.workspace.zero_()
         shapes = 0
-        for keys in range(self.bucket, self.max_keys + 1, self.bucket):
-            (_attend_piece if self.cudnn else _attend_piece_ref)(q, self.workspace[:keys], self.kv_heads, 1.0)
-            shapes += 1
+        for queries in (self.piece, self.bucket) if self.whole else (self.piece,):
+            for keys in range(self.bucket, self.max_keys + 1, self.bucket):
+                (_attend_piece if self.cudnn else _attend_piece_ref)(self.mid_out[:queries], self.workspace[:keys],
+                                                                      self.kv_heads, 1.0)
+                shapes += 1
         return shapes
 
 

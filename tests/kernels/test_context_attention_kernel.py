@@ -70,6 +70,41 @@ def test_context_rows_with_split_keys_give_the_prefill_attention(device, splits)
     torch.testing.assert_close(out, prefill_attention_ref(*args), **tolerance())
 
 
+def calls_recorded(monkeypatch) -> list[tuple[int, int]]:
+    """(queries, keys) of each cuDNN call (the CPU: its torch stand-in) from now on."""
+    import kernels.context_attention as module
+    name = "_attend_piece" if ON_GPU else "_attend_piece_ref"
+    real, seen = getattr(module, name), []
+    record = lambda q, keys, *a: seen.append((q.shape[0], keys.shape[0])) or real(q, keys, *a)  # noqa: E731
+    monkeypatch.setattr(module, name, record)
+    return seen
+
+
+@pytest.mark.parametrize("decode_rows", [0, 1])
+def test_a_row_of_a_whole_bucket_takes_one_call(device, monkeypatch, decode_rows):
+    """A chunk of exactly a bucket's tokens: one cuDNN call of them all. Alone at token 0 the kernel starts from that
+    call's output as it is; behind a decode row (at token 1) the output is copied into the buffers, as a piece's."""
+    args = prefill_inputs([1] * decode_rows + [BUCKET], [50 * S] * decode_rows + [2 * BUCKET + 5], 4, 2,
+                          64 if ON_GPU else 32, DTYPE, device)
+    context = context_for(args)
+    plan = plan_for(context, args)
+    seen = calls_recorded(monkeypatch)
+    _, mid_out, _ = plan.start(*args[:3], args[7])
+    assert seen == [(BUCKET, 2 * BUCKET)]
+    assert (mid_out.data_ptr() == context.mid_out.data_ptr()) is bool(decode_rows)
+    torch.testing.assert_close(prefill_attention(*args, context=plan), prefill_attention_ref(*args), **tolerance())
+
+
+def test_a_row_longer_than_a_bucket_or_buffers_short_of_one_take_pieces(device, monkeypatch):
+    args = prefill_inputs([BUCKET + PIECE], [BUCKET], 2, 1, 32, DTYPE, device)
+    seen = calls_recorded(monkeypatch)
+    plan_for(context_for(args), args).start(*args[:3], args[7])
+    assert seen == [(PIECE, BUCKET)] * (BUCKET // PIECE + 1)
+    assert context_for(args).calls(BUCKET) == [(0, BUCKET)]
+    pieces = [(start, PIECE) for start in range(0, BUCKET, PIECE)]
+    assert context_for(args, max_tokens=BUCKET - 1).calls(BUCKET) == pieces
+
+
 def test_the_plan_leaves_steps_it_cannot_hold_and_caps_the_keys(device):
     args = prefill_inputs([16 * S], [100 * S], 2, 1, 32, DTYPE, device)
     assert plan_for(context_for(args, max_tokens=16 * S - 1), args) is None          # more tokens than its buffers
@@ -132,5 +167,9 @@ def test_the_warm_up_runs_every_shape_once(device, monkeypatch):
     monkeypatch.setattr(module, "_attend_piece_ref" if not ON_GPU else "_attend_piece",
                         lambda q, keys, *a: seen.append((q.shape[0], keys.shape[0])) or real(q, keys, *a))
     context = ContextAttention(4, 2, 32, DTYPE, device, 3 * BUCKET + 5, PIECE, BUCKET, PIECE)
-    assert context.warm() == 3
+    assert context.warm() == 3      # buffers short of a bucket's tokens: pieces only
     assert seen == [(PIECE, BUCKET), (PIECE, 2 * BUCKET), (PIECE, 3 * BUCKET)]
+    seen.clear()
+    context = ContextAttention(4, 2, 32, DTYPE, device, 2 * BUCKET, BUCKET, BUCKET, PIECE)
+    assert context.warm() == 4
+    assert seen == [(PIECE, BUCKET), (PIECE, 2 * BUCKET), (BUCKET, BUCKET), (BUCKET, 2 * BUCKET)]
