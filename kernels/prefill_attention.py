@@ -284,6 +284,14 @@ class PrefillLaunch(NamedTuple):
 #   tensor descriptor, the slots assumed one run): whole 32k 494-513 -> 510-511 TFLOP/s, a 4,096-token chunk at
 #   100k keys 490-497 -> 491-508, 100k 496 -> 503, at this launch; with `tl.range(..., warp_specialize=True)` 515
 #   and 508 (4 warps failed to compile). Not worth a second walk and the slot-run bookkeeping it needs.
+#   A chunk's own keys (its causal walk behind a cuDNN context, 16 blocks a program on average) run at 330-350
+#   TFLOP/s against 480-495 on long walks. Tried and not kept (stop 75, one H200, one run; ms for a whole 4,096-token
+#   prompt / a 4,096-token chunk's walk behind 28,672 cuDNN keys / a whole 32k prompt, launch included): the other
+#   launches (bench.prefill_attention_bench's sweep on the whole 4k: its best 0.48, this launch 0.41 timed first and
+#   0.50 within the sweep; in a probe, this launch 0.389 / 0.415, 128 rows x 64 keys with the prefetch 0.388 /
+#   0.414, 64-row tiles 0.474 / 0.498 at best); the grid's query blocks interleaved across head groups (every
+#   group's longest walks first) 0.392 / 0.511 / 18.39 against 18.27; range 1 and the diagonal in one pipelined loop
+#   with the causal mask on every block (another run) 0.475 / 0.573 / 21.52 against 0.413 / 0.462 / 17.82.
 # - 64 and 256: not timed yet; from ptxas's report for sm_90a (no spill: 8 warps, 64 / 32 keys a step;
 #   float32 smaller tiles).
 CUDA_LAUNCHES = {64: PrefillLaunch(128, 64, 8, 2), 128: PrefillLaunch(128, 128, 8, 3, prefetch=True),
