@@ -80,11 +80,12 @@ def calls_recorded(monkeypatch) -> list[tuple[int, int]]:
     return seen
 
 
-@pytest.mark.parametrize("decode_rows", [0, 1])
-def test_a_row_of_a_whole_bucket_takes_one_call(device, monkeypatch, decode_rows):
-    """A chunk of exactly a bucket's tokens: one cuDNN call of them all. Alone at token 0 the kernel starts from that
-    call's output as it is; behind a decode row (at token 1) the output is copied into the buffers, as a piece's."""
-    args = prefill_inputs([1] * decode_rows + [BUCKET], [50 * S] * decode_rows + [2 * BUCKET + 5], 4, 2,
+@pytest.mark.parametrize("decode_rows,tail", [(0, 0), (1, 0), (0, PIECE // 2)])
+def test_a_row_of_a_whole_bucket_takes_one_call(device, monkeypatch, decode_rows, tail):
+    """A chunk of exactly a bucket's tokens (and a tail, a kernel row of its own): one cuDNN call of them all. Alone
+    at token 0 the kernel starts from that call's output as it is; behind a decode row (at token 1) the output is
+    copied into the buffers, as a piece's."""
+    args = prefill_inputs([1] * decode_rows + [BUCKET + tail], [50 * S] * decode_rows + [2 * BUCKET + 5], 4, 2,
                           64 if ON_GPU else 32, DTYPE, device)
     context = context_for(args)
     plan = plan_for(context, args)
