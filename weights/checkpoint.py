@@ -321,7 +321,9 @@ def count_non_finite(tensor: torch.Tensor) -> torch.Tensor:
     """How many NaN or infinite values a tensor holds (0 for integer dtypes): an int64 scalar on its device, counted
     in chunks with no wait. One-byte floats (float8) are tested as float16, which holds every one of their values.
     The elements less the finite ones: three operations a tensor (five before, with a zero to add to and a negation;
-    a load reads thousands of tensors, each op a launch on a GPU)."""
+    a load reads thousands of tensors, each op a launch on a GPU). On one H200, loading random Llama-3.1-8B in
+    bfloat16 (three loads each, alternating, stop 75): 2.07-2.25 s with this check, 2.08-2.18 with the five
+    operations, 2.17-2.23 with none; no cost that a load shows."""
     if not tensor.is_floating_point() or not tensor.numel():
         return torch.zeros((), dtype=torch.int64, device=tensor.device)
     finite = None
