@@ -13,6 +13,14 @@ device's measured copy bandwidth that gives the fastest batch-1 decode possible,
 
 and the report gives ours as a fraction of it (the issue's target: >= 70%).
 
+Why Qwen3-30B-A3B stays near 60% (stop 76, one H200, ``.diag/s76_reads.py``: launches replayed back to back from a
+CUDA graph over copies of the weight that L2 cannot hold, us a launch): a pure-read Triton kernel over N bytes took
+about 2.5 us + N / 4.58 TB/s (router 0.5 MB 2.0 us, o_proj 16.8 MB 6.0, q|k|v 21 MB 6.9, 50 MB 14.6, LM head 622 MB
+138.2), and the skinny GEMM matched it at every size (1.9, 6.0, 6.3, 14.1 and 139.4 us). So the GEMVs are at the
+read floor of a launch; what a batch-1 step loses against this floor is each dependent launch's fixed 2-2.5 us
+(PDL hides only part of it): Qwen3's layer is eleven of them for 114 MB of weights (25 us of bytes at 4.58 TB/s),
+against about 49 us a layer measured (a 16-layer step of 0.930 ms, 0.139 of it the LM head).
+
 ``--routing-ab``: then one MoE block at batch 1 in a CUDA graph (``moe_layer_ab``), and batch-1
 decode again (``routing_ab``), as each of ``ROUTING_VARIANTS``, every one adding a change to the
 one before: torch's ops for routing and alignment (``moe_route_ref``, ``align_by_expert_torch``:

@@ -33,6 +33,13 @@ MoE down kernel each prefetching their whole slice; two runs each): per 128-byte
 bfloat16 Llama-2-7B 3.678 -> 4.694 ms, GPTQ Llama-2-7B 2.209 -> 2.593, Qwen3-30B-A3B (16 layers) 0.927 -> 1.033; per
 row (``cp.async.bulk.prefetch.L2``) 3.723 -> 8.931, 2.209 -> 2.590 and 0.930 -> 1.391. The early reads take
 bandwidth from the launch still running and the L2 space its data needs.
+
+Nor did prefetching a later launch's weights into L2 while the launches before it leave the DRAM idle (stop 76, one
+H200, Qwen3-30B-A3B 16 layers, ``bench.profile_step`` batch 1, GPU ms a step; ``.diag/s76_prefetch.py``, not kept): a
+PDL launch of ``prefetch.global.L2`` per 128-byte line (it lets the next kernel launch at once and waits before it
+ends) after the rotary launch, for the layer's o_proj (the attention runs meanwhile), took the step 0.930 -> 0.988
+(base and this: two runs each); after the router's product, for the next layer's q|k|v (past the expert launches),
+0.974 with ``L2::evict_last`` and 0.962 without it (one run each); both 1.032 (two runs).
 """
 from __future__ import annotations
 

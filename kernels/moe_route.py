@@ -13,6 +13,13 @@ logit) still chooses k real experts, the lowest ids first, with NaN weights: an 
 the last expert would send the expert kernels out of bounds. In torch these were six to eight
 launches per MoE layer, each a few microseconds of a batch-1 decode step that reads only a few MB
 of expert weights.
+
+Tried and not kept (stop 76, ``.diag/s76_routed_moe_tried.patch``): no routing launch for one token, each program of
+the two one-token expert kernels routing the token from its logits itself (this kernel's loop as a shared function;
+the down kernel before its PDL wait). Its outputs were bit-equal to this launch's on the GPU, but on one H200 Qwen3-
+30B-A3B's 16-layer batch-1 step (``bench.profile_step``, three runs each, alternating) went 0.930-0.931 -> 1.048-1.050
+ms: every one of the gate|up launch's 3,072 programs (2 warps each) pays the top-k loop's 16 reductions before its
+first weight load, where the one routing program paid them once.
 """
 from __future__ import annotations
 
