@@ -25,6 +25,7 @@ from engine.models import family_for, load_model_config
 from engine.models.config import ModelConfig
 from engine.models.medusa import check_head_count, is_medusa_dir, open_heads, read_medusa_config
 from engine.models.parallel import TensorParallel
+from engine.models.rope import plain_rope_length
 from engine.ops import BACKENDS, default_backend
 from engine.router.allocator import SlotAllocator
 from engine.router.router import Router
@@ -139,9 +140,16 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         attention_tile=attention_tile(model_config, worker),
         waiting_served_ratio=config.waiting_served_ratio, max_waiting_steps=config.max_waiting_steps,
         max_seq_len=max_seq_len, admission=config.admission, prefix_caching=config.prefix_caching,
-        speculate=config.speculate, draft_heads=config.draft_heads is not None)
+        speculate=config.speculate, draft_heads=config.draft_heads is not None,
+        rope_plain_len=rope_plain_len(model_config, max_seq_len))
     return EnginePlan(config, model_config, worker, scheduler, eos_token_ids(config.model_dir, model_config),
                       num_shards)
+
+
+def rope_plain_len(model_config: ModelConfig, max_seq_len: int) -> int | None:
+    """``SchedulerConfig.rope_plain_len``: the model's ``plain_rope_length`` where requests may outgrow it."""
+    plain = plain_rope_length(model_config)
+    return plain if plain is not None and max_seq_len > plain else None
 
 
 # The prefill attention's FLOP rate over the matmuls': bench.prefill_attention_bench on one H100

@@ -29,7 +29,8 @@ import torch
 from engine.models.config import ModelConfig
 from engine.models.parallel import TensorParallel
 from engine.models.quantized import LinearWeight, fuse
-from engine.models.rope import build_cos_sin_cache, build_longrope_cache, cos_sin_rows, dynamic_inv_freq
+from engine.models.rope import (build_cos_sin_cache, build_longrope_cache, cos_sin_rows, dynamic_inv_freq,
+                                plain_rope_length)
 from kernels.score_mods import ScoreMods
 
 
@@ -133,18 +134,17 @@ class LayerNorm:
 class Rotary:
     """The cos/sin rows the rotary kernel reads for a batch's new tokens.
 
-    Every rope type but ``dynamic`` reads one precomputed table by position. ``dynamic``
-    (NTK) follows transformers per forward pass: every new token of a row is rotated with
-    the base for that row's sequence length at the end of this step (the plain base while
-    it is within the trained context). A prompt prefilled in one step therefore uses the
-    base of its whole length, a decoded token at position p the base for p + 1 tokens, and
-    keys already cached keep their rotation. With chunked prefill the base follows each
-    chunk's end (what transformers computes when fed the same chunks).
+    Every rope type but ``dynamic`` and ``longrope`` reads one precomputed table by position. Those
+    two rotate a token by the length of the forward pass that computes it in transformers' ``generate``
+    (``rope.plain_rope_length``): a token at position p of a request whose prompt has n tokens takes the
+    rotation of L = max(n, p + 1) tokens. A prompt's tokens all take its whole length's, in one step or
+    in chunks; a decoded (or drafted) token at p that of p + 1 tokens; keys already cached keep theirs.
+    The batch gives L per token (``ForwardBatch.token_seq_len``) where a row holds prompt tokens; without
+    it, every row is a decode or verify row and L = p + 1.
 
-    ``longrope`` (Phi-3) follows the same per-step rule with two fixed tables: a new token of a
-    row whose sequence at the end of this step is longer than ``original_max_position_embeddings``
-    reads the long-factor table, else the short-factor one (transformers picks the set by the
-    forward pass's sequence length); both carry the attention factor.
+    ``dynamic`` (NTK) uses the plain base while L is within the trained context, else the NTK base of L.
+    ``longrope`` (Phi-3) reads one of two fixed tables: the long-factor one when L is longer than
+    ``original_max_position_embeddings``, else the short-factor one; both carry the attention factor.
     """
 
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
@@ -154,26 +154,20 @@ class Rotary:
         self.table = (build_longrope_cache(config, max_positions, dtype, device) if self.longrope
                       else build_cos_sin_cache(config, max_positions, dtype, device))
         self.dynamic = config.rope.rope_type == "dynamic"
+        self.plain_length = plain_rope_length(config)
 
     def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(table, index of each new token's row in it)."""
-        if not self.dynamic and not self.longrope:
+        if self.plain_length is None:
             return self.table, batch.positions
-        tokens = batch.positions.shape[0]
-        if batch.token_seq_len is not None:
-            seq_len = batch.token_seq_len
-        else:
-            seq_len = batch.seq_len if batch.is_decode else torch.repeat_interleave(
-                batch.seq_len, batch.q_len, output_size=tokens)
+        seq_len = batch.token_seq_len if batch.token_seq_len is not None else batch.positions + 1
+        longer = seq_len > self.plain_length
         if self.longrope:
-            long = seq_len > self.config.rope.original_max_position_embeddings
-            return self.table, batch.positions + long.to(batch.positions.dtype) * self.max_positions
-        trained = self.config.max_position_embeddings
-        inv_freq = dynamic_inv_freq(self.config, seq_len.clamp(min=trained).to(torch.float32))
+            return self.table, batch.positions + longer.to(batch.positions.dtype) * self.max_positions
+        inv_freq = dynamic_inv_freq(self.config, seq_len.clamp(min=self.plain_length).to(torch.float32))
         rows = cos_sin_rows(batch.positions, inv_freq.to(batch.positions.device), self.dtype)
-        plain = seq_len <= trained
-        rows = torch.where(plain[:, None], self.table[batch.positions], rows)
-        return rows, torch.arange(tokens, device=rows.device)
+        rows = torch.where(longer[:, None], rows, self.table[batch.positions])
+        return rows, torch.arange(batch.positions.shape[0], device=rows.device)
 
 
 @dataclass

@@ -14,6 +14,22 @@ import torch
 from engine.models.config import ModelConfig, RopeConfig
 
 
+def plain_rope_length(config: ModelConfig) -> int | None:
+    """The longest sequence whose tokens all take the rotation of their position alone, or None when every
+    length does. Past it ``dynamic`` (NTK) and ``longrope`` (Phi-3) rotate a token by the length of the
+    forward pass that computes it, as transformers does (``max(position_ids) + 1``): ``generate`` prefills a
+    whole prompt in one pass and then decodes a token a pass, so a token at position p of a request whose
+    prompt has n tokens takes the rotation of max(n, p + 1) tokens (``layers.Rotary``), whatever chunks the
+    engine cuts the prompt into, and the prefix cache holds and gives only tokens within this length
+    (``engine.router.scheduler``)."""
+    rope = config.rope
+    if rope.rope_type == "longrope":
+        return rope.original_max_position_embeddings
+    if rope.rope_type == "dynamic":
+        return config.max_position_embeddings
+    return None
+
+
 def base_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     return 1.0 / (theta**exponents)

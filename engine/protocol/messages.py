@@ -106,6 +106,9 @@ class StepRow:
     # A row (prompt chunk or decode) of the step's shared-prefix group: positions 0..shared_prefix_len-1
     # hold the same slots in every member's req_to_token row (engine.router.shared_prefix, cascade attention)
     shared_prefix_len: int = 0
+    # A prompt chunk's: the whole prompt's length (a rope whose rotation depends on the forward pass's length
+    # rotates every prompt token by it: ``engine.models.rope.plain_rope_length``); 0 in other rows
+    prompt_len: int = 0
 
 
 @dataclass

@@ -49,6 +49,11 @@ Prefix cache (``engine.router.prefix_cache``, on unless ``prefix_caching=False``
     later step only after the device has run every earlier one;
   * admission counts each running request's exclusive tokens plus the locked tree tokens it
     pins longest (``PinnedTokens``): shared tokens count once, evictable ones as free.
+  * with a rope that rotates a token by the length of the forward pass computing it (``dynamic``,
+    ``longrope``: ``engine.models.rope.plain_rope_length``), a cached key is the same for every
+    request only within ``rope_plain_len`` tokens: a prompt longer than that neither takes nor
+    leaves a cached prefix, and a shorter one leaves at most its first ``rope_plain_len`` tokens
+    (``_cacheable``), so the cache never changes a token's rotation.
 
 Speculation (``speculate`` > 0, TGI's ``--speculate``): every request (``speculates``) decodes
 through verify rows ``[FED_BACK, d1 .. dn]``, whose drafts ``d`` come
@@ -133,6 +138,8 @@ class SchedulerConfig:
     max_draft_pause: int = MAX_DRAFT_PAUSE   # plain rows at most between draft attempts after misses; 0: none
     verify_step_cost: float = VERIFY_STEP_COST   # a verify step's extra cost per row (module docstring); 0: no gate
     draft_heads: bool = False            # drafts come from the shard's Medusa heads (``RowResult.drafts``), not n-grams
+    rope_plain_len: int | None = None    # the prefix cache holds and gives only tokens within it (module docstring);
+                                         # None: every token (the rope rotates by position alone)
 
     def __post_init__(self):
         if self.admission not in ADMISSION_RULES:
@@ -399,13 +406,23 @@ class Scheduler:
     def _match(self, request: Request) -> Match:
         """The cached prefix a request would take: never its last prompt token, nothing when it
         asks for prompt logprobs (they need every prompt token's logits)."""
-        if self.cache is None or request.params.prompt_logprobs:
+        if self.cache is None or request.params.prompt_logprobs or not self._cacheable(request):
             return Match()
         return self.cache.match(request.prompt_ids[:-1])
 
+    def _cacheable(self, request: Request) -> int:
+        """How many of a request's first tokens the prefix cache may give it and hold of it: all of them, but
+        with a rope that rotates by the forward pass's length (``SchedulerConfig.rope_plain_len``) only
+        tokens that took the plain rotation: none of a prompt longer than that length, else the tokens
+        within it (``engine.models.rope.plain_rope_length``)."""
+        limit = self.config.rope_plain_len
+        if limit is None:
+            return self.config.max_seq_len
+        return 0 if len(request.prompt_ids) > limit else limit
+
     def _should_wait_for_a_prefill(self, request: Request, match: Match) -> bool:
         """Whether a running request's unfinished prefill will cache much more of this prompt."""
-        if self.cache is None or request.params.prompt_logprobs:
+        if self.cache is None or request.params.prompt_logprobs or not self._cacheable(request):
             return False
         want = len(request.prompt_ids) - 1 - match.length
         if want < DEFER_MIN_TOKENS:
@@ -453,7 +470,7 @@ class Scheduler:
             request_id=request.request_id, row=self.allocator.row(request.request_id), start_pos=start,
             input_ids=chunk, slots=self.allocator.allocate(request.request_id, len(chunk)), sample=last_chunk,
             params=request.params if first else None, seed=request.seed, logprob_targets=targets,
-            prefix=prefix, prefix_ids=prefix_ids,
+            prefix=prefix, prefix_ids=prefix_ids, prompt_len=len(request.prompt_ids),
         )
         request.prefilled = end
         request.pending += last_chunk
@@ -467,6 +484,8 @@ class Scheduler:
         Skipped when the tree learned more of this prompt since admission (another request
         prefilled it too): this request's copy then stays its own.
         """
+        if not self._cacheable(request):
+            return
         prompt = request.prompt_ids
         slots = self.allocator.slots(request.request_id)[: len(prompt)]
         node = self.cache.extend(request.lock_node, request.cached_len, prompt, slots)
@@ -604,9 +623,9 @@ class Scheduler:
         token has KV only if a decode row fed it (then it has a slot).
         """
         slots = self.allocator.slots(request.request_id)
-        tokens = (request.prompt_ids + request.generated)[: len(slots)]
+        tokens = (request.prompt_ids + request.generated)[: min(len(slots), self._cacheable(request))]
         slots = slots[: len(tokens)]
-        if self.cache.extend(request.lock_node, request.cached_len, tokens, slots) is None:
+        if tokens and self.cache.extend(request.lock_node, request.cached_len, tokens, slots) is None:
             self.cache.insert(tokens, slots)
         self.cache.unlock_node(request.lock_node)
         request.lock_node = None

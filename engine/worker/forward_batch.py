@@ -33,8 +33,8 @@ class ForwardBatch:
     # first P positions share their slots (kernels.shared_prefix, cascade attention)
     shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
     max_seq_len: int | None = None   # host copy of max(seq_len) where known (long contexts split their keys)
-    # [T] each token's row's seq_len, where a padded forward holds it (rotary scaling reads it; else it is
-    # formed from seq_len and q_len)
+    # [T] the sequence length whose rotation each token takes, max(its prompt's length, position + 1), where
+    # a row holds prompt tokens and the rope depends on it (``layers.Rotary``; without it: position + 1)
     token_seq_len: torch.Tensor | None = None
     # The layers' prefill attention, when not ``ops.prefill_attention``: piecewise CUDA graphs
     # (``engine.worker.piecewise``) split their capture there and run it eagerly on the step's own rows. With
@@ -103,6 +103,11 @@ def ragged_inputs(rows) -> RaggedInputs:
         inputs.q_len.append(n)
         inputs.seq_len.append(r.start_pos + n)
     return inputs
+
+
+def rope_lengths(rows) -> list[int]:
+    """``ForwardBatch.token_seq_len`` of a step's rows: max(the row's prompt length, position + 1) a token."""
+    return [max(r.prompt_len, p + 1) for r in rows for p in range(r.start_pos, r.start_pos + len(r.input_ids))]
 
 
 def context_plan(context: ContextAttention | None, x: RaggedInputs) -> ContextPlan | None:

@@ -41,6 +41,7 @@ from engine.models.config import ModelConfig
 from engine.models.layers import attention_blocks, gemm_weights
 from engine.models.medusa import DraftHeads, read_medusa_config
 from engine.models.parallel import TensorParallel
+from engine.models.rope import plain_rope_length
 from engine.ops import KernelOps, default_backend
 from engine.protocol.messages import (FED_BACK, NO_PREFIX, PrefixSlots, RowResult, SamplingParams, Step, StepResult,
                                       StepRow)
@@ -50,7 +51,7 @@ from engine.sampling.watermark import WatermarkConfig
 from engine.transfer import start_to_host, to_device
 from engine.worker.cuda_graphs import HeadGraphs, PaddedDecoder, PaddedVerifier
 from engine.worker.forward_batch import (SHARED_PREFIX_MIN_ROWS, ForwardBatch, context_plan, output_rows,
-                                        ragged_inputs, read_tokens, shared_prefix_tensors)
+                                        ragged_inputs, read_tokens, rope_lengths, shared_prefix_tensors)
 from engine.worker.gemm_warmup import padded_tokens, padding_row, warm_gemms
 from engine.worker.kv_cache import KVCache, kv_cache_dtype, read_kv_scales
 from engine.worker.piecewise import PiecewiseGraphs
@@ -137,6 +138,7 @@ class ModelWorker:
             # device's free memory then got a tenth of the card (spec_bench verify after demo: 492 free).
             torch.cuda.empty_cache()
         self.model = build_model(self.model_config, self.ops, config.dtype, config.device, config.max_seq_len, tp)
+        self.rope_by_length = plain_rope_length(self.model_config) is not None    # ForwardBatch.token_seq_len
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype)
         with open_checkpoint(config.model_dir) as checkpoint:
             self.model.load_weights(checkpoint)
@@ -465,6 +467,7 @@ class ModelWorker:
             q_len=to_device(x.q_len, torch.int32, dev), seq_len=to_device(x.seq_len, torch.int32, dev),
             max_q_len=max(x.q_len), is_decode=max(x.q_len) == 1, shared_prefix=shared_prefix_tensors(rows, dev),
             max_seq_len=max(x.seq_len), context=context_plan(self.context_attention, x),
+            token_seq_len=to_device(rope_lengths(rows), torch.int64, dev) if self.rope_by_length else None,
         )
         if narrow is None:
             return batch

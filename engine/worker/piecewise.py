@@ -39,7 +39,7 @@ import torch
 
 from engine.protocol.messages import FED_BACK, Step
 from engine.transfer import to_device
-from engine.worker.forward_batch import (ForwardBatch, RaggedInputs, context_plan, ragged_inputs,
+from engine.worker.forward_batch import (ForwardBatch, RaggedInputs, context_plan, ragged_inputs, rope_lengths,
                                         shared_prefix_tensors)
 from kernels.context_attention import ContextAttention, ContextPlan
 from kernels.prefill_attention import aligned_width
@@ -134,8 +134,7 @@ class PiecewiseGraphs:
         host = self.hosts[self.turn]
         if self.copied is not None:
             self.copied[self.turn].synchronize()            # long done: two steps ago
-        token_seq_len = [n for n, q in zip(x.seq_len, x.q_len) for _ in range(q)]
-        host[:, :count] = torch.tensor([x.input_ids, x.positions, x.slots, x.token_rows, token_seq_len])
+        host[:, :count] = torch.tensor([x.input_ids, x.positions, x.slots, x.token_rows, rope_lengths(step.rows)])
         self._pad(host, count, size)
         self.inputs[:, :size].copy_(host[:, :size], non_blocking=True)
         if self.copied is not None:

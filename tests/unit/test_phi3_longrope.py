@@ -2,7 +2,9 @@
 
 Which set transformers uses: a forward pass whose sequence (``max(position_ids) + 1``) is longer
 than ``original_max_position_embeddings`` rotates with the long factors, else the short ones.
-Our engine applies that rule per row and step (``layers.Rotary``). One difference is deliberate:
+Our engine applies that rule as ``generate`` meets it: a prompt's tokens by the prompt's length, a decoded
+token by its position + 1, whatever the chunks (``layers.Rotary``, ``tests/unit/test_rope_by_length.py``).
+One difference is deliberate:
 when a sequence crosses the original context *during decoding*, transformers' Phi-3
 ``prepare_inputs_for_generation`` throws its cache away and re-prefills the whole sequence with
 the long factors; we (like TGI and vLLM) keep the keys already cached. So ``generate`` parity is
