@@ -22,8 +22,8 @@ Extra: `tgi_kv_cache_usage` (0..1, TGI issue #3275), `tgi_kv_cache_used_slots` /
 `tgi_prefix_cache_hit_tokens` (prompt tokens of admitted requests, and of those the ones
 taken from the cache: their rates' ratio is the hit rate) and `tgi_prefix_cache_evicted_tokens`;
 with `--speculate`, `tgi_speculation_drafted_tokens` and `tgi_speculation_accepted_tokens` (draft
-tokens verified, and of those accepted: their ratio is the acceptance rate), the accepted ones also
-as TGI's `tgi_request_speculated_tokens`; and the front end's tokenizer piece cache
+tokens verified, and of those accepted and appended: their ratio is the acceptance rate); and the front end's
+tokenizer piece cache
 (``tgi_compat.text_pieces.PieceCache``): `tgi_tokenizer_piece_cache_hits` / `_misses` (pieces of long
 prompts found in it / encoded) and `tgi_tokenizer_piece_cache_chars` (characters it holds).
 
@@ -33,6 +33,13 @@ gauges show the latest router status (``mostrecent``), and only the first front 
 router's step numbers. The router's own totals (prefix cache, speculation) are read from its status at
 each scrape (``_RouterTotals``), never added up per process; each front end's tokenizer has a piece cache
 of its own, whose counts and characters are added up.
+
+TGI's speculation metric is `tgi_request_skipped_tokens`: one observation per generation (a request's tokens
+from one step; TGI's router records ``len(tokens) - 1``, the accepted drafts appended besides the step's own
+token, 0 for a plain row or a prompt's first token). Its buckets here are 0 .. ``--speculate``, as TGI's
+server.rs once set them (the current one leaves them out, so its exporter renders a summary: the same `_sum`
+and `_count`). It is a router total as well: the status's numbers of results by accepted drafts
+(``speculation_skipped_tokens``, ``Scheduler.speculation_status``) become its cumulative buckets.
 """
 from __future__ import annotations
 
@@ -45,7 +52,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -80,23 +87,36 @@ ROUTER_TOTALS = [   # (metric, the router status key of its total, help)
     ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache"),
     ("prefix_cache_evicted_tokens", "prefix_cache_evicted_tokens", "Cached tokens evicted to make room"),
     ("speculation_drafted_tokens", "speculation_drafted_tokens", "Draft tokens verified (--speculate)"),
-    ("speculation_accepted_tokens", "speculation_accepted_tokens", "Draft tokens accepted (--speculate)"),
-    ("request_speculated_tokens", "speculation_accepted_tokens",
-     "Speculated (drafted) tokens accepted, TGI's name"),
+    ("speculation_accepted_tokens", "speculation_accepted_tokens", "Draft tokens accepted and appended (--speculate)"),
 ]
+SKIPPED_TOKENS_KEY = "speculation_skipped_tokens"    # [k]: generations that appended k accepted drafts
 
 
 class _RouterTotals(Collector):
-    """The router's counters, as its latest status gives them (totals since it started)."""
+    """The router's counters and its `tgi_request_skipped_tokens`, as its latest status gives them (totals since
+    it started)."""
 
     def __init__(self):
         self.totals: dict[str, float] = {}
+        self.skipped_tokens: tuple[int, ...] = ()
 
     def collect(self):
         for name, key, help_text in ROUTER_TOTALS:
             family = CounterMetricFamily(f"tgi_{name}", help_text)
             family.add_metric([], self.totals.get(key, 0))
             yield family
+        yield skipped_tokens_histogram(self.skipped_tokens)
+
+
+def skipped_tokens_histogram(counts: tuple[int, ...]) -> HistogramMetricFamily:
+    """TGI's `tgi_request_skipped_tokens` from the numbers of generations that skipped 0, 1, .. tokens."""
+    buckets, seen = [], 0
+    for skipped, count in enumerate(counts):
+        seen += count
+        buckets.append((str(float(skipped)), seen))
+    return HistogramMetricFamily("tgi_request_skipped_tokens", "Accepted draft tokens per generation (speculation)",
+                                 buckets=[*buckets, ("+Inf", seen)],
+                                 sum_value=sum(skipped * count for skipped, count in enumerate(counts)))
 
 
 class PieceCacheMetrics:
@@ -232,6 +252,7 @@ class ServerMetrics:
             self.num_shards.set(stats["num_shards"])
         self.prefix_cache_tokens.set(stats.get("prefix_cache_tokens", 0))
         self._router_totals.totals = {key: stats.get(key, 0) for _, key, _ in ROUTER_TOTALS}
+        self._router_totals.skipped_tokens = tuple(stats.get(SKIPPED_TOKENS_KEY, ()))
 
     def names(self) -> set[str]:
         """Every metric family this app exports (TGI's names)."""

@@ -222,9 +222,18 @@ class Request:
 
 @dataclass
 class SpeculationStats:
-    """Cumulative draft counts, for /metrics (``RouterStatus``)."""
-    drafted_tokens: int = 0      # draft tokens sent for verification
-    accepted_tokens: int = 0     # of those, accepted by the shard
+    """Cumulative draft counts, for /metrics (``RouterStatus``), counted as results are applied (none of a row
+    whose request finished or was aborted while it was in flight)."""
+    drafted_tokens: int = 0      # draft tokens of the verify rows whose results were applied
+    accepted_tokens: int = 0     # of those, accepted and appended (none past a stop)
+    skipped_tokens: list[int] = field(default_factory=lambda: [0])  # [k], k = 0..speculate: results (of any row)
+                                                                     # that appended k accepted drafts (TGI's
+                                                                     # ``tgi_request_skipped_tokens``)
+
+    def applied(self, drafted: int, accepted: int) -> None:
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.skipped_tokens[accepted] += 1
 
 
 class Scheduler:
@@ -241,16 +250,18 @@ class Scheduler:
         self.min_chunk = min(max(MIN_PROMPT_CHUNK, config.attention_tile), config.max_prefill_tokens)
         self.prefill_delay = prefill_delay_bound(config, allocator.num_slots)
         self.last_filter_s = 0.0        # the last ``process`` call's time freeing finished requests
-        self.speculation = SpeculationStats()
+        self.speculation = SpeculationStats(skipped_tokens=[0] * (config.speculate + 1))
         log.info("prefix caching %s",
                  "on" if self.cache is not None else "off (--prefix-caching false / PREFIX_CACHING=0)")
 
-    def speculation_status(self) -> dict[str, int]:
-        """The draft counters, as ``RouterStatus`` fields (none when speculation is off)."""
+    def speculation_status(self) -> dict[str, int | tuple[int, ...]]:
+        """The draft counters and ``tgi_request_skipped_tokens``'s counts, as ``RouterStatus`` fields (none when
+        speculation is off)."""
         if not self.config.speculate:
             return {}
         return {"speculation_drafted_tokens": self.speculation.drafted_tokens,
-                "speculation_accepted_tokens": self.speculation.accepted_tokens}
+                "speculation_accepted_tokens": self.speculation.accepted_tokens,
+                "speculation_skipped_tokens": tuple(self.speculation.skipped_tokens)}
 
     def prefix_cache_status(self) -> dict[str, int]:
         """The prefix cache's numbers, as ``RouterStatus`` fields (none when it is off)."""
@@ -474,6 +485,8 @@ class Scheduler:
         )
         request.prefilled = end
         request.pending += last_chunk
+        if request.speculates:
+            request.drafter.index(end)         # a long prompt's n-gram index, a chunk a step (engine.router.drafter)
         if last_chunk and self.cache is not None:
             self._cache_prompt(request)
         return row
@@ -522,7 +535,6 @@ class Scheduler:
             room = spare.take(min(self.config.speculate, request.remaining - 1))
             drafts = request.drafter.propose(room, ahead=request.pending)   # behind a row in flight: guessed
             spare.give_back(room - len(drafts))
-            self.speculation.drafted_tokens += len(drafts)
             request.verifying = bool(drafts)
         elif request.speculates and request.draft_pause > 0:
             request.draft_pause -= 1
@@ -565,20 +577,27 @@ class Scheduler:
         self.last_filter_s = time.perf_counter() - started
         return events
 
-    def _append_tokens(self, request: Request, row: StepRow, res: RowResult, events: list) -> str | None:
+    def _append_tokens(self, request: Request, row: StepRow, res: RowResult, events: list) -> bool:
         """A row's tokens (a verify row's: the accepted drafts and one more) through the stop criteria,
-        one by one; returns the finish reason, if any. A speculating request then drops the slots
+        one by one, up to a stop or a kept draft that failed in the worker (its error ends the request after
+        the tokens before it); returns whether the request ended. A speculating request then drops the slots
         past its newest token's position (rejected drafts' KV, or tokens after a stop)."""
         decode = row.input_ids[0] == FED_BACK
         request.pending -= len(row.input_ids) if decode else 1
-        reason = None
+        ended, appended = False, 0
         for token in [res, *res.following]:
+            if token.error is not None:
+                events.append((request, token, None))
+                ended = True
+                break
             request.generated.append(token.token_id)
+            appended += 1
             reason = self._stop_reason(request, token.token_id)
             events.append((request, token, reason))
             if reason:
+                ended = True
                 break
-        self.speculation.accepted_tokens += len(res.following)
+        self.speculation.applied(len(row.input_ids) - 1 if decode else 0, appended - 1)
         if decode and len(row.input_ids) > 1:
             request.verifying = False
             request.draft_gain = (request.draft_gain + len(res.following)) / 2
@@ -596,7 +615,7 @@ class Scheduler:
                 request.draft_gain = max(request.draft_gain, PRIOR_DRAFT_GAIN)
             if decode:
                 self.allocator.truncate(request.request_id, request.held_tokens - 1)
-        return reason
+        return ended
 
     @staticmethod
     def _stop_reason(request: Request, token_id: int) -> str | None:

@@ -604,7 +604,8 @@ class ModelWorker:
                         penalties.add(scratch_row, row.input_ids[1 : j + 1])
                         scratch.append(scratch_row)
                 if state.grammar is not None and width > 1:
-                    for j, matcher in enumerate(draft_matchers(state.grammar, row.input_ids[1:]), start=1):
+                    matchers = draft_matchers(state.grammar, row.input_ids[1:], self.sampler.grammars.vocab_size)
+                    for j, matcher in enumerate(matchers, start=1):
                         expanded[position + j].grammar = matcher
                 position += width
         sample = self.sampler.launch(logits, expanded, greedy=picks)
@@ -618,19 +619,20 @@ class ModelWorker:
         """The kept tokens into the results and into each row's state (seed step, grammar; the
         sampler counted the first for penalties on the device already, a verify row's others are
         added here). A verify row keeps its choices while they equal its drafts, and the first that
-        differs."""
+        differs. A kept token that fails (NaN scores, the grammar) is the row's last: the request ends
+        with its error after the tokens before it, as plain decoding's rows would have given them."""
         position = 0
         for j, i in enumerate(sampled):
             width = logit_positions(rows[j])
             kept = accepted_length(rows[j].input_ids[1:width], out.token_ids[position : position + width]) + 1
             kept_results = [RowResult(rows[j].request_id) for _ in range(kept - 1)]
-            for res, p in zip([results[i], *kept_results], range(position, position + kept)):
+            for n, (res, p) in enumerate(zip([results[i], *kept_results], range(position, position + kept))):
                 res.token_id, res.logprob = out.token_ids[p], out.logprobs[p]
                 res.top_ids, res.top_logprobs = out.top_ids[p], out.top_logprobs[p]
                 _advance(states[j], res)
-            # a kept draft's failure ends the request as the row's own would (the router reads the row's error)
-            if kept_results and results[i].error is None:
-                results[i].error = next((res.error for res in kept_results if res.error), None)
+                if res.error is not None:
+                    del kept_results[n:]     # keeps the failed one (n - 1) unless it is the row's own (n = 0)
+                    break
             if kept_results and states[j].penalty_row >= 0:
                 with torch.inference_mode():        # runs when the step is collected, outside ``launch``
                     penalties.add(states[j].penalty_row, [res.token_id for res in kept_results])
@@ -713,19 +715,23 @@ def verify_states(rows: list[StepRow], states: list[RowSampling]) -> list[RowSam
     return expanded
 
 
-def draft_matchers(grammar: GrammarMatcher, drafts: list[int]) -> list[GrammarMatcher]:
+def draft_matchers(grammar: GrammarMatcher, drafts: list[int], vocab_size: int) -> list[GrammarMatcher]:
     """Per draft d_j, a copy of the request's matcher advanced over d_1 .. d_j, so position j's mask
     is the one plain decoding would use after them; the request's own matcher is untouched (the
     kept tokens advance it). Past the first draft the grammar rejects, copies stop advancing: the
-    choice before it obeys a mask without it, so no later position is kept."""
+    choice before it obeys a mask without it, so no later position is kept. A draft id outside the
+    grammar's vocabulary (the ``vocab_size`` ids its tokenizer was built with) counts as rejected:
+    llguidance would put the matcher that checks it into its error state."""
     if grammar.only_eos:
         return [grammar] * len(drafts)
-    valid = grammar.raw.validate_tokens(drafts)
+    known = next((j for j, d in enumerate(drafts) if not 0 <= d < vocab_size), len(drafts))
+    advanced = grammar.raw.deep_copy()
+    valid = advanced.validate_tokens(drafts[:known])
     matchers = []
-    for j in range(1, len(drafts) + 1):
-        copy = grammar.raw.deep_copy()
-        copy.consume_tokens(drafts[: min(j, valid)])
-        matchers.append(GrammarMatcher(copy, grammar.eos_ids))
+    for j, draft in enumerate(drafts):
+        if j < valid:
+            advanced.consume_token(draft)
+        matchers.append(GrammarMatcher(advanced if j == len(drafts) - 1 else advanced.deep_copy(), grammar.eos_ids))
     return matchers
 
 

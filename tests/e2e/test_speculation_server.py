@@ -43,11 +43,12 @@ def _without_timing(answer: dict) -> dict:
     return answer
 
 
-def _speculation_counters(url: str) -> tuple[float, float]:
-    """The server's drafted and accepted tokens so far (/metrics)."""
+def _speculation_counters(url: str) -> tuple[float, ...]:
+    """The server's drafted and accepted tokens so far, and `tgi_request_skipped_tokens`' sum and count (/metrics)."""
     metrics = requests.get(url + "/metrics", timeout=10).text
-    return tuple(float(re.search(rf"^tgi_speculation_{name}_tokens (\S+)$", metrics, re.M).group(1))
-                 for name in ("drafted", "accepted"))
+    names = ("tgi_speculation_drafted_tokens", "tgi_speculation_accepted_tokens",
+             "tgi_request_skipped_tokens_sum", "tgi_request_skipped_tokens_count")
+    return tuple(float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1)) for name in names)
 
 
 def test_speculating_server_answers_like_the_plain_one_and_counts_drafts():
@@ -63,7 +64,8 @@ def test_speculating_server_answers_like_the_plain_one_and_counts_drafts():
         answers = [_without_timing(_generate(url, prompt, **case)) for case in cases[:-1]]
         before = _speculation_counters(url)
         answers.append(_without_timing(_generate(url, prompt, **cases[-1])))
-        copy_drafted, copy_accepted = (after - was for after, was in zip(_speculation_counters(url), before))
+        copy_drafted, copy_accepted, copy_skipped, copy_generations = (
+            after - was for after, was in zip(_speculation_counters(url), before))
         assert answers == expected
         assert answers[1]["details"]["finish_reason"] == "stop_sequence"
         assert answers[2]["details"]["generated_tokens"] == 3
@@ -71,13 +73,17 @@ def test_speculating_server_answers_like_the_plain_one_and_counts_drafts():
     # top_n_tokens under --speculate: the top tokens of every token, accepted drafts included
     details = answers[-1]["details"]
     assert copy_accepted > 0 and copy_drafted > 0
+    # TGI's tgi_request_skipped_tokens: one observation per generation (a step's tokens of the request), of the
+    # accepted drafts it appended besides the step's own token
+    assert copy_skipped == copy_accepted and copy_generations + copy_skipped == 40
     assert len(details["top_tokens"]) == len(details["tokens"]) == details["generated_tokens"] == 40
     assert all(len(tops) == 5 and tops[0]["id"] == token["id"] for tops, token in zip(details["top_tokens"],
                                                                                       details["tokens"]))
     drafted = float(re.search(r"^tgi_speculation_drafted_tokens (\S+)$", metrics, re.M).group(1))
     accepted = float(re.search(r"^tgi_speculation_accepted_tokens (\S+)$", metrics, re.M).group(1))
-    speculated = float(re.search(r"^tgi_request_speculated_tokens (\S+)$", metrics, re.M).group(1))
-    assert drafted >= accepted == speculated > 0
+    assert drafted >= accepted > 0
+    assert "# TYPE tgi_request_skipped_tokens histogram" in metrics     # TGI's name (tgi_compat.metrics)
+    assert "tgi_request_speculated_tokens" not in metrics
 
 
 def test_a_medusa_model_id_serves_its_base_model_with_the_heads_drafting(tmp_path):
@@ -91,7 +97,7 @@ def test_a_medusa_model_id_serves_its_base_model_with_the_heads_drafting(tmp_pat
                               new_tokens=16)
     with running(heads) as server:
         assert_server_greedy_equals(server.url, tokenizer, load_hf(base), [prompt, "the lazy dog"], 16, "medusa")
-        drafted, accepted = _speculation_counters(server.url)
+        drafted, accepted, skipped, _ = _speculation_counters(server.url)
         log = server.output()
-    assert drafted >= accepted > 0
+    assert drafted >= accepted == skipped > 0
     assert "3 Medusa heads" in log

@@ -28,6 +28,37 @@ def test_ngram_drafter_matches_a_backward_search():
             assert drafter.propose(n) == propose_ngram(tokens, n)
 
 
+def test_the_index_built_in_chunks_and_on_reads_equals_the_per_token_one():
+    """``NgramDrafter.index`` in bulk (a prompt chunk at a time, or everything at the first read) holds, for every
+    n-gram, the position after its latest occurrence whose next token is known: the per-token rule's index."""
+    rng = random.Random(2)
+    for _ in range(200):
+        max_ngram = rng.choice([1, 2, 3, 5])
+        tokens = [rng.randint(0, 4) for _ in range(rng.randint(0, 60))]
+        drafter, indexed = NgramDrafter(max_ngram), 0
+        drafter.extend(tokens[: rng.randint(0, len(tokens))])
+        while indexed < len(drafter.tokens) and rng.random() < 0.8:       # the scheduler's prompt chunks
+            indexed += rng.randint(0, 9)
+            drafter.index(indexed)
+        drafter.extend(tokens[len(drafter.tokens) :], score=rng.random() < 0.5)
+        expected = [{} for _ in range(max_ngram + 1)]
+        for end in range(len(tokens)):
+            for n in range(1, min(max_ngram, end) + 1):
+                expected[n][tuple(tokens[end - n : end])] = end
+        assert drafter.follow == expected and drafter.indexed == len(tokens)
+
+
+def test_adding_a_long_prompt_leaves_its_index_to_the_prompt_chunks():
+    """``Scheduler.add`` copies the prompt only; each planned chunk indexes its tokens (engine.router.drafter)."""
+    sched = Scheduler(SlotAllocator(num_slots=400, max_requests=4),
+                      SchedulerConfig(max_seq_len=400, max_prefill_tokens=100, speculate=4, prefix_caching=False))
+    sched.add(_request(1, [t % 50 + 1 for t in range(300)], 10))
+    (request,) = sched.waiting
+    assert request.drafter.indexed == 0 and len(request.drafter.tokens) == 300
+    sched.schedule()
+    assert request.drafter.indexed == 100
+
+
 def propose_copying(tokens: list[int], proposals: list[tuple[int, int, int]], max_drafts: int, ahead: int,
                     max_ngram: int) -> list[int]:
     """The reference of ``NgramDrafter.propose`` with its copy pointer: ``proposals`` holds (length of
@@ -222,8 +253,11 @@ def test_speculation_gives_the_tokens_of_plain_decoding(seed, prefix_caching):
     for speculate in (1, 2, 4):
         out, scheduler, shards = run_router(speculate, workload(seed), prefix_caching=prefix_caching)
         assert out == plain
-        stats = scheduler.speculation
-        assert stats.drafted_tokens == shards.verified and 0 < stats.accepted_tokens < stats.drafted_tokens
+        stats = scheduler.speculation    # drafts of rows whose request ended while they were in flight not counted
+        assert shards.verified >= stats.drafted_tokens and 0 < stats.accepted_tokens < stats.drafted_tokens
+        events = sum(len(tokens) for tokens in out.values())
+        assert sum(stats.skipped_tokens) == events - stats.accepted_tokens      # one count per result
+        assert sum(k * n for k, n in enumerate(stats.skipped_tokens)) == stats.accepted_tokens
         assert scheduler.allocator.used_slots == 0 and not scheduler.running
 
 
@@ -455,6 +489,46 @@ def test_an_abort_with_a_verify_row_in_flight_frees_every_slot_and_drops_its_tok
     assert not sched.has_work() and sched.schedule().released == [1]
     cached = sched.cache.match([5, 6, 7, 5, 6, 7, 5, 6, 7])
     assert cached.length <= 6        # prompt + its first token at most: no draft's slot entered the tree
+
+
+def test_the_draft_counters_count_what_results_applied_not_drafts_planned_or_tokens_past_a_stop():
+    """Drafted tokens count when a verify row's result is applied (not for a row whose request was aborted
+    meanwhile); accepted ones are those appended, none after a stop token the row met; TGI's skipped tokens
+    count each result by the accepted drafts it appended."""
+    from engine.router.scheduler import Request
+
+    sched = Scheduler(SlotAllocator(num_slots=200, max_requests=4), SchedulerConfig(max_seq_len=200, speculate=4))
+    for rid in (1, 2):
+        sched.add(Request(rid, [5, 6, 7, 5, 6], 20, SamplingParams(), 0, stop_token_ids=frozenset({6})))
+    prefill = sched.schedule()
+    sched.process(prefill, StepResult([RowResult(rid, token_id=7) for rid in (1, 2)]))
+    verify = sched.schedule()
+    assert [r.input_ids for r in verify.rows] == [[FED_BACK, 5, 6, 7]] * 2
+    assert sched.abort(2)
+    following = [RowResult(1, token_id=t) for t in (6, 7, 8)]          # every draft kept, then 8
+    events = sched.process(verify, StepResult([RowResult(1, token_id=5, following=following), RowResult(2, 5)]))
+    assert [(e[1].token_id, e[2]) for e in events] == [(5, None), (6, "eos_token")]     # 7 and 8 after the stop
+    stats = sched.speculation
+    assert (stats.drafted_tokens, stats.accepted_tokens) == (3, 1)
+    assert stats.skipped_tokens == [2, 1, 0, 0, 0]                   # two prompts' first tokens, then 5 6
+    assert sched.speculation_status() == {"speculation_drafted_tokens": 3, "speculation_accepted_tokens": 1,
+                                          "speculation_skipped_tokens": (2, 1, 0, 0, 0)}
+
+
+def test_a_kept_draft_that_failed_ends_its_request_after_the_tokens_before_it():
+    """The worker's verify row result whose second kept token failed (NaN scores, the grammar) carries that
+    token's error: the first token is given, then the error ends the request (plain decoding's order)."""
+    alloc = SlotAllocator(num_slots=200, max_requests=4)
+    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4))
+    sched.add(_request(1, [5, 6, 7, 5, 6], 20))
+    prefill = sched.schedule()
+    sched.process(prefill, StepResult([RowResult(1, token_id=7)]))
+    verify = sched.schedule()
+    failed = RowResult(1, token_id=6, error="Request failed during generation: the token scores were NaN")
+    events = sched.process(verify, StepResult([RowResult(1, token_id=5, following=[failed])]))
+    assert [(e[1].token_id, e[1].error, e[2]) for e in events] == [(5, None, None), (6, failed.error, None)]
+    assert not sched.has_work() and alloc.used_slots == 0 and sched.running == []
+    assert (sched.speculation.drafted_tokens, sched.speculation.accepted_tokens) == (3, 0)
 
 
 # ---- the tokens-per-step replay (bench/spec_bench.py steps) ---------------------------

@@ -13,9 +13,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest
-from engine.protocol.messages import FED_BACK, SamplingParams
+from engine.protocol.messages import FED_BACK, RowResult, SamplingParams, StepRow
 from engine.router.drafter import NgramDrafter
 from tests.tiny_models import save_tiny_model
 
@@ -242,6 +243,58 @@ def test_grammar_constrained_rows_verify_with_matchers_advanced_over_the_drafts(
     stats = engine.router.scheduler.speculation
     assert stats.drafted_tokens > stats.accepted_tokens > 10
     assert all(events[-1][2] == "eos_token" for events in plain.values())      # the grammars completed
+
+
+def peaked_logits(worker, choices: list[int]) -> torch.Tensor:
+    """[positions, vocab] logits whose top token at position j is ``choices[j]``."""
+    logits = torch.zeros(len(choices), worker.sampler.penalties.counts.shape[1])
+    logits[range(len(choices)), choices] = 10.0
+    return logits
+
+
+def verify_on_logits(worker, row, state, logits: torch.Tensor) -> RowResult:
+    """A verify row sampled from ``logits`` (no forward pass: a draft no embedding holds can be fed): the row's
+    result after the worker kept its tokens."""
+    out = worker._sample_positions(logits, [row], [state]).start_copy().output()
+    result = RowResult(row.request_id)
+    worker._record_tokens([0], [row], out, [state], [result], worker.sampler.penalties)
+    return result
+
+
+def test_a_draft_outside_the_grammars_vocabulary_is_rejected_and_leaves_the_request_running(demo_tokens):
+    """A draft id the grammar's tokenizer does not know (4101 of the demo's 4096) never reaches the request's
+    live matcher (llguidance would put it into its error state and end the request with "the grammar failed"):
+    the draft is rejected, the model's own token comes instead, the grammar goes on."""
+    engine = make_engine(DEMO, 4, num_slots=256)
+    worker = engine.worker
+    worker.sampler.grammars.wait_loaded()
+    one, two, three = demo_tokens.convert_tokens_to_ids(["1", "2", "3"])
+    params = SamplingParams(grammar_type="regex", grammar=r"[0-9]{2,6}( [a-z]+){1,4}\.")
+    row = StepRow(0, 0, 4, [FED_BACK, one, 4101, three], [4, 5, 6, 7], True, params=params)
+    state = worker._new_row_state(row)
+    result = verify_on_logits(worker, row, state, peaked_logits(worker, [one, two, three, three]))
+    assert result.error is None and [result.token_id, *(r.token_id for r in result.following)] == [one, two]
+    assert state.grammar.error is None and not state.grammar.only_eos
+    row = replace(row, start_pos=6, input_ids=[FED_BACK, 4101], slots=[6, 7])     # the first draft unknown
+    result = verify_on_logits(worker, row, state, peaked_logits(worker, [three, three]))
+    assert result.error is None and result.token_id == three and result.following == []
+    assert state.grammar.error is None
+    engine.close()
+
+
+def test_a_kept_draft_with_nan_scores_ends_the_row_after_the_tokens_before_it(tiny_models):
+    """Position 1 of a verify row has NaN scores (its choice, token 0, is the second draft, so it is kept): the
+    row gives the first token, then the NaN token's error (plain decoding's rows: one token, then the error)."""
+    engine = make_engine(tiny_models["llama"], 4)
+    worker = engine.worker
+    row = StepRow(0, 0, 4, [FED_BACK, 7, 0, 9], [4, 5, 6, 7], True, params=SamplingParams())
+    state = worker._new_row_state(row)
+    logits = peaked_logits(worker, [7, 0, 9, 3])
+    logits[1] = float("nan")                       # its greedy choice: token 0
+    result = verify_on_logits(worker, row, state, logits)
+    assert result.error is None and result.token_id == 7 and len(result.following) == 1
+    assert result.following[0].token_id == 0 and "NaN" in result.following[0].error
+    engine.close()
 
 
 def test_demo_model_sampled_frequencies_match_plain_decoding(demo_engines, demo_tokens):

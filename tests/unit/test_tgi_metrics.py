@@ -18,13 +18,12 @@ TGI_KINDS = {
     "tgi_batch_inference_failure": "counter", "tgi_batch_inference_duration": "histogram",
     "tgi_batch_forward_duration": "histogram", "tgi_batch_decode_duration": "histogram",
     "tgi_batch_filter_duration": "histogram", "tgi_batch_concat_duration": "histogram",
-    "tgi_batch_next_size": "histogram", "tgi_batch_concat": "counter",
+    "tgi_batch_next_size": "histogram", "tgi_batch_concat": "counter", "tgi_request_skipped_tokens": "histogram",
     # ours
     "tgi_kv_cache_usage": "gauge", "tgi_kv_cache_used_slots": "gauge", "tgi_kv_cache_total_slots": "gauge",
     "tgi_num_shards": "gauge", "tgi_prefix_cache_tokens": "gauge", "tgi_prefix_cache_lookup_tokens": "counter",
     "tgi_prefix_cache_hit_tokens": "counter", "tgi_prefix_cache_evicted_tokens": "counter",
     "tgi_speculation_drafted_tokens": "counter", "tgi_speculation_accepted_tokens": "counter",
-    "tgi_request_speculated_tokens": "counter",
     "tgi_tokenizer_piece_cache_hits": "counter", "tgi_tokenizer_piece_cache_misses": "counter",
     "tgi_tokenizer_piece_cache_chars": "gauge",
 }
@@ -136,5 +135,19 @@ def test_speculation_counters_follow_the_routers_totals():
         metrics.update_from_stats({"speculation_drafted_tokens": drafted, "speculation_accepted_tokens": accepted},
                                   1024)
     lines = sample_lines(metrics.render())
-    assert {"tgi_speculation_drafted_tokens 20.0", "tgi_speculation_accepted_tokens 11.0",
-            "tgi_request_speculated_tokens 11.0"} <= lines
+    assert {"tgi_speculation_drafted_tokens 20.0", "tgi_speculation_accepted_tokens 11.0"} <= lines
+    assert not any(line.startswith("tgi_request_speculated_tokens") for line in lines)     # not a TGI name
+
+
+def test_skipped_tokens_is_tgis_histogram_of_accepted_drafts_per_generation():
+    """TGI's `tgi_request_skipped_tokens`: one observation per generation (tokens - 1), buckets 0 .. --speculate,
+    from the router's numbers of generations by accepted drafts (cumulative, so a scrape reads the latest)."""
+    metrics = ServerMetrics(100, 200, 1)
+    assert families(metrics.render())["tgi_request_skipped_tokens"].type == "histogram"
+    for counts in ((3, 0, 1), (7, 2, 0, 1, 4)):          # --speculate 4: 7 plain generations, 2 with 1 draft ..
+        metrics.update_from_stats({"speculation_skipped_tokens": counts}, 1024)
+    samples = families(metrics.render())["tgi_request_skipped_tokens"].samples
+    buckets = {s.labels["le"]: s.value for s in samples if s.name.endswith("_bucket")}
+    assert buckets == {"0.0": 7, "1.0": 9, "2.0": 9, "3.0": 10, "4.0": 14, "+Inf": 14}
+    totals = {s.name: s.value for s in samples if not s.name.endswith("_bucket")}
+    assert totals == {"tgi_request_skipped_tokens_count": 14, "tgi_request_skipped_tokens_sum": 21}
