@@ -13,6 +13,11 @@ Ownership (with ``engine.router.allocator.SlotAllocator``, which counts the hold
     descendant and unlocked leaves can be evicted bottom-up;
   * ``evictable_slots`` = the slots of unlocked nodes (what admission counts as free).
 
+Eviction: the unlocked leaves wait in a heap by ``last_used``, kept up to date as they come and go
+(a new leaf, an unlock to zero, a parent whose last child was evicted) instead of being found by a
+walk of the tree, so ``evict`` costs what it evicts times log(leaves). Two unlocked leaves never share
+a ``last_used`` (the nodes one clock tick stamps lie on one path), so the order is exactly LRU.
+
 Pure Python: no torch, no device.
 """
 from __future__ import annotations
@@ -56,6 +61,7 @@ class Match:
         return out
 
 
+STALE_MARGIN = 64         # stale eviction-heap entries always tolerated before a rebuild (see _push_evictable)
 COMPARE_CHUNK = 256      # tokens compared by one slice compare while looking for where two lists part
 
 
@@ -93,6 +99,9 @@ class PrefixCache:
         self.cached_slots = 0
         self.stats = PrefixCacheStats()
         self._clock = count(1)
+        self._evictable: dict[TreeNode, tuple] = {}    # each unlocked leaf -> its live entry in _lru
+        self._lru: list[tuple[int, int, TreeNode]] = []  # heap of (last_used, push number, leaf); stale ones too
+        self._pushes = count()                          # ties never reach the node, which has no order
         allocator.attach_cache(self)
 
     # ---- lookups ------------------------------------------------------------------
@@ -130,6 +139,7 @@ class PrefixCache:
         for n in node.path_to_root():
             if n.lock_count == 0:
                 self.evictable_slots -= len(n.slots)
+                self._evictable.pop(n, None)            # its heap entry goes stale
             n.lock_count += 1
             n.last_used = now
 
@@ -142,6 +152,8 @@ class PrefixCache:
             n.last_used = now
             if n.lock_count == 0:
                 self.evictable_slots += len(n.slots)
+                if not n.children:
+                    self._push_evictable(n)
 
     # ---- insert and evict ----------------------------------------------------------
 
@@ -181,14 +193,17 @@ class PrefixCache:
 
     def _add_leaf(self, parent: TreeNode, tokens: list[int], slots: list[int]) -> TreeNode:
         leaf = TreeNode(parent, tokens, slots, next(self._clock))
+        self._evictable.pop(parent, None)              # a leaf no more
         parent.children[leaf.key[0]] = leaf
+        self._push_evictable(leaf)
         self.allocator.cache_slots(leaf.slots)
         self.evictable_slots += len(leaf.slots)
         self.cached_slots += len(leaf.slots)
         return leaf
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
-        """Cut ``node`` after ``at`` tokens; returns the new upper part (same locks and age)."""
+        """Cut ``node`` after ``at`` tokens; returns the new upper part (same locks and age). The
+        evictable leaves stay as they were: ``node`` keeps its children, the upper part has one."""
         upper = TreeNode(node.parent, node.key[:at], node.slots[:at], node.last_used)
         upper.lock_count = node.lock_count
         node.parent.children[upper.key[0]] = upper
@@ -198,23 +213,53 @@ class PrefixCache:
 
     def evict(self, wanted: int) -> int:
         """Evict unlocked leaves, least recently used first, until ``wanted`` slots were freed
-        (or nothing is evictable); returns the slots freed."""
-        order = count()
-        leaves = [(n.last_used, next(order), n) for n in self.nodes() if not n.children and n.lock_count == 0]
-        heapq.heapify(leaves)
+        (or nothing is evictable); returns the slots freed. A parent left with no children and
+        no lock becomes a leaf and takes its turn by its own ``last_used``.
+
+        Cost: the leaves evicted (and stale heap entries skipped), not the tree size: ``evict(64)`` on a
+        10,000-node tree of 860,000 slots takes 8.8-9.7 µs (p50; p99 54-82 µs) where a walk of the tree
+        took 4.3 ms (p50; p99 40 ms) (``bench/prefix_evict_bench.py``, 200 calls, both versions on the
+        2-core development machine in one session)."""
         freed = 0
-        while freed < wanted and leaves:
-            _, _, leaf = heapq.heappop(leaves)
-            parent = leaf.parent
-            del parent.children[leaf.key[0]]
-            self.allocator.uncache_slots(leaf.slots)
-            self.evictable_slots -= len(leaf.slots)
-            self.cached_slots -= len(leaf.slots)
-            freed += len(leaf.slots)
-            if parent is not self.root and not parent.children and parent.lock_count == 0:
-                heapq.heappush(leaves, (parent.last_used, next(order), parent))
+        while freed < wanted:
+            leaf = self._pop_least_recently_used()
+            if leaf is None:
+                break
+            freed += self._remove_leaf(leaf)
         self.stats.evicted_tokens += freed
         return freed
+
+    def _pop_least_recently_used(self) -> TreeNode | None:
+        """The unlocked leaf with the oldest ``last_used``, taken off the heap (None when there is none)."""
+        while self._lru:
+            entry = heapq.heappop(self._lru)
+            leaf = entry[2]
+            if self._evictable.get(leaf) is entry:     # else stale: locked, given a child or pushed again since
+                del self._evictable[leaf]
+                return leaf
+        return None
+
+    def _remove_leaf(self, leaf: TreeNode) -> int:
+        """Drop an unlocked leaf from the tree and let go of its slots; returns how many."""
+        parent = leaf.parent
+        del parent.children[leaf.key[0]]
+        self.allocator.uncache_slots(leaf.slots)
+        self.evictable_slots -= len(leaf.slots)
+        self.cached_slots -= len(leaf.slots)
+        if parent is not self.root and not parent.children and parent.lock_count == 0:
+            self._push_evictable(parent)
+        return len(leaf.slots)
+
+    def _push_evictable(self, node: TreeNode) -> None:
+        """``node`` became an unlocked leaf: list it at its ``last_used``. Entries of nodes that stopped
+        being evictable stay in the heap until popped; when they outnumber the live ones (plus a margin)
+        the heap is rebuilt from the live ones, so it stays O(leaves) at O(1) amortized per push."""
+        entry = (node.last_used, next(self._pushes), node)
+        self._evictable[node] = entry
+        heapq.heappush(self._lru, entry)
+        if len(self._lru) > 2 * len(self._evictable) + STALE_MARGIN:
+            self._lru = list(self._evictable.values())
+            heapq.heapify(self._lru)
 
     def nodes(self):
         """Every node but the root."""
@@ -248,4 +293,21 @@ class PrefixCache:
             problems.append(f"the tree holds {len(seen)} slots but counts {self.cached_slots}")
         if evictable != self.evictable_slots:
             problems.append(f"unlocked nodes hold {evictable} slots but evictable_slots is {self.evictable_slots}")
+        return problems + self._check_evictable_leaves()
+
+    def _check_evictable_leaves(self) -> list[str]:
+        """Problems with the eviction heap: every unlocked leaf is listed once, at its ``last_used``,
+        nothing else is listed, and the heap is ordered."""
+        problems = []
+        leaves = {n for n in self.nodes() if not n.children and n.lock_count == 0}
+        if leaves != self._evictable.keys():
+            problems.append(f"{len(leaves - self._evictable.keys())} unlocked leaves are not listed as evictable and "
+                            f"{len(self._evictable.keys() - leaves)} listed nodes are not unlocked leaves")
+        live = sum(1 for entry in self._lru if self._evictable.get(entry[2]) is entry)
+        if live != len(self._evictable):
+            problems.append(f"the eviction heap holds {live} live entries for {len(self._evictable)} evictable leaves")
+        if any(entry[0] != node.last_used for node, entry in self._evictable.items()):
+            problems.append("an evictable leaf is listed at a last_used it no longer has")
+        if any(self._lru[i] < self._lru[(i - 1) // 2] for i in range(1, len(self._lru))):
+            problems.append("the eviction heap is out of order")
         return problems

@@ -12,7 +12,7 @@ import pytest
 
 from engine.protocol.messages import FED_BACK, NO_PREFIX, GenerationRequest, RowResult, SamplingParams, Step, StepResult
 from engine.router.allocator import AllocatorError, SlotAllocator
-from engine.router.prefix_cache import PrefixCache, common_prefix_length
+from engine.router.prefix_cache import STALE_MARGIN, PrefixCache, common_prefix_length
 from engine.router.router import LocalShards, Router
 from engine.router.scheduler import PrefixTable, Request, Scheduler, SchedulerConfig
 
@@ -91,6 +91,82 @@ def test_eviction_is_least_recently_used_leaves_first_and_never_a_locked_node():
     alloc.check_integrity()
     with pytest.raises(AllocatorError, match="asked for 3 slots, 2 free"):
         alloc.allocate("d", 3)
+
+
+def eviction_order(cache):
+    """Evict leaf after leaf (``evict(1)`` takes one), checking integrity after each; returns their keys."""
+    order = []
+    while cache.evictable_slots:
+        before = set(cache.nodes())
+        cache.evict(1)
+        order += [node.key for node in before - set(cache.nodes())]
+        assert not cache.check_integrity(cache.allocator.is_cached)
+    return order
+
+
+def test_a_parent_left_without_children_is_evicted_at_its_own_last_use():
+    """Eviction order across a split, a lock, a new leaf and parents that become leaves mid-evict:
+    [1] (split off [1, 2] by [1, 3], then used) goes after [5, 6] but before the newer [7]."""
+    alloc, cache = make_cache()
+    cache_tokens(alloc, cache, "a", [1, 2])
+    cache_tokens(alloc, cache, "b", [1, 3])              # splits [1, 2]: the upper [1] is no leaf
+    cache_tokens(alloc, cache, "c", [5, 6])
+    cache.unlock_node(cache.lock(cache.match([1])))       # [1] used after [5, 6]
+    cache_tokens(alloc, cache, "d", [7])
+    assert not cache.check_integrity(alloc.is_cached)
+    assert eviction_order(cache) == [[2], [3], [5, 6], [1], [7]]
+    assert cache.cached_slots == 0 and alloc.free_slots == 64
+
+
+class UnwalkableChildren(dict):
+    """A node's children that fail any walk over them: evict may look up and delete, not scan."""
+
+    def _walked(self, *args):
+        pytest.fail("evict walked the tree")
+
+    __iter__ = keys = values = items = _walked
+
+
+def test_evict_touches_only_the_leaves_it_evicts_not_the_tree():
+    """300 leaves under 30 shared prefixes; evicting 3 leaves' worth reads no node's list of children
+    (the walk of the whole tree that took milliseconds a call at 10,000 nodes), and takes the 3 least recently used."""
+    alloc, cache = make_cache(num_slots=2000)
+    for i in range(300):
+        cache_tokens(alloc, cache, i, [1000 + i % 30, 2000 + i % 30, 3000 + i, 4000 + i])
+    for i in (0, 2, 4):                                   # the oldest leaves used again: 1, 3, 5 go first
+        cache.unlock_node(cache.lock(cache.match([1000 + i % 30, 2000 + i % 30, 3000 + i, 4000 + i])))
+    nodes = list(cache.nodes())
+    for node in [cache.root] + nodes:
+        node.children = UnwalkableChildren(node.children)
+    assert cache.evict(5) == 6
+    for node in [cache.root] + nodes:
+        node.children = dict(dict.items(node.children))
+    lengths = [cache.match([1000 + i, 2000 + i, 3000 + i]).length for i in range(7)]
+    assert lengths == [3, 2, 3, 2, 3, 2, 3]          # 1, 3, 5 lost their leaves
+    assert not cache.check_integrity(alloc.is_cached)
+
+
+def test_integrity_checks_the_evictable_leaves_and_the_heap_keeps_few_stale_entries():
+    """``check_integrity`` catches an unlocked leaf missing from the eviction heap, a locked node on it and
+    a stale ``last_used`` or a heap out of order; 1,000 lock/unlock cycles with no eviction leave the heap O(leaves)."""
+    alloc, cache = make_cache()
+    leaf, _ = cache_tokens(alloc, cache, "a", [1, 2, 3])
+    cache_tokens(alloc, cache, "b", [4])
+    for _ in range(1000):
+        cache.unlock_node(cache.lock(cache.match([1, 2, 3])))
+    assert len(cache._lru) <= 2 * 2 + STALE_MARGIN and not cache.check_integrity(alloc.is_cached)
+    entry = cache._evictable.pop(leaf)
+    assert any("not listed as evictable" in p for p in cache.check_integrity(alloc.is_cached))
+    cache._evictable[leaf] = entry
+    locked = cache.lock(cache.match([4]))
+    cache._evictable[locked] = (locked.last_used, -1, locked)
+    assert any("listed nodes are not unlocked leaves" in p for p in cache.check_integrity(alloc.is_cached))
+    del cache._evictable[locked]
+    leaf.last_used += 1000
+    assert any("no longer has" in p for p in cache.check_integrity(alloc.is_cached))
+    leaf.last_used -= 1000
+    cache._lru.reverse()
+    assert cache.check_integrity(alloc.is_cached) == ["the eviction heap is out of order"]
 
 
 def test_integrity_catches_a_cached_slot_that_is_also_free():
