@@ -19,7 +19,8 @@ import torch
 from weights.quant_formats import QuantConfig
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
-ROPE_TYPE_ALIASES = {"su": "longrope"}     # Phi-3's first checkpoints call longrope "su"
+# rope types transformers reads ``original_max_position_embeddings`` for (default: ``max_position_embeddings``)
+ROPE_TYPES_WITH_ORIGINAL = ("llama3", "longrope")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -106,9 +107,16 @@ def read_config_json(model_dir: str | Path, rope_scaling: tuple[str, float] | No
         raise ModelConfigError(f"{path} is not valid JSON: {e}") from e
     if rope_scaling is not None:
         kind, factor = rope_scaling
-        raw = {**raw, "rope_scaling": {"rope_type": kind, "factor": factor, "extends_context": True},
-               "rope_parameters": None}
+        theta = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}.get("rope_theta")
+        scaling = {"rope_type": kind, "factor": factor, "extends_context": True}
+        raw = {**raw, "rope_scaling": {**scaling, "rope_theta": theta} if theta else scaling, "rope_parameters": None}
     return raw
+
+
+def with_defaults(raw: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """config.json over a family's ``defaults``: the values transformers' config class gives the fields
+    config.json omits (a field present, even as null, keeps its value, as in transformers)."""
+    return {**defaults, **raw}
 
 
 def shared_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -139,20 +147,38 @@ def sliding_layers(raw: dict[str, Any], num_layers: int, default: Callable[[int]
     return tuple(t == "sliding_attention" for t in types)
 
 
+def layer_windows(window: Any, sliding: tuple[bool, ...], source: str) -> dict[str, Any]:
+    """``sliding_window`` and ``sliding_layers`` from the window transformers' attention reads and the layers
+    that slide; ``source`` says where the window came from, for the error when a layer slides without a
+    positive one (transformers then fails to build the mask, or masks every key)."""
+    if not any(sliding):
+        return {"sliding_window": None, "sliding_layers": ()}
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        layers = [i for i, s in enumerate(sliding) if s]
+        raise ModelConfigError(f"layers {layers} slide (sliding_attention) but their window is {window!r} "
+                               f"({source}): set sliding_window to a positive number of tokens, or make those "
+                               f"layers full_attention")
+    return {"sliding_window": window, "sliding_layers": sliding}
+
+
 def parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    """The rope as transformers' ``RotaryEmbeddingConfigMixin`` standardises it: ``rope_theta`` inside the rope
+    dict before the top-level one; for llama3 and longrope a top-level ``original_max_position_embeddings``
+    before the rope dict's (transformers gives the top-level one priority), else ``max_position_embeddings``."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     merged = {**params, **scaling}
-    theta = float(raw.get("rope_theta") or merged.get("rope_theta") or 10000.0)
+    theta = float(merged.get("rope_theta") or raw.get("rope_theta") or 10000.0)
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
-    rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in ROPE_TYPES:
         raise ModelConfigError(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     partial = float(raw.get("partial_rotary_factor") or merged.get("partial_rotary_factor") or 1.0)
     if partial != 1.0:
         raise ModelConfigError(f"partial_rotary_factor={partial} is not supported (the rotary kernel rotates the "
                                f"whole head); only models that rotate every head dimension can be served")
-    original = merged.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    original = raw.get("original_max_position_embeddings") or merged.get("original_max_position_embeddings")
+    if rope_type in ROPE_TYPES_WITH_ORIGINAL and not original:
+        original = raw.get("max_position_embeddings", 2048)
     rope = RopeConfig(
         theta=theta,
         rope_type=rope_type,

@@ -5,8 +5,9 @@ reuses), as transformers' ``modeling_gemma`` / ``modeling_gemma2`` define it:
 - RMSNorm multiplies by ``1 + weight``: the 1 is added at load, so the shared rmsnorm kernel
   runs unchanged (exact in float32; in bf16 the sum is rounded to the dtype once at load);
 - the embedding is scaled by sqrt(hidden) rounded to the model dtype (transformers' normalizer);
-- the MLP is gated GeLU with the tanh approximation; head_dim comes from the config;
-- the output projection is the embedding (tied).
+- the MLP is gated GeLU with the tanh approximation; head_dim comes from the config (256 when absent);
+- the output projection is the embedding (tied), or ``lm_head`` when ``tie_word_embeddings`` is false.
+Refused: ``attention_bias`` and ``use_bidirectional_attention`` (no released Gemma sets them).
 Gemma 2 adds, per layer (transformers' ``Gemma2DecoderLayer``):
 
     h = residual + post_attn_norm(attention(input_norm(residual)))
@@ -15,7 +16,8 @@ Gemma 2 adds, per layer (transformers' ``Gemma2DecoderLayer``):
 with attention scores soft-capped (``attn_logit_softcapping``), scaled by
 ``query_pre_attn_scalar ** -0.5``, a sliding window on the layers ``layer_types`` marks
 ``sliding_attention`` (without it: the even layers 0, 2, ..., transformers' default), and the
-final logits soft-capped (``final_logit_softcapping``).
+final logits soft-capped (``final_logit_softcapping``). A field config.json omits takes transformers'
+default (``DEFAULTS``: soft-caps 50 and 30, scalar 256, window 4096); a null one is off.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.models.config import Family, ModelConfigError, shared_fields, sliding_layers
+from engine.models.config import Family, ModelConfigError, layer_windows, shared_fields, sliding_layers, with_defaults
 from engine.models.layers import Attention, GatedMLP, Linear, RowParallelLinear, narrow_at_last_layer
 from engine.models.llama import IGNORED_CHECKPOINT_NAMES, LlamaConfig, LlamaFamilyModel
 from engine.models.llama import checkpoint_shapes as llama_checkpoint_shapes
@@ -36,6 +38,13 @@ from kernels.score_mods import ScoreMods
 
 ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM")
 GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")
+# transformers' GemmaConfig / Gemma2Config defaults of the fields read here (``config.with_defaults``)
+_SHARED_DEFAULTS = dict(head_dim=256, max_position_embeddings=8192, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1,
+                        tie_word_embeddings=True, attention_bias=False, use_bidirectional_attention=None)
+DEFAULTS = {"GemmaForCausalLM": dict(_SHARED_DEFAULTS, num_key_value_heads=16, hidden_act="gelu_pytorch_tanh"),
+            "Gemma2ForCausalLM": dict(_SHARED_DEFAULTS, num_key_value_heads=4, hidden_activation="gelu_pytorch_tanh",
+                                      query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                                      final_logit_softcapping=30.0)}
 
 
 @dataclass(frozen=True)
@@ -50,31 +59,41 @@ class GemmaConfig(LlamaConfig):
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
-def _activation(raw: dict[str, Any], gemma2: bool) -> None:
-    """Gemma's MLP is GeLU-tanh; Gemma 1 configs say "gelu" for it (transformers maps it to the tanh one)."""
-    name = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+def _check(raw: dict[str, Any], gemma2: bool) -> None:
+    """Gemma's MLP is GeLU-tanh: Gemma 1 reads ``hidden_act`` (its configs say "gelu", which transformers maps
+    to the tanh one), Gemma 2 ``hidden_activation``. Attention biases and bidirectional attention are refused."""
+    key = "hidden_activation" if gemma2 else "hidden_act"
     allowed = GELU_TANH_NAMES if gemma2 else (*GELU_TANH_NAMES, "gelu")
-    if name not in allowed:
-        raise ModelConfigError(f"hidden_activation={name!r} is not supported for {raw['architectures'][0]}; "
+    if raw[key] not in allowed:
+        raise ModelConfigError(f"{key}={raw[key]!r} is not supported for {raw['architectures'][0]}; "
                                f"supported: {', '.join(allowed)}")
+    for name, what in (("attention_bias", "biases on q/k/v/o"),
+                       ("use_bidirectional_attention", "non-causal attention")):
+        if raw[name]:
+            raise ModelConfigError(f"{name}={raw[name]!r} ({what}) is not supported for {raw['architectures'][0]}: "
+                                   f"this engine serves causal Gemma without attention biases; set it false or "
+                                   f"serve the model with transformers")
 
 
 def parse_config(raw: dict[str, Any]) -> GemmaConfig:
     gemma2 = raw["architectures"][0] == "Gemma2ForCausalLM"
-    _activation(raw, gemma2)
+    raw = with_defaults(raw, DEFAULTS[raw["architectures"][0]])
+    _check(raw, gemma2)
     shared = shared_fields(raw)
-    window = raw.get("sliding_window") if gemma2 else None
-    optional = lambda name: float(raw[name]) if gemma2 and raw.get(name) else None  # noqa: E731
+    optional = lambda name: float(raw[name]) if gemma2 and raw[name] else None  # noqa: E731
+    windows = {}
+    if gemma2:
+        sliding = sliding_layers(raw, shared["num_layers"], lambda i: i % 2 == 0)
+        windows = layer_windows(raw["sliding_window"], sliding, "sliding_window")
     return GemmaConfig(
-        **{**shared, "sliding_window": int(window) if window else None},
+        **{**shared, "sliding_window": None, **windows},
         intermediate_size=int(raw["intermediate_size"]),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=True,
+        rms_norm_eps=float(raw["rms_norm_eps"]),
+        tie_word_embeddings=bool(raw["tie_word_embeddings"]),
         gemma2=gemma2,
         query_pre_attn_scalar=optional("query_pre_attn_scalar"),
         attn_logit_softcapping=optional("attn_logit_softcapping"),
         final_logit_softcapping=optional("final_logit_softcapping"),
-        sliding_layers=sliding_layers(raw, shared["num_layers"], lambda i: i % 2 == 0) if gemma2 and window else (),
     )
 
 

@@ -27,7 +27,7 @@ import torch
 from engine.models.config import ModelConfigError
 from engine.models.llama import LlamaConfig, LlamaFamilyModel, checkpoint_shapes as llama_shapes, dense_mlp_shapes
 from engine.models.parallel import FULL, Slice, TensorParallel
-from engine.models.qwen3 import qk_norm_attention, qk_norm_shapes
+from engine.models.qwen3 import qk_norm_attention, qwen3_attention_shapes
 from kernels.fused_moe import SharedExpert
 
 
@@ -54,7 +54,7 @@ class MoEConfig(LlamaConfig):
     round_router_weights: bool = False        # weights cast to the model dtype (Qwen), else float32 (Mixtral)
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     dense_layers: tuple[int, ...] = ()        # layers with a plain gated MLP (``intermediate_size``)
-    qk_norm: bool = False                     # Qwen3's per-head q/k RMSNorm
+    qk_norm: bool = False                     # Qwen3's per-head q/k RMSNorm (and o_proj's bias with ``qkv_bias``)
 
     def sharded_sizes(self) -> dict[str, int]:
         sizes = {**super().sharded_sizes(), "moe_intermediate_size": self.moe_intermediate_size}
@@ -66,9 +66,9 @@ class MoEConfig(LlamaConfig):
 
 
 def moe_fields(raw: dict[str, Any], expert_size_key: str) -> dict[str, Any]:
-    """The ``MoEConfig`` fields config.json spells the same way in every MoE family. The expert
-    count is ``num_experts`` (Qwen's released configs) or ``num_local_experts`` (Mixtral, and
-    what transformers 5 writes for Qwen3-MoE)."""
+    """The ``MoEConfig`` fields config.json spells the same way in every MoE family (``raw`` with the
+    family's defaults, ``config.with_defaults``). The expert count is ``num_experts`` (Qwen's released
+    configs) or ``num_local_experts`` (Mixtral, and what transformers 5 writes for Qwen3-MoE)."""
     num_experts_key = "num_experts" if "num_experts" in raw else "num_local_experts"
     experts, top_k = int(raw[num_experts_key]), int(raw["num_experts_per_tok"])
     if not 1 <= top_k <= experts:
@@ -76,8 +76,7 @@ def moe_fields(raw: dict[str, Any], expert_size_key: str) -> dict[str, Any]:
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported; only 'silu' is")
     return dict(num_experts=experts, top_k=top_k, moe_intermediate_size=int(raw[expert_size_key]),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)))
+                rms_norm_eps=float(raw["rms_norm_eps"]), tie_word_embeddings=bool(raw["tie_word_embeddings"]))
 
 
 def qwen_dense_layers(raw: dict[str, Any]) -> tuple[int, ...]:
@@ -121,7 +120,7 @@ class SparseMoE:
 def moe_checkpoint_shapes(c: MoEConfig, names: ExpertNames) -> dict[str, tuple[int, ...]]:
     """Every tensor an MoE checkpoint must hold, with its full shape."""
     shapes = llama_shapes(c, lambda c, i, p: _layer_mlp_shapes(c, names, i, p))
-    return {**shapes, **qk_norm_shapes(c)} if c.qk_norm else shapes
+    return {**shapes, **qwen3_attention_shapes(c)} if c.qk_norm else shapes
 
 
 def _layer_mlp_shapes(c: MoEConfig, names: ExpertNames, layer: int, p: str) -> dict[str, tuple[int, ...]]:
@@ -155,13 +154,15 @@ class MoEFamilyModel(LlamaFamilyModel):
         for name in slices:
             if ".experts." in name:
                 slices[name] = by_module[name.rsplit(".", 2)[-2]]
-            elif name.endswith(("." + self.names.router + ".weight", "shared_expert_gate.weight", "_norm.weight")):
+            elif name.endswith(("." + self.names.router + ".weight", "shared_expert_gate.weight", "_norm.weight",
+                                "o_proj.bias")):
                 slices[name] = FULL
         return slices
 
     def _attention(self, t: dict[str, torch.Tensor], p: str):
         attention = super()._attention(t, p)
-        return qk_norm_attention(attention, t, p, self.config.rms_norm_eps) if self.config.qk_norm else attention
+        c = self.config
+        return qk_norm_attention(attention, t, p, c.rms_norm_eps, c.qkv_bias) if c.qk_norm else attention
 
     def _mlp(self, t: dict[str, torch.Tensor], p: str, prefix: str = "mlp."):
         if int(p.split(".")[2]) in self.config.dense_layers:

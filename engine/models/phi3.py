@@ -7,8 +7,10 @@ differs is the checkpoint and the rope:
   tensor each. A tensor-parallel rank reads its q heads, its k/v heads (or the one KV head its
   q heads share) and its part of gate and of up, each part sliced on its own
   (``parallel.read_fused``): an equal split of the fused rows would be wrong.
-- ``longrope`` (older name ``su``) rope scaling: short and long factors and the cos/sin factor
-  (``config.parse_rope``, ``layers.Rotary``). ``partial_rotary_factor`` < 1 is refused there.
+- ``longrope`` rope scaling (``su`` and ``yarn`` are read as longrope, as transformers' Phi3Config does;
+  other types are refused, as it refuses them): short and long factors and the cos/sin factor
+  (``config.parse_rope``, ``layers.Rotary``), with the top-level ``original_max_position_embeddings``
+  (4096 when absent) over the rope dict's. ``partial_rotary_factor`` < 1 is refused there.
 - GPTQ / AWQ / FP8 checkpoints fuse the packed tensors the same way: each part is cut from them along
   the output rows (``quantized.read_fused_linear``; 4-bit part boundaries on multiples of 8).
 - Phi-3-mini-4k has ``sliding_window`` 2047, on every layer (as transformers' Phi-3 attention):
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from engine.models.config import Family, ModelConfigError, shared_fields
+from engine.models.config import Family, ModelConfigError, layer_windows, shared_fields, with_defaults
 from engine.models.layers import Attention, GatedMLP, Linear, RowParallelLinear
 from engine.models.llama import DecoderLayer, LlamaConfig, LlamaFamilyModel
 from engine.models.parallel import FULL, Slice, read_fused
@@ -30,6 +32,10 @@ from engine.worker.kv_cache import KV_SCALE_PATTERNS
 
 ARCHITECTURES = ("Phi3ForCausalLM",)
 IGNORED_CHECKPOINT_NAMES = (r"rotary_emb\.inv_freq$", *KV_SCALE_PATTERNS)   # KV scales: the worker reads them
+# transformers' Phi3Config defaults of the fields read here (``config.with_defaults``)
+DEFAULTS = dict(max_position_embeddings=4096, original_max_position_embeddings=4096, rms_norm_eps=1e-5,
+                bos_token_id=1, eos_token_id=32000, tie_word_embeddings=False, sliding_window=None)
+ROPE_TYPE_ALIASES = {"su": "longrope", "yarn": "longrope"}     # older Phi-3 configs' names for longrope
 
 
 @dataclass(frozen=True)
@@ -37,17 +43,33 @@ class Phi3Config(LlamaConfig):
     pass
 
 
+def _rope_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """``rope_scaling`` / ``rope_parameters`` with the type's old names read as longrope; a config.json type
+    other than default or longrope is refused (transformers' Phi3Config refuses it). The context-extending
+    type of --rope-scaling (TGI's launcher) stays allowed."""
+    fields = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = dict(raw.get(key) or {})
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if not rope.get("extends_context") and ROPE_TYPE_ALIASES.get(kind, kind) not in ("default", "longrope"):
+            raise ModelConfigError(f"{key} type {kind!r} is not supported for Phi-3 (transformers' Phi3Config "
+                                   f"accepts longrope, or its old names su and yarn): fix config.json")
+        if kind in ROPE_TYPE_ALIASES:
+            fields[key] = {**rope, "type": "longrope", "rope_type": "longrope"}
+    return fields
+
+
 def parse_config(raw: dict[str, Any]) -> Phi3Config:
+    raw = with_defaults(raw, DEFAULTS)
+    raw = {**raw, **_rope_fields(raw)}
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported for Phi-3; only 'silu' is")
-    sliding = raw.get("sliding_window")
-    shared = shared_fields(raw)
+    window, shared = raw["sliding_window"], shared_fields(raw)
     return Phi3Config(
-        **{**shared, "sliding_window": int(sliding) if sliding else None},
-        sliding_layers=(True,) * shared["num_layers"] if sliding else (),
+        **{**shared, **layer_windows(window, (window is not None,) * shared["num_layers"], "sliding_window")},
         intermediate_size=int(raw["intermediate_size"]),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rms_norm_eps=float(raw["rms_norm_eps"]),
+        tie_word_embeddings=bool(raw["tie_word_embeddings"]),
         qkv_bias=False,
     )
 

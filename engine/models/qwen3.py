@@ -2,53 +2,72 @@
 
     q = rmsnorm_head(h @ w_q.T), k = rmsnorm_head(h @ w_k.T)   (one [head_dim] weight each, per layer)
 
-``head_dim`` comes from config.json (128 for Qwen3-8B, not hidden / heads). The q/k-norm
-attention (``layers.QKNormAttention``, built by ``qk_norm_attention``) is shared with
-``qwen3_moe``; the rest is ``llama``'s.
+``head_dim`` comes from config.json (128 for Qwen3-8B, not hidden / heads; 128 when absent, as
+transformers' default). ``attention_bias`` puts a bias on q, k, v and o. The q/k-norm attention
+(``layers.QKNormAttention``, built by ``qk_norm_attention``) is shared with ``qwen3_moe``; the rest
+is ``llama``'s.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from engine.models.config import Family, ModelConfigError, shared_fields
+from engine.models.config import Family, ModelConfigError, layer_windows, shared_fields, sliding_layers, with_defaults
 from engine.models.layers import Attention, QKNormAttention
-from engine.models.llama import IGNORED_CHECKPOINT_NAMES, LlamaConfig, LlamaFamilyModel, window_fields
+from engine.models.llama import IGNORED_CHECKPOINT_NAMES, LlamaConfig, LlamaFamilyModel
 from engine.models.llama import checkpoint_shapes as llama_shapes
+from engine.models.parallel import FULL, Slice
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
+# transformers' Qwen3Config defaults of the fields read here (``config.with_defaults``)
+DEFAULTS = dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, sliding_window=4096,
+                max_window_layers=28)
 
 
-def qwen_window_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """``sliding_window`` and ``sliding_layers`` of a Qwen config: the window applies only with
-    ``use_sliding_window`` (off in the released configs), on Qwen2's layers (``llama.window_fields``)."""
-    return window_fields(raw, is_qwen=True)
+def qwen3_window_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """``sliding_window`` and ``sliding_layers`` as transformers' Qwen3Config: the window only with
+    ``use_sliding_window`` (off in the released configs), on the layers ``layer_types`` marks, else on
+    the layers from ``max_window_layers`` on."""
+    window = raw["sliding_window"] if raw["use_sliding_window"] else None
+    first = int(raw["max_window_layers"])
+    sliding = sliding_layers(raw, int(raw["num_hidden_layers"]), lambda i: window is not None and i >= first)
+    return layer_windows(window, sliding, f"use_sliding_window={raw['use_sliding_window']}")
 
 
 def parse_config(raw: dict[str, Any]) -> LlamaConfig:
+    raw = with_defaults(raw, DEFAULTS)
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported; only 'silu' is")
     return LlamaConfig(
-        **{**shared_fields(raw), **qwen_window_fields(raw)},
+        **{**shared_fields(raw), **qwen3_window_fields(raw)},
         intermediate_size=int(raw["intermediate_size"]),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=bool(raw.get("attention_bias", False)),
+        rms_norm_eps=float(raw["rms_norm_eps"]),
+        tie_word_embeddings=bool(raw["tie_word_embeddings"]),
+        qkv_bias=bool(raw["attention_bias"]),
     )
 
 
-def qk_norm_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    return {f"model.layers.{i}.self_attn.{n}_norm.weight": (c.head_dim,) for i in range(c.num_layers) for n in "qk"}
+def qwen3_attention_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """What Qwen3's attention adds to Llama's: the q/k norms, and with ``attention_bias`` o_proj's bias."""
+    shapes = {f"model.layers.{i}.self_attn.{n}_norm.weight": (c.head_dim,) for i in range(c.num_layers) for n in "qk"}
+    if c.qkv_bias:
+        shapes.update({f"model.layers.{i}.self_attn.o_proj.bias": (c.hidden_size,) for i in range(c.num_layers)})
+    return shapes
 
 
 def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    return {**llama_shapes(c), **qk_norm_shapes(c)}
+    return {**llama_shapes(c), **qwen3_attention_shapes(c)}
 
 
-def qk_norm_attention(attention: Attention, t: dict[str, torch.Tensor], p: str, eps: float) -> QKNormAttention:
-    """Llama's attention block of layer ``p`` with the q/k norms ``self_attn.{q,k}_norm`` (replicated)."""
-    return QKNormAttention(attention.qkv, attention.o, attention.num_heads, attention.num_kv_heads,
+def qk_norm_attention(attention: Attention, t: dict[str, torch.Tensor], p: str, eps: float,
+                      o_bias: bool) -> QKNormAttention:
+    """Llama's attention block of layer ``p`` with the q/k norms ``self_attn.{q,k}_norm`` (replicated) and,
+    when ``o_bias`` (``attention_bias``), the output projection's bias (replicated, added once)."""
+    o = replace(attention.o, bias=t.pop(p + "self_attn.o_proj.bias")) if o_bias else attention.o
+    return QKNormAttention(attention.qkv, o, attention.num_heads, attention.num_kv_heads,
                            attention.head_dim, attention.sm_scale, mods=attention.mods,
                            q_norm=t.pop(p + "self_attn.q_norm.weight"), k_norm=t.pop(p + "self_attn.k_norm.weight"),
                            eps=eps)
@@ -58,8 +77,14 @@ class Qwen3Model(LlamaFamilyModel):
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         return checkpoint_shapes(self.config)
 
+    def weight_slices(self) -> dict[str, Slice]:
+        """Llama's; o_proj's bias (``attention_bias``) is whole on every shard."""
+        slices = super().weight_slices()
+        return {name: FULL if name.endswith("o_proj.bias") else piece for name, piece in slices.items()}
+
     def _attention(self, t: dict[str, torch.Tensor], p: str) -> QKNormAttention:
-        return qk_norm_attention(super()._attention(t, p), t, p, self.config.rms_norm_eps)
+        c = self.config
+        return qk_norm_attention(super()._attention(t, p), t, p, c.rms_norm_eps, c.qkv_bias)
 
 
 FAMILY = Family(ARCHITECTURES, parse_config, Qwen3Model, checkpoint_shapes, IGNORED_CHECKPOINT_NAMES)
