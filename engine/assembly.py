@@ -30,7 +30,7 @@ from engine.ops import BACKENDS, default_backend
 from engine.router.allocator import SlotAllocator
 from engine.router.router import Router
 from engine.router.scheduler import SchedulerConfig, Scheduler
-from engine.worker.kv_cache import kv_cache_dtype
+from engine.worker.kv_cache import KVCache, kv_cache_dtype
 from engine.worker.model_worker import WorkerConfig, resolve_dtype
 from kernels.context_attention import BUCKET as CONTEXT_BUCKET
 from kernels.context_attention import PIECE as CONTEXT_PIECE
@@ -130,9 +130,9 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta,
         kv_cache_dtype=config.kv_cache_dtype, speculate=config.speculate, draft_heads=config.draft_heads,
         context_attention=config.context_attention)
-    kv_cache_dtype(config.kv_cache_dtype, worker.dtype)        # a bad name fails here, before any process
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, worker.dtype)   # a bad name fails here, before any process
     check_draft_heads(config, model_config)
-    attention_span, kv_weight_tokens = step_cost_model(model_config)
+    attention_span, kv_weight_tokens = step_cost_model(model_config, worker.dtype, kv_dtype)
     scheduler = SchedulerConfig(
         max_prefill_tokens=config.max_prefill_tokens, stall_free_tokens=config.stall_free_tokens,
         stall_free_row_tokens=config.stall_free_row_tokens,
@@ -159,25 +159,29 @@ def rope_plain_len(model_config: ModelConfig, max_seq_len: int) -> int | None:
 ATTENTION_EFFICIENCY = 0.6
 
 
-def step_cost_model(model_config: ModelConfig) -> tuple[int, int]:
+def step_cost_model(model_config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                    kv_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """(attention_span, kv_weight_tokens) for the scheduler's step budget, from the weight shapes:
     the context length at which a prompt token's attention (4 * heads * head_dim FLOPs per layer
     and position, at ``ATTENTION_EFFICIENCY``) costs as much as its matmuls (2 FLOPs per layer
     weight the token uses: of an MoE layer, its top-k experts), and the context tokens whose KV
-    (2 * kv_heads * head_dim per layer) is as large as the weights a decode step reads (all of
-    them: a decode batch's rows choose many experts; quantized ones by their bits over 16)."""
+    bytes (``KVCache.bytes_per_slot`` in the cache's ``kv_dtype``; None: the model's ``dtype``)
+    are as many as those of the weights a decode step reads (all of them: a decode batch's rows
+    choose many experts; in ``dtype``, quantized ones in their bits)."""
     c = model_config
     shapes = family_for(c.architecture).checkpoint_shapes(c)
     matrices = {name: math.prod(shape) for name, shape in shapes.items()      # a layer's: its name has the index
                 if re.search(r"\.\d+\.", name) and len(shape) == 2}
     q = c.quantization
-    layer_weights = sum(n * (q.bits / 16 if q is not None and q.quantizes(name) else 1) for name, n in matrices.items())
+    layer_bytes = sum(n * (q.bits / 8 if q is not None and q.quantizes(name) else dtype.itemsize)
+                      for name, n in matrices.items())
     # a token's matmuls use only its top_k of the num_experts experts (mixture-of-experts families)
     expert_share = getattr(c, "top_k", 1) / max(getattr(c, "num_experts", 1), 1)
     token_weights = sum(n * (expert_share if ".experts." in name else 1) for name, n in matrices.items())
-    head = c.vocab_size * c.hidden_size
+    head_bytes = c.vocab_size * c.hidden_size * dtype.itemsize
     attention_span = int(ATTENTION_EFFICIENCY * token_weights / (2 * c.num_layers * c.num_heads * c.head_dim))
-    kv_weight_tokens = int((layer_weights + head) // (2 * c.num_layers * c.num_kv_heads * c.head_dim))
+    kv_bytes = KVCache.bytes_per_slot(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or dtype)
+    kv_weight_tokens = int((layer_bytes + head_bytes) // kv_bytes)
     return max(attention_span, 1), max(kv_weight_tokens, 1)
 
 

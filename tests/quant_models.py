@@ -32,11 +32,12 @@ FORMATS = {
 }
 
 
-def save_quantized_pair(fmt: str, path: Path, family: str = "llama", seed: int = 0,
-                        tokenizer: bool = False) -> tuple[Path, Path]:
+def save_quantized_pair(fmt: str, path: Path, family: str = "llama", seed: int = 0, tokenizer: bool = False,
+                        quant: QuantConfig | None = None) -> tuple[Path, Path]:
     """(quantized checkpoint dir, dequantized float32 twin dir) under ``path``; the float model they come
-    from is in ``path / "float"`` (with ``tokenizer``, all three get one)."""
-    q = FORMATS[fmt]
+    from is in ``path / "float"`` (with ``tokenizer``, all three get one). ``quant``: the format ``fmt``
+    with layers left unquantized (its ``skip`` / ``ignore``), else ``FORMATS[fmt]``."""
+    q = quant or FORMATS[fmt]
     base = save_tiny_model(family, path / "float", seed)
     if tokenizer:
         save_tiny_tokenizer(base)
@@ -85,10 +86,11 @@ def add_zero_biases(quantized: Path) -> list[str]:
 ROW_PARALLEL = ("o_proj", "down_proj", "c_proj")
 
 
-def fake_quantize_activations(model, num_shards: int = 1) -> None:
-    """Make transformers' float32 model quantize the input of every decoder linear layer per token to FP8 and
-    back, as our FP8 GEMM does (the reference maths of an FP8 checkpoint with dynamic activation scales). On
-    ``num_shards`` shards a row-parallel layer (o, down) quantizes each shard's input columns on their own."""
+def fake_quantize_activations(model, num_shards: int = 1, q: QuantConfig | None = None) -> None:
+    """Make transformers' float32 model quantize the input of every decoder linear layer (with ``q``: every
+    one ``q`` quantizes) per token to FP8 and back, as our FP8 GEMM does (the reference maths of an FP8
+    checkpoint with dynamic activation scales). On ``num_shards`` shards a row-parallel layer (o, down)
+    quantizes each shard's input columns on their own."""
     def fake_quantize(x, parts):
         chunks = []
         for chunk in x.reshape(-1, x.shape[-1]).chunk(parts, dim=1):
@@ -97,6 +99,7 @@ def fake_quantize_activations(model, num_shards: int = 1) -> None:
         return torch.cat(chunks, dim=1).reshape(x.shape).to(x.dtype)
 
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
+        if (isinstance(module, torch.nn.Linear) and name.startswith("model.layers.")
+                and (q is None or q.quantizes(name + ".weight"))):
             parts = num_shards if name.rsplit(".", 1)[-1] in ROW_PARALLEL else 1
             module.register_forward_pre_hook(lambda m, args, parts=parts: (fake_quantize(args[0], parts),))

@@ -65,7 +65,8 @@ class QuantConfig:
     zero_offset: int = 0          # added to a stored zero (GPTQ v1 stores zero - 1)
     per_channel: bool = False     # FP8: weight_scale per output row (else one per tensor)
     at_load: bool = False         # FP8: --quantize fp8 quantizes a float checkpoint while loading it
-    skip: tuple[str, ...] = ()    # module names left in the model dtype (modules_to_not_convert / ignore)
+    skip: tuple[str, ...] = ()    # modules_to_not_convert: layers left in the model dtype (``not_converted``)
+    ignore: tuple[str, ...] = ()  # compressed-tensors ignore: layers left in the model dtype (``ignored``)
 
     @property
     def bits(self) -> int:
@@ -77,7 +78,8 @@ class QuantConfig:
         if not LINEAR_PATTERN.match(name):
             return False
         module = name.removesuffix(".weight")
-        return not any(module == s or module.endswith("." + s) or s in module.split(".") for s in self.skip)
+        return not (any(not_converted(module, entry) for entry in self.skip)
+                    or any(ignored(module, entry) for entry in self.ignore))
 
     @property
     def ignored_names(self) -> tuple[str, ...]:
@@ -93,6 +95,42 @@ class QuantConfig:
             return []
         pattern = re.compile(LINEAR_BIAS)
         return [n for n in names if pattern.match(n) and n not in expected]
+
+
+# transformers' end of a modules_to_not_convert match: a module name boundary ("layers.1" is not "layers.11")
+NAME_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
+
+
+def not_converted(module: str, entry: str) -> bool:
+    """Whether the ``modules_to_not_convert`` entry ``entry`` leaves the layer ``module`` (its full name) in the
+    model dtype: AutoAWQ, vLLM and transformers 4 skip every layer whose name contains it (``layers.0.mlp``);
+    transformers 5 also reads it as a regex matching from the name's start to a name boundary
+    (``model.layers.*.mlp``)."""
+    return entry in module or re.match(rf"(?:{entry}){NAME_BOUNDARY}", module) is not None
+
+
+def ignored(module: str, entry: str) -> bool:
+    """Whether the compressed-tensors ``ignore`` entry ``entry`` leaves the layer ``module`` unquantized:
+    ``re:`` and a regex matching from the name's start (``re:.*mlp.down_proj``), else the exact name."""
+    if entry.startswith("re:"):
+        return re.match(entry.removeprefix("re:"), module) is not None
+    return entry == module
+
+
+def _module_entries(spec: dict[str, Any], key: str, regex_prefix: str = "") -> tuple[str, ...]:
+    """The layers ``spec[key]`` leaves unquantized; a clear error unless it is a list of names whose regexes
+    compile (with ``regex_prefix``, only the entries that start with it are regexes: compressed-tensors' ``re:``)."""
+    entries = spec.get(key) or ()
+    if isinstance(entries, str) or not all(isinstance(e, str) for e in entries):
+        raise CheckpointError(f"quantization_config {key} is {entries!r}: expected a list of module names")
+    for entry in entries:
+        if entry.startswith(regex_prefix):
+            try:
+                re.compile(entry.removeprefix(regex_prefix))
+            except re.error as err:
+                raise CheckpointError(f"quantization_config {key} entry {entry!r} is not a valid regular expression "
+                                      f"({err}): fix it in config.json") from None
+    return tuple(entries)
 
 
 # ---- quantization_config ----------------------------------------------------------------------
@@ -137,6 +175,10 @@ def legacy_spec(model_dir: Path) -> dict[str, Any] | None:
 
 def _from_spec(spec: dict[str, Any]) -> QuantConfig:
     method = str(spec.get("quant_method", "")).lower()
+    if spec.get("lm_head"):
+        raise CheckpointError(f"quantization_config has lm_head: {spec['lm_head']!r}: the checkpoint's LM head is "
+                              f"quantized (GPTQModel / AutoGPTQ lm_head=True), but this engine runs the LM head in "
+                              f"the model dtype only: serve a checkpoint quantized with lm_head=False")
     if method == "gptq":
         return _gptq(spec)
     if method == "awq":
@@ -145,7 +187,7 @@ def _from_spec(spec: dict[str, Any]) -> QuantConfig:
         if spec.get("weight_block_size"):
             raise CheckpointError(f"block-wise FP8 (weight_block_size {spec['weight_block_size']}) is not "
                                   f"supported; supported FP8 weights have per-tensor or per-channel scales")
-        return QuantConfig("fp8", per_channel=False, skip=tuple(spec.get("modules_to_not_convert") or ()))
+        return QuantConfig("fp8", per_channel=False, skip=_module_entries(spec, "modules_to_not_convert"))
     if method == "compressed-tensors":
         return _compressed_tensors(spec)
     raise CheckpointError(f"quantization_config quant_method {method!r} is not supported; supported: GPTQ and "
@@ -167,8 +209,7 @@ def _gptq(spec: dict[str, Any]) -> QuantConfig:
     if fmt not in ("gptq", "gptq_v2"):
         raise CheckpointError(f"GPTQ checkpoint_format {fmt!r} is not supported; supported: gptq, gptq_v2")
     return QuantConfig("gptq", group_size=_group_size(spec, "group_size"), desc_act=bool(spec.get("desc_act")),
-                       zero_offset=1 if fmt == "gptq" else 0,
-                       skip=tuple(spec.get("modules_to_not_convert") or ()))
+                       zero_offset=1 if fmt == "gptq" else 0, skip=_module_entries(spec, "modules_to_not_convert"))
 
 
 def _awq(spec: dict[str, Any]) -> QuantConfig:
@@ -178,7 +219,7 @@ def _awq(spec: dict[str, Any]) -> QuantConfig:
         raise CheckpointError(f"AWQ bits={bits} version={version!r} zero_point={spec.get('zero_point', True)} "
                               f"is not supported; supported: 4-bit GEMM format with zero points")
     group = _group_size(spec, "group_size" if "group_size" in spec else "q_group_size")
-    return QuantConfig("awq", group_size=group, skip=tuple(spec.get("modules_to_not_convert") or ()))
+    return QuantConfig("awq", group_size=group, skip=_module_entries(spec, "modules_to_not_convert"))
 
 
 def _compressed_tensors(spec: dict[str, Any]) -> QuantConfig:
@@ -194,24 +235,32 @@ def _compressed_tensors(spec: dict[str, Any]) -> QuantConfig:
     if inputs and inputs.get("type", "float") != "float":
         raise CheckpointError(f"compressed-tensors input_activations {inputs} are not supported; supported: "
                               f"float8 (quantized per token at run time) or none")
-    return QuantConfig("fp8", per_channel=strategy == "channel", skip=tuple(spec.get("ignore") or ()))
+    ignore = _module_entries(spec, "ignore", "re:")
+    targets = groups[0].get("targets") or ()
+    if any(t == "Linear" or ignored("lm_head", t) for t in targets) and not any(ignored("lm_head", e) for e in ignore):
+        raise CheckpointError(f"compressed-tensors targets {targets} with ignore {list(ignore)} quantize the LM head "
+                              f"(lm_head), but this engine runs the LM head in the model dtype only: serve a "
+                              f"checkpoint quantized with \"lm_head\" in its ignore list")
+    return QuantConfig("fp8", per_channel=strategy == "channel", ignore=ignore)
 
 
 def config_json(q: QuantConfig) -> dict[str, Any]:
     """The ``quantization_config`` a checkpoint of ``q`` carries (what the writers put in config.json)."""
+    skip = {"modules_to_not_convert": list(q.skip)} if q.skip else {}
     if q.method == "gptq":
         return {"quant_method": "gptq", "bits": 4, "group_size": q.group_size, "desc_act": q.desc_act, "sym": True,
-                "checkpoint_format": "gptq" if q.zero_offset else "gptq_v2"}
+                "checkpoint_format": "gptq" if q.zero_offset else "gptq_v2", **skip}
     if q.method == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": q.group_size, "zero_point": True, "version": "gemm"}
+        return {"quant_method": "awq", "bits": 4, "group_size": q.group_size, "zero_point": True, "version": "gemm",
+                **skip}
     if not q.per_channel:
-        return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", **skip}
     scheme = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
                                                  "symmetric": True, "dynamic": False},
               "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
                                     "dynamic": True}}
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": scheme},
-            "ignore": ["lm_head"]}
+            "ignore": ["lm_head", *(entry for entry in q.ignore if entry != "lm_head")]}
 
 
 # ---- names and shapes ----------------------------------------------------------------------------

@@ -17,21 +17,25 @@ cuts (``weights.quant_formats`` has the layouts):
 A row-parallel slice must hold whole groups: ``K / shards`` a multiple of ``group_size``, else
 ``ShardingError``. AWQ is repacked to GPTQ's packing (one 4-bit layout for the kernel); zeros are
 unpacked to the model dtype; act-order layers are sorted by group (``sorted_by_group``). ``fuse`` joins
-parts of a fused layer (q|k|v, gate|up) along N; ``read_fused_linear`` reads the parts of a layer that the
-checkpoint fuses (Phi-3's ``qkv_proj``, ``gate_up_proj``), each part's output rows through ``OutputRows``.
+parts of a fused layer (q|k|v, gate|up) along N (dense where the checkpoint left only some parts unquantized);
+``read_fused_linear`` reads the parts of a layer that the checkpoint fuses (Phi-3's ``qkv_proj``,
+``gate_up_proj``), each part's output rows through ``OutputRows``.
 ``drop_zero_biases`` checks the biases 4-bit writers add to layers that have none (AutoGPTQ: zeros).
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from engine.models.parallel import FULL, ShardingError, Slice, fused_ranges, read
 from kernels.fp8_gemm import Fp8Weight
-from kernels.quant_gemm import Int4Weight
+from kernels.quant_gemm import Int4Weight, int4_dequantize
 from weights.checkpoint import CheckpointError
 from weights.quant_formats import AWQ_ORDER, PACK, QuantConfig, fp8_quantize, pack_int4, unpack_int4
 
 LinearWeight = torch.Tensor | Int4Weight | Fp8Weight
+log = logging.getLogger(__name__)
 
 
 def read_linear(checkpoint, module: str, piece: Slice, q: QuantConfig, dtype, device) -> Int4Weight | Fp8Weight:
@@ -127,7 +131,14 @@ def _read_fp8(checkpoint, module: str, piece: Slice, q: QuantConfig, device) -> 
 
 
 def fuse(parts: list[LinearWeight]) -> LinearWeight:
-    """Parts of one layer (q, k, v or gate, up) joined along the output rows."""
+    """Parts of one layer (q, k, v or gate, up) joined along the output rows. Where the checkpoint leaves some
+    parts unquantized (modules_to_not_convert / ignore) and quantizes others, the quantized ones are
+    dequantized to the dense parts' dtype and the layer runs dense."""
+    dense = [p for p in parts if isinstance(p, torch.Tensor)]
+    if dense and len(dense) < len(parts):
+        log.info("a fused layer (q/k/v or gate/up) of parts %s is partly unquantized in the checkpoint: its "
+                 "quantized parts are dequantized to %s and it runs dense", [_kind(p) for p in parts], dense[0].dtype)
+        parts = [p if isinstance(p, torch.Tensor) else dequantized(p, dense[0].dtype) for p in parts]
     first = parts[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(parts, dim=0)
@@ -142,6 +153,23 @@ def fuse(parts: list[LinearWeight]) -> LinearWeight:
         raise ValueError("the fused parts of a 4-bit layer (q/k/v or gate/up) have different groups")
     return Int4Weight(torch.cat([p.qweight for p in parts], dim=1), torch.cat([p.scales for p in parts], dim=1),
                       torch.cat([p.zeros for p in parts], dim=1), first.g_idx, first.group_size, first.perm)
+
+
+def dequantized(weight: Int4Weight | Fp8Weight, dtype) -> torch.Tensor:
+    """The quantized layer as ``dtype`` [N, K] (act-order: input columns back in x's order, from ``perm``)."""
+    if isinstance(weight, Fp8Weight):
+        return (weight.weight.float() * weight.scale[:, None]).to(dtype)
+    stored = int4_dequantize(weight)                # [N, K], row k multiplies x[:, perm[k]]
+    if weight.perm is None:
+        return stored.to(dtype)
+    dense = torch.empty_like(stored)
+    dense[:, weight.perm.long()] = stored
+    return dense.to(dtype)
+
+
+def _kind(weight: LinearWeight) -> str:
+    kind = {Int4Weight: "int4", Fp8Weight: "fp8"}.get(type(weight), "dense")
+    return f"{kind} {list(weight.shape)}"
 
 
 # ---- fused checkpoint tensors ----------------------------------------------------------------------

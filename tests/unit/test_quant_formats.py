@@ -9,6 +9,7 @@ from weights.quant_formats import (AWQ_ORDER, QuantConfig, act_order_g_idx, conf
 
 GPTQ_V1 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "GEMM"}
+COMPRESSED_FP8 = config_json(QuantConfig("fp8", per_channel=True))
 
 
 def nibble(word: int, i: int) -> int:
@@ -90,7 +91,7 @@ def test_quantization_config_is_read_without_a_flag():
     fp8 = parse_quantization({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}})
     assert (fp8.method, fp8.per_channel, fp8.at_load) == ("fp8", False, False)
     channel = parse_quantization({"quantization_config": config_json(QuantConfig("fp8", per_channel=True))})
-    assert (channel.method, channel.per_channel, channel.skip) == ("fp8", True, ("lm_head",))
+    assert (channel.method, channel.per_channel, channel.ignore) == ("fp8", True, ("lm_head",))
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -99,6 +100,11 @@ def test_quantization_config_is_read_without_a_flag():
     ({**AWQ, "version": "gemv"}, "supported: 4-bit GEMM"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+    ({**GPTQ_V1, "lm_head": True}, "lm_head: True: the checkpoint's LM head is quantized"),     # GPTQModel
+    ({**COMPRESSED_FP8, "ignore": ["re:.*mlp.down_proj"]}, r"quantize the LM head \(lm_head\)"),
+    ({**AWQ, "modules_to_not_convert": ["model.layers.(0"]}, r"'model.layers.\(0' is not a valid regular expression"),
+    ({**COMPRESSED_FP8, "ignore": ["lm_head", "re:*proj"]}, r"'re:\*proj' is not a valid regular expression"),
+    ({**AWQ, "modules_to_not_convert": "lm_head"}, "modules_to_not_convert is 'lm_head': expected a list"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4,
                                                                                 "strategy": "group"}}}},
      "supported: float 8-bit weights"),
@@ -106,6 +112,29 @@ def test_quantization_config_is_read_without_a_flag():
 def test_unsupported_quantization_configs_are_clear_errors(spec, message):
     with pytest.raises(CheckpointError, match=message):
         parse_quantization({"quantization_config": spec})
+
+
+LAYERS = [f"model.layers.{i}.{m}" for i in (1, 11) for m in ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj")]
+
+
+@pytest.mark.parametrize("spec,dense", [
+    # modules_to_not_convert: a substring of the name (AutoAWQ, vLLM, transformers 4), or a regex from its start
+    # to a name boundary (transformers 5)
+    ({**AWQ, "modules_to_not_convert": ["model.layers.1.mlp"]}, ["1.mlp.gate_proj", "1.mlp.down_proj"]),
+    ({**AWQ, "modules_to_not_convert": ["layers.11."]}, [n.removeprefix("model.layers.") for n in LAYERS[3:]]),
+    ({**GPTQ_V1, "modules_to_not_convert": ["down_proj", "lm_head"]}, ["1.mlp.down_proj", "11.mlp.down_proj"]),
+    # a substring: layer 11 too, as AutoAWQ and vLLM read it (transformers 5: layer 1 only)
+    ({**GPTQ_V1, "modules_to_not_convert": ["model.layers.1"]}, [n.removeprefix("model.layers.") for n in LAYERS]),
+    ({"quant_method": "fp8", "modules_to_not_convert": ["model.layers.\\d+.mlp.gate_proj"]},
+     ["1.mlp.gate_proj", "11.mlp.gate_proj"]),
+    # compressed-tensors ignore: the exact name, or re: and a regex matching from the name's start
+    ({**COMPRESSED_FP8, "ignore": ["lm_head", "model.layers.1.mlp.down_proj", "q_proj"]}, ["1.mlp.down_proj"]),
+    ({**COMPRESSED_FP8, "ignore": ["lm_head", "re:.*mlp.down_proj"]}, ["1.mlp.down_proj", "11.mlp.down_proj"]),
+    ({**COMPRESSED_FP8, "ignore": ["lm_head", "re:model.layers.1.self"]}, ["1.self_attn.q_proj"]),
+])
+def test_layers_left_unquantized_are_matched_by_the_libraries_rules(spec, dense):
+    q = parse_quantization({"quantization_config": spec})
+    assert [n.removeprefix("model.layers.") for n in LAYERS if not q.quantizes(n + ".weight")] == dense
 
 
 def test_quantize_flag_fp8_quantizes_a_float_checkpoint_and_matching_flags_pass():

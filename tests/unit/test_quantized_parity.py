@@ -3,6 +3,7 @@ model dequantized to float32 (float32 compute), on one and two shards, with the 
 Triton kernels (interpreter). FP8's reference also rounds each linear layer's input to FP8 per token, as
 its GEMM does (``tests.quant_models.fake_quantize_activations``)."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,11 +12,12 @@ from engine.generation import Engine, EngineConfig, GenerationRequest
 from engine.models import build_model, load_model_config
 from engine.models.config import ModelConfigError
 from engine.models.parallel import ShardingError, TensorParallel
+from engine.models.quantized import fuse
 from engine.ops import KernelOps
 from kernels.fp8_gemm import Fp8Weight
 from kernels.quant_gemm import Int4Weight
 from tests.e2e.server import free_port
-from tests.quant_models import fake_quantize_activations, save_quantized_pair
+from tests.quant_models import FORMATS, fake_quantize_activations, save_quantized_pair
 from tests.tiny_models import load_hf, save_tiny_model
 from tests.unit.test_parity import hf_reference, prompts, run_engine_with_late_joiners
 from weights.checkpoint import CheckpointError, open_checkpoint
@@ -25,10 +27,10 @@ from weights.checkpoint import CheckpointError, open_checkpoint
 INTERPRETER_TOKENS = (2, 4)
 
 
-def reference(twin, fmt, num_shards=1):
+def reference(twin, fmt, num_shards=1, q=None):
     hf = load_hf(twin)
     if fmt.startswith("fp8"):
-        fake_quantize_activations(hf, num_shards)
+        fake_quantize_activations(hf, num_shards, q)
     return hf
 
 
@@ -113,6 +115,46 @@ def test_linear_layers_are_quantized_and_embeddings_and_head_stay_dense(tmp_path
         assert isinstance(linear.weight, Int4Weight)
     assert layer.attention.qkv.weight.shape == (3 * 64, 64) and layer.mlp.down.weight.shape == (64, 160)
     assert model.lm_head.weight.dtype == torch.float32 and model.embed_tokens.weight.dtype == torch.float32
+
+
+def dense_linears(model) -> set[str]:
+    """The decoder linear layers (``<layer>.<qkv|o|gate_up|down>``) the model holds unquantized."""
+    return {f"{i}.{name}" for i, layer in enumerate(model.layers)
+            for name, linear in (("qkv", layer.attention.qkv), ("o", layer.attention.o),
+                                 ("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down))
+            if isinstance(linear.weight, torch.Tensor)}
+
+
+@pytest.mark.parametrize("fmt,left,dense", [
+    ("awq_g32", {"skip": ("model.layers.0.mlp",)}, {"0.gate_up", "0.down"}),           # a parent module's path
+    ("gptq_g32", {"skip": ("layers.1.self_attn",)}, {"1.qkv", "1.o"}),                # a substring (AutoAWQ, vLLM)
+    ("awq_g16", {"skip": ("model.layers.*.mlp.down_proj",)}, {"0.down", "1.down"}),  # transformers 5: a regex
+    ("fp8_channel", {"ignore": ("re:.*mlp.down_proj",)}, {"0.down", "1.down"}),       # compressed-tensors regex
+    ("fp8_channel", {"ignore": ("model.layers.1.self_attn.o_proj",)}, {"1.o"}),       # compressed-tensors name
+])
+def test_layers_the_checkpoint_leaves_unquantized_load_dense_and_match_transformers(fmt, left, dense, tmp_path):
+    """modules_to_not_convert / ignore entries match layers by the libraries' rules
+    (``weights.quant_formats.not_converted``, ``ignored``): those layers are dense in the checkpoint and here."""
+    quant = replace(FORMATS[fmt], **left)
+    quantized, twin = save_quantized_pair(fmt, tmp_path, quant=quant)
+    assert dense_linears(load_shard(quantized, 0, 1)) == dense
+    assert_matches(engine_outputs(quantized), reference(twin, fmt, q=quant), logprob_tol(fmt))
+
+
+def test_a_fused_layer_with_some_parts_left_unquantized_runs_dense_and_matches_transformers(tmp_path):
+    """k_proj of layer 0 and up_proj of layer 1 unquantized: those layers' q|k|v and gate|up dequantize their
+    4-bit parts (act-order: input columns back in x's order) and run dense; the others stay 4-bit."""
+    quant = replace(FORMATS["gptq_act_order"], skip=("model.layers.0.self_attn.k_proj", "layers.1.mlp.up_proj"))
+    quantized, twin = save_quantized_pair("gptq_act_order", tmp_path, quant=quant)
+    assert dense_linears(load_shard(quantized, 0, 1)) == {"0.qkv", "1.gate_up"}
+    assert_matches(engine_outputs(quantized), reference(twin, "gptq_act_order"), logprob_tol("gptq_act_order"))
+
+
+def test_fuse_dequantizes_fp8_parts_beside_dense_ones():
+    dense = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    fp8 = Fp8Weight((torch.randn(4, 16) * 100).to(torch.float8_e4m3fn), torch.rand(4) + 0.5)
+    fused = fuse([fp8, dense])
+    assert torch.equal(fused, torch.cat([fp8.weight.float() * fp8.scale[:, None], dense]))
 
 
 def test_act_order_rows_are_sorted_by_group_at_load(tmp_path):
