@@ -28,7 +28,8 @@ look-ups whatever the request's length. It lags behind the tokens: ``extend`` on
 chunk per step while the device runs them) or the first read after it (a proposal, ``foresee``,
 ``quoting``) indexes the tokens since, each ``n`` in one pass of ``dict.update`` over zipped slices
 (the latest occurrence wins). A request costs ``Scheduler.add`` only its prompt's list copy: a
-100k-token prompt took 0.4-0.5 s there when every token was indexed at once.
+100k-token prompt took 0.12 s there (the 2-core development CPU) when every token was indexed at once, and
+now 0.2 ms, its chunks 2.6 ms each (4,096 tokens) as they are planned.
 """
 from __future__ import annotations
 
