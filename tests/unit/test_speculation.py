@@ -7,7 +7,7 @@ from collections import deque
 
 import pytest
 
-from engine.protocol.messages import FED_BACK, NO_PREFIX, GenerationRequest, RowResult, SamplingParams, StepResult
+from engine.protocol.messages import FED_BACK, NO_PREFIX, GenerationRequest, RowResult, SamplingParams, Step, StepResult
 from engine.router.allocator import AllocatorError, SlotAllocator
 from engine.router.drafter import NgramDrafter, propose_ngram
 from engine.router.router import Router
@@ -472,13 +472,18 @@ def _request(rid, prompt, new, **params):
                    stop_token_ids=frozenset({0}))
 
 
-def test_an_abort_with_a_verify_row_in_flight_frees_every_slot_and_drops_its_tokens():
+def _verifying() -> tuple[SlotAllocator, Scheduler, Step]:
+    """A scheduler whose request 1 (prompt 5 6 7 5 6, its first token 7) has a verify row of drafts 5 6 7 planned."""
     alloc = SlotAllocator(num_slots=200, max_requests=4)
     sched = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4))
     sched.add(_request(1, [5, 6, 7, 5, 6], 20))
     prefill = sched.schedule()
     sched.process(prefill, StepResult([RowResult(1, token_id=7)]))
-    verify = sched.schedule()
+    return alloc, sched, sched.schedule()
+
+
+def test_an_abort_with_a_verify_row_in_flight_frees_every_slot_and_drops_its_tokens():
+    alloc, sched, verify = _verifying()
     assert verify.rows[0].input_ids == [FED_BACK, 5, 6, 7]
     assert sched.abort(1)
     alloc.check_integrity()
@@ -518,12 +523,7 @@ def test_the_draft_counters_count_what_results_applied_not_drafts_planned_or_tok
 def test_a_kept_draft_that_failed_ends_its_request_after_the_tokens_before_it():
     """The worker's verify row result whose second kept token failed (NaN scores, the grammar) carries that
     token's error: the first token is given, then the error ends the request (plain decoding's order)."""
-    alloc = SlotAllocator(num_slots=200, max_requests=4)
-    sched = Scheduler(alloc, SchedulerConfig(max_seq_len=200, speculate=4))
-    sched.add(_request(1, [5, 6, 7, 5, 6], 20))
-    prefill = sched.schedule()
-    sched.process(prefill, StepResult([RowResult(1, token_id=7)]))
-    verify = sched.schedule()
+    alloc, sched, verify = _verifying()
     failed = RowResult(1, token_id=6, error="Request failed during generation: the token scores were NaN")
     events = sched.process(verify, StepResult([RowResult(1, token_id=5, following=[failed])]))
     assert [(e[1].token_id, e[1].error, e[2]) for e in events] == [(5, None, None), (6, failed.error, None)]
