@@ -105,16 +105,23 @@ def print_table(times: dict[str, list[float]]) -> None:
         print(f"{op:<16}{len(samples):>7}{mean:>11.1f}{p50:>11.1f}{p99:>11.1f}")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=10_000, help="tree nodes (prefixes and leaves)")
-    parser.add_argument("--fanout", type=int, default=100, help="nodes per shared prefix, the prefix included")
-    parser.add_argument("--tokens-per-node", type=int, default=86)
-    parser.add_argument("--wanted", type=int, default=64, help="slots each evict call asks for")
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--module", help="a prefix_cache.py file to measure instead of the engine's")
-    args = parser.parse_args()
+    parser.add_argument("--nodes", type=int, default=10_000, help="tree nodes (prefixes and leaves; default 10,000)")
+    parser.add_argument("--fanout", type=int, default=100,
+                        help="nodes per shared prefix, the prefix included (default 100)")
+    parser.add_argument("--tokens-per-node", type=int, default=86, help="tokens (KV slots) of each node (default 86)")
+    parser.add_argument("--wanted", type=int, default=64, help="slots each evict call asks for (default 64)")
+    parser.add_argument("--calls", type=int, default=200, help="timed rounds of evict, insert, lock + unlock "
+                        "(default 200)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tokens and the fill order (default 0)")
+    parser.add_argument("--module", help="a prefix_cache.py file to measure instead of the engine's (default: the "
+                        "engine's)")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.fanout < 2 or args.nodes < args.fanout:
         parser.error(f"--fanout {args.fanout} needs to be at least 2 and at most --nodes {args.nodes}")
     print_table(run(args))

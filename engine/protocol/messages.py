@@ -201,8 +201,8 @@ class RouterStatus:
     prefix_cache_evicted_tokens: int = 0    # cached tokens evicted for room, cumulative
     speculation_drafted_tokens: int = 0     # draft tokens sent for verification (--speculate), cumulative
     speculation_accepted_tokens: int = 0    # of those, accepted and appended, cumulative
-    speculation_skipped_tokens: tuple[int, ...] = ()  # [k]: results that appended k accepted drafts, cumulative
-                                                      # (TGI's ``tgi_request_skipped_tokens``)
+    speculation_skipped_tokens: list[int] = field(default_factory=list)  # [k]: results that appended k accepted
+                                                                         # drafts, cumulative (TGI's ``tgi_request_skipped_tokens``)
 
 
 @dataclass(frozen=True)

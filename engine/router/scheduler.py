@@ -254,14 +254,14 @@ class Scheduler:
         log.info("prefix caching %s",
                  "on" if self.cache is not None else "off (--prefix-caching false / PREFIX_CACHING=0)")
 
-    def speculation_status(self) -> dict[str, int | tuple[int, ...]]:
+    def speculation_status(self) -> dict[str, int | list[int]]:
         """The draft counters and ``tgi_request_skipped_tokens``'s counts, as ``RouterStatus`` fields (none when
         speculation is off)."""
         if not self.config.speculate:
             return {}
         return {"speculation_drafted_tokens": self.speculation.drafted_tokens,
                 "speculation_accepted_tokens": self.speculation.accepted_tokens,
-                "speculation_skipped_tokens": tuple(self.speculation.skipped_tokens)}
+                "speculation_skipped_tokens": list(self.speculation.skipped_tokens)}
 
     def prefix_cache_status(self) -> dict[str, int]:
         """The prefix cache's numbers, as ``RouterStatus`` fields (none when it is off)."""

@@ -66,14 +66,19 @@ def test_a_temperature_that_makes_the_scores_infinite_is_the_same_error(server_u
 
 @pytest.mark.parametrize("nan_at", [0, 1, 2])
 def test_a_verify_rows_nan_ends_the_request_whichever_kept_token_has_it(nan_at):
-    # drafts 7, 8 against choices 7, 8, 9: all three positions are kept; the NaN is at one of them
+    """Drafts 7, 8 against choices 7, 8, 9: all three positions are kept; the NaN is at one of them. The row
+    gives the kept tokens before it, then the failed one with its error and nothing after it (the router ends
+    the request there: plain decoding's tokens, then its error)."""
     row = StepRow(request_id=5, row=0, start_pos=10, input_ids=[FED_BACK, 7, 8], slots=[10, 11, 12], sample=True)
     logprobs = [-0.5, -0.25, -0.125]
     logprobs[nan_at] = math.nan
     out = SampleOutput(token_ids=[7, 8, 9], logprobs=logprobs, top_ids=[[], [], []], top_logprobs=[[], [], []])
     results = [RowResult(5)]
     ModelWorker._record_tokens([0], [row], out, [RowSampling(SamplingParams(), seed=0, step=0)], results, None)
-    assert results[0].error is not None and f"NaN at new token {nan_at + 1}:" in results[0].error
+    tokens = [results[0], *results[0].following]
+    assert [r.token_id for r in tokens] == [7, 8, 9][: nan_at + 1]
+    assert all(r.error is None for r in tokens[:nan_at])
+    assert tokens[nan_at].error is not None and f"NaN at new token {nan_at + 1}:" in tokens[nan_at].error
 
 
 def test_a_verify_row_without_nan_has_no_error():

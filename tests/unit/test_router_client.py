@@ -93,11 +93,13 @@ def test_stats_carry_every_number_of_the_routers_status():
     client = RouterClient(frontend_end)
     status = RouterStatus(healthy=True, queue_size=1, batch_size=2, kv_used=3, kv_capacity=4, prefix_cache_tokens=5,
                           prefix_cache_lookup_tokens=6, prefix_cache_hit_tokens=7, prefix_cache_evicted_tokens=8,
-                          speculation_drafted_tokens=9, speculation_accepted_tokens=10)
+                          speculation_drafted_tokens=9, speculation_accepted_tokens=10,
+                          speculation_skipped_tokens=[11, 12])
     router_end.send_bytes(encode(status))
     assert client.wait_ready(timeout=5) == status
     numbers = {name: value for name, value in vars(status).items() if name not in ("healthy", "error")}
-    assert client.stats() == numbers and set(numbers.values()) == set(range(1, 11))
+    assert client.stats() == numbers
+    assert numbers.pop("speculation_skipped_tokens") == [11, 12] and set(numbers.values()) == set(range(1, 11))
 
 
 def test_a_request_is_in_the_pipe_when_its_stream_has_started():

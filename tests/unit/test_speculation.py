@@ -517,7 +517,7 @@ def test_the_draft_counters_count_what_results_applied_not_drafts_planned_or_tok
     assert (stats.drafted_tokens, stats.accepted_tokens) == (3, 1)
     assert stats.skipped_tokens == [2, 1, 0, 0, 0]                   # two prompts' first tokens, then 5 6
     assert sched.speculation_status() == {"speculation_drafted_tokens": 3, "speculation_accepted_tokens": 1,
-                                          "speculation_skipped_tokens": (2, 1, 0, 0, 0)}
+                                          "speculation_skipped_tokens": [2, 1, 0, 0, 0]}
 
 
 def test_a_kept_draft_that_failed_ends_its_request_after_the_tokens_before_it():
