@@ -12,7 +12,8 @@ Per layer, with T new tokens of a ragged batch (``ForwardBatch``):
 The blocks come from ``engine.models.layers``; GEMMs are cuBLAS, or the skinny GEMM kernel
 for small decode batches; both, and the norms, rotary + KV store, attention and activation,
 come from ``KernelOps``. Llama, Mistral and Qwen2 differ only in what ``parse_config`` reads
-(GQA, q/k/v bias, tied embeddings, rope variant, Mistral's and Qwen2's sliding window). Their linear
+(GQA, q/k/v and o biases, tied embeddings, rope variant, Mistral's and Qwen2's sliding window, and
+transformers' defaults for the fields config.json omits: ``DEFAULTS``). Their linear
 layers may be quantized (GPTQ / AWQ 4-bit, FP8: ``config.quantization``); embeddings and the LM head
 stay in the model dtype.
 """
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from engine.models.config import Family, ModelConfig, ModelConfigError, shared_fields
+from engine.models.config import Family, ModelConfig, ModelConfigError, shared_fields, with_defaults
 from engine.models.config import sliding_layers as config_sliding_layers
 from engine.models.layers import (Attention, GatedMLP, Linear, LMHead, RowParallelLinear, Rotary,
                                   VocabParallelEmbedding, narrow_at_last_layer)
@@ -45,7 +46,8 @@ class LlamaConfig(ModelConfig):
     intermediate_size: int = 0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False
+    qkv_bias: bool = False                    # biases on q, k and v
+    o_bias: bool = False                      # a bias on o (whole on every shard, added once after the all-reduce)
     sliding_layers: tuple[bool, ...] = ()     # per layer: does ``sliding_window`` apply (empty: no window)
 
     def layer_window(self, index: int) -> int | None:
@@ -55,22 +57,41 @@ class LlamaConfig(ModelConfig):
         return {**super().sharded_sizes(), "intermediate_size": self.intermediate_size}
 
 
+# transformers' LlamaConfig / MistralConfig / Qwen2Config defaults of the fields read here (``config.with_defaults``)
+DEFAULTS = {"LlamaForCausalLM": dict(max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                                     tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
+            "MistralForCausalLM": dict(num_key_value_heads=8, max_position_embeddings=4096 * 32, bos_token_id=1,
+                                       eos_token_id=2, tie_word_embeddings=False, sliding_window=4096),
+            "Qwen2ForCausalLM": dict(max_position_embeddings=32768, tie_word_embeddings=False, use_sliding_window=False,
+                                     sliding_window=4096, max_window_layers=28)}
+
+
 def parse_config(raw: dict[str, Any]) -> LlamaConfig:
+    """Llama: ``attention_bias`` puts a bias on q, k, v and o (``mlp_bias`` is refused); Mistral: no biases
+    (transformers' Mistral attention ignores ``attention_bias``); Qwen2: q, k and v biases, none on o."""
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported; only 'silu' is")
-    is_qwen2 = raw["architectures"][0] == "Qwen2ForCausalLM"
+    architecture = raw["architectures"][0]
+    raw = with_defaults(raw, DEFAULTS[architecture])
+    if raw.get("mlp_bias"):
+        raise ModelConfigError(f"mlp_bias={raw['mlp_bias']!r} (biases on gate/up/down) is not supported for "
+                               f"{architecture}: this engine serves Llama MLPs without biases; set it false or serve "
+                               f"the model with transformers")
+    is_qwen2 = architecture == "Qwen2ForCausalLM"
+    attention_bias = architecture == "LlamaForCausalLM" and bool(raw["attention_bias"])
     return LlamaConfig(
         **{**shared_fields(raw), **window_fields(raw, is_qwen2)},
         intermediate_size=int(raw["intermediate_size"]),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", is_qwen2)),
-        qkv_bias=bool(raw.get("attention_bias", False)) or is_qwen2,
+        tie_word_embeddings=bool(raw["tie_word_embeddings"]),
+        qkv_bias=attention_bias or is_qwen2,
+        o_bias=attention_bias,
     )
 
 
 def window_fields(raw: dict[str, Any], is_qwen: bool) -> dict[str, Any]:
     """``sliding_window`` and ``sliding_layers`` (Llama-family configs): Qwen's window applies only with
-    ``use_sliding_window``; Mistral's and Mixtral's whenever ``sliding_window`` is set."""
+    ``use_sliding_window``; Mistral's whenever ``sliding_window`` is set (a null one is off)."""
     sliding = raw.get("sliding_window") if (not is_qwen or raw.get("use_sliding_window")) else None
     if not sliding:
         return {"sliding_window": None, "sliding_layers": ()}
@@ -83,7 +104,7 @@ def _sliding_layers(raw: dict[str, Any], num_layers: int, is_qwen2: bool) -> tup
     layer_types, else from ``max_window_layers`` on (transformers' rule)."""
     if not is_qwen2:
         return (True,) * num_layers
-    first = int(raw.get("max_window_layers", 28))
+    first = int(raw["max_window_layers"])
     return config_sliding_layers(raw, num_layers, lambda i: i >= first)
 
 
@@ -104,6 +125,8 @@ def checkpoint_shapes(c: LlamaConfig, mlp_shapes=None) -> dict[str, tuple[int, .
             shapes[p + "self_attn.q_proj.bias"] = (c.num_heads * c.head_dim,)
             shapes[p + "self_attn.k_proj.bias"] = (c.num_kv_heads * c.head_dim,)
             shapes[p + "self_attn.v_proj.bias"] = (c.num_kv_heads * c.head_dim,)
+        if c.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (c.hidden_size,)
         shapes.update(mlp_shapes(c, i, p))
         shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
         shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
@@ -157,7 +180,9 @@ class LlamaFamilyModel:
         slices = {}
         for name in self.checkpoint_shapes():
             module = name.rsplit(".", 2)[-2]
-            slices[name] = by_suffix.get(module, FULL)
+            piece = by_suffix.get(module, FULL)
+            # a row-parallel layer's bias is whole on every shard (``RowParallelLinear`` adds it once)
+            slices[name] = FULL if piece is row and name.endswith(".bias") else piece
         return slices
 
     def load_weights(self, checkpoint) -> None:
@@ -194,7 +219,9 @@ class LlamaFamilyModel:
         c, tp = self.config, self.tp
         qkv = Linear.fused([t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"],
                            [t.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if c.qkv_bias else None)
-        return Attention(qkv, RowParallelLinear(t.pop(p + "self_attn.o_proj.weight"), tp), self.num_heads,
+        o = RowParallelLinear(t.pop(p + "self_attn.o_proj.weight"), tp,
+                              t.pop(p + "self_attn.o_proj.bias") if c.o_bias else None)
+        return Attention(qkv, o, self.num_heads,
                          self.num_kv_heads, c.head_dim, c.head_dim**-0.5, self._mods(p))
 
     def _mods(self, p: str) -> ScoreMods | None:

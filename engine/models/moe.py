@@ -27,7 +27,7 @@ import torch
 from engine.models.config import ModelConfigError
 from engine.models.llama import LlamaConfig, LlamaFamilyModel, checkpoint_shapes as llama_shapes, dense_mlp_shapes
 from engine.models.parallel import FULL, Slice, TensorParallel
-from engine.models.qwen3 import qk_norm_attention, qwen3_attention_shapes
+from engine.models.qwen3 import qk_norm_attention, qk_norm_shapes
 from kernels.fused_moe import SharedExpert
 
 
@@ -54,7 +54,7 @@ class MoEConfig(LlamaConfig):
     round_router_weights: bool = False        # weights cast to the model dtype (Qwen), else float32 (Mixtral)
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     dense_layers: tuple[int, ...] = ()        # layers with a plain gated MLP (``intermediate_size``)
-    qk_norm: bool = False                     # Qwen3's per-head q/k RMSNorm (and o_proj's bias with ``qkv_bias``)
+    qk_norm: bool = False                     # Qwen3's per-head q/k RMSNorm
 
     def sharded_sizes(self) -> dict[str, int]:
         sizes = {**super().sharded_sizes(), "moe_intermediate_size": self.moe_intermediate_size}
@@ -120,7 +120,7 @@ class SparseMoE:
 def moe_checkpoint_shapes(c: MoEConfig, names: ExpertNames) -> dict[str, tuple[int, ...]]:
     """Every tensor an MoE checkpoint must hold, with its full shape."""
     shapes = llama_shapes(c, lambda c, i, p: _layer_mlp_shapes(c, names, i, p))
-    return {**shapes, **qwen3_attention_shapes(c)} if c.qk_norm else shapes
+    return {**shapes, **qk_norm_shapes(c)} if c.qk_norm else shapes
 
 
 def _layer_mlp_shapes(c: MoEConfig, names: ExpertNames, layer: int, p: str) -> dict[str, tuple[int, ...]]:
@@ -154,15 +154,14 @@ class MoEFamilyModel(LlamaFamilyModel):
         for name in slices:
             if ".experts." in name:
                 slices[name] = by_module[name.rsplit(".", 2)[-2]]
-            elif name.endswith(("." + self.names.router + ".weight", "shared_expert_gate.weight", "_norm.weight",
-                                "o_proj.bias")):
+            elif name.endswith(("." + self.names.router + ".weight", "shared_expert_gate.weight", "_norm.weight")):
                 slices[name] = FULL
         return slices
 
     def _attention(self, t: dict[str, torch.Tensor], p: str):
         attention = super()._attention(t, p)
         c = self.config
-        return qk_norm_attention(attention, t, p, c.rms_norm_eps, c.qkv_bias) if c.qk_norm else attention
+        return qk_norm_attention(attention, t, p, c.rms_norm_eps) if c.qk_norm else attention
 
     def _mlp(self, t: dict[str, torch.Tensor], p: str, prefix: str = "mlp."):
         if int(p.split(".")[2]) in self.config.dense_layers:

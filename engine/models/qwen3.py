@@ -9,7 +9,6 @@ is ``llama``'s.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,7 +17,6 @@ from engine.models.config import Family, ModelConfigError, layer_windows, shared
 from engine.models.layers import Attention, QKNormAttention
 from engine.models.llama import IGNORED_CHECKPOINT_NAMES, LlamaConfig, LlamaFamilyModel
 from engine.models.llama import checkpoint_shapes as llama_shapes
-from engine.models.parallel import FULL, Slice
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 # transformers' Qwen3Config defaults of the fields read here (``config.with_defaults``)
@@ -47,27 +45,22 @@ def parse_config(raw: dict[str, Any]) -> LlamaConfig:
         rms_norm_eps=float(raw["rms_norm_eps"]),
         tie_word_embeddings=bool(raw["tie_word_embeddings"]),
         qkv_bias=bool(raw["attention_bias"]),
+        o_bias=bool(raw["attention_bias"]),
     )
 
 
-def qwen3_attention_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """What Qwen3's attention adds to Llama's: the q/k norms, and with ``attention_bias`` o_proj's bias."""
-    shapes = {f"model.layers.{i}.self_attn.{n}_norm.weight": (c.head_dim,) for i in range(c.num_layers) for n in "qk"}
-    if c.qkv_bias:
-        shapes.update({f"model.layers.{i}.self_attn.o_proj.bias": (c.hidden_size,) for i in range(c.num_layers)})
-    return shapes
+def qk_norm_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """What Qwen3's attention adds to Llama's: the q/k norms (o_proj's bias is Llama's ``o_bias``)."""
+    return {f"model.layers.{i}.self_attn.{n}_norm.weight": (c.head_dim,) for i in range(c.num_layers) for n in "qk"}
 
 
 def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    return {**llama_shapes(c), **qwen3_attention_shapes(c)}
+    return {**llama_shapes(c), **qk_norm_shapes(c)}
 
 
-def qk_norm_attention(attention: Attention, t: dict[str, torch.Tensor], p: str, eps: float,
-                      o_bias: bool) -> QKNormAttention:
-    """Llama's attention block of layer ``p`` with the q/k norms ``self_attn.{q,k}_norm`` (replicated) and,
-    when ``o_bias`` (``attention_bias``), the output projection's bias (replicated, added once)."""
-    o = replace(attention.o, bias=t.pop(p + "self_attn.o_proj.bias")) if o_bias else attention.o
-    return QKNormAttention(attention.qkv, o, attention.num_heads, attention.num_kv_heads,
+def qk_norm_attention(attention: Attention, t: dict[str, torch.Tensor], p: str, eps: float) -> QKNormAttention:
+    """Llama's attention block of layer ``p`` with the q/k norms ``self_attn.{q,k}_norm`` (replicated)."""
+    return QKNormAttention(attention.qkv, attention.o, attention.num_heads, attention.num_kv_heads,
                            attention.head_dim, attention.sm_scale, mods=attention.mods,
                            q_norm=t.pop(p + "self_attn.q_norm.weight"), k_norm=t.pop(p + "self_attn.k_norm.weight"),
                            eps=eps)
@@ -77,14 +70,8 @@ class Qwen3Model(LlamaFamilyModel):
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         return checkpoint_shapes(self.config)
 
-    def weight_slices(self) -> dict[str, Slice]:
-        """Llama's; o_proj's bias (``attention_bias``) is whole on every shard."""
-        slices = super().weight_slices()
-        return {name: FULL if name.endswith("o_proj.bias") else piece for name, piece in slices.items()}
-
     def _attention(self, t: dict[str, torch.Tensor], p: str) -> QKNormAttention:
-        c = self.config
-        return qk_norm_attention(super()._attention(t, p), t, p, c.rms_norm_eps, c.qkv_bias)
+        return qk_norm_attention(super()._attention(t, p), t, p, self.config.rms_norm_eps)
 
 
 FAMILY = Family(ARCHITECTURES, parse_config, Qwen3Model, checkpoint_shapes, IGNORED_CHECKPOINT_NAMES)

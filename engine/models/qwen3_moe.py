@@ -34,7 +34,7 @@ def parse_config(raw: dict[str, Any]) -> MoEConfig:
         **{**shared_fields(raw), **window_fields(raw)},
         **moe_fields(raw, "moe_intermediate_size"),
         intermediate_size=int(raw["intermediate_size"]),
-        qkv_bias=bool(raw["attention_bias"]),
+        qkv_bias=bool(raw["attention_bias"]), o_bias=bool(raw["attention_bias"]),
         norm_topk_prob=bool(raw["norm_topk_prob"]), round_router_weights=True,
         dense_layers=qwen_dense_layers(raw), qk_norm=True,
     )

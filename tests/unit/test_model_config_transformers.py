@@ -18,9 +18,11 @@ from tests.tiny_models import load_hf, save_tiny_model
 CONFIG_CLASSES = {"Qwen3ForCausalLM": "Qwen3Config", "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
                   "Qwen2MoeForCausalLM": "Qwen2MoeConfig", "MixtralForCausalLM": "MixtralConfig",
                   "Gemma2ForCausalLM": "Gemma2Config", "GemmaForCausalLM": "GemmaConfig",
-                  "Phi3ForCausalLM": "Phi3Config"}
+                  "Phi3ForCausalLM": "Phi3Config", "LlamaForCausalLM": "LlamaConfig",
+                  "MistralForCausalLM": "MistralConfig", "Qwen2ForCausalLM": "Qwen2Config"}
 # transformers' attention of these reads ``config.sliding_window`` on every layer (no layer_types)
-EVERY_LAYER = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM"}
+EVERY_LAYER = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "MistralForCausalLM"}
+NO_WINDOW = {"GemmaForCausalLM", "LlamaForCausalLM"}
 LAYERS = 6
 SIZES = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=2,
              num_key_value_heads=1, head_dim=8, vocab_size=32, num_experts=4, num_local_experts=4,
@@ -39,7 +41,7 @@ def transformers_config(raw: dict):
 def transformers_layer_windows(raw: dict) -> tuple[int | None, ...]:
     """Per layer, the window transformers' config gives the attention (None: none)."""
     hf = transformers_config(raw)
-    if raw["architectures"][0] == "GemmaForCausalLM":         # Gemma 1 has no window
+    if raw["architectures"][0] in NO_WINDOW:                   # Gemma 1 and Llama have no window
         return (None,) * hf.num_hidden_layers
     if raw["architectures"][0] in EVERY_LAYER:
         return (hf.sliding_window,) * hf.num_hidden_layers
@@ -73,7 +75,8 @@ WINDOW_CASES = [
 
 @pytest.mark.parametrize("case", range(len(WINDOW_CASES)))
 @pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                                          "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM"])
+                                          "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                                          "Qwen2ForCausalLM", "MistralForCausalLM"])
 def test_each_familys_layer_windows_are_transformers(architecture, case):
     """Qwen3: from max_window_layers on; Qwen3-MoE: every layer; Qwen2-MoE: the even layers below
     max_window_layers; all three only with use_sliding_window, layer_types first where the class reads it;
@@ -146,6 +149,7 @@ def test_a_null_field_stays_off_as_in_transformers():
      "type 'linear' is not supported for Phi-3"),
     ("LlamaForCausalLM", dict(rope_scaling={"type": "su", "short_factor": [1.0], "long_factor": [1.0]}),
      "rope scaling type 'su' is not supported"),
+    ("LlamaForCausalLM", dict(mlp_bias=True), "mlp_bias=True"),
 ])
 def test_fields_the_engine_does_not_apply_are_refused(architecture, extra, message):
     with pytest.raises(ModelConfigError, match=message):
@@ -165,17 +169,25 @@ def greedy_equals_transformers(path, new_tokens=8):
         assert [o.token_id for o in outputs[i]] == reference[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-def test_qwen3_attention_bias_adds_the_o_proj_bias_as_transformers(family, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama"])
+def test_attention_bias_adds_the_o_proj_bias_as_transformers(family, tmp_path):
     path = save_tiny_model(family, tmp_path / family, attention_bias=True)
     config = load_model_config(path)
-    assert config.qkv_bias and "model.layers.1.self_attn.o_proj.bias" in family_for(
+    assert config.qkv_bias and config.o_bias and "model.layers.1.self_attn.o_proj.bias" in family_for(
         config.architecture).checkpoint_shapes(config)
     greedy_equals_transformers(path)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-def test_qwen3_o_proj_bias_is_whole_on_each_of_two_shards(family, tmp_path):
+def test_mistral_ignores_attention_bias_as_transformers(tmp_path):
+    """transformers' Mistral attention has no biases whatever attention_bias says: its checkpoint holds none."""
+    path = save_tiny_model("mistral", tmp_path / "mistral", attention_bias=True)
+    config = load_model_config(path)
+    assert not config.qkv_bias and not config.o_bias
+    greedy_equals_transformers(path)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama"])
+def test_o_proj_bias_is_whole_on_each_of_two_shards(family, tmp_path):
     """Added once, after the all-reduce (not sliced like o_proj's weight): TP=2 gives TP=1's tokens."""
     from tests.unit.test_tensor_parallel import generate
 
