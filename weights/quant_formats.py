@@ -67,6 +67,8 @@ class QuantConfig:
     at_load: bool = False         # FP8: --quantize fp8 quantizes a float checkpoint while loading it
     skip: tuple[str, ...] = ()    # modules_to_not_convert: layers left in the model dtype (``not_converted``)
     ignore: tuple[str, ...] = ()  # compressed-tensors ignore: layers left in the model dtype (``ignored``)
+    only: tuple[str, ...] = ()    # GPTQ modules_in_block_to_quantize: a block's only quantized layers (empty: all)
+    dynamic: tuple[tuple[str, bool], ...] = ()  # GPTQModel dynamic: (regex, excluded) rules, the first match decides
 
     @property
     def bits(self) -> int:
@@ -78,8 +80,10 @@ class QuantConfig:
         if not LINEAR_PATTERN.match(name):
             return False
         module = name.removesuffix(".weight")
+        if self.only and not any(module.endswith("." + entry) for entry in self.only):
+            return False
         return not (any(not_converted(module, entry) for entry in self.skip)
-                    or any(ignored(module, entry) for entry in self.ignore))
+                    or any(ignored(module, entry) for entry in self.ignore) or dynamic_excludes(self.dynamic, module))
 
     @property
     def ignored_names(self) -> tuple[str, ...]:
@@ -115,6 +119,54 @@ def ignored(module: str, entry: str) -> bool:
     if entry.startswith("re:"):
         return re.match(entry.removeprefix("re:"), module) is not None
     return entry == module
+
+
+def dynamic_excludes(rules: tuple[tuple[str, bool], ...], module: str) -> bool:
+    """Whether GPTQModel's ``dynamic`` rules leave ``module`` unquantized: the first rule whose regex matches from
+    the name's start decides, a ``-:`` rule excludes it (a positive one keeps the base settings: ``_dynamic_rules``
+    refuses any other)."""
+    return next((excluded for pattern, excluded in rules if re.match(pattern, module)), False)
+
+
+def _dynamic_rules(spec: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
+    """GPTQModel's ``dynamic``: ``{"-:regex": {}}`` leaves the matching layers unquantized; ``{"+:regex": {...}}``
+    (or a bare regex) overrides the base settings for them, which this engine cannot do unless they equal the
+    base ones (one bit width and group size for the whole model)."""
+    dynamic = spec.get("dynamic") or {}
+    if not isinstance(dynamic, dict) or not all(isinstance(v, dict) for v in dynamic.values()):
+        raise CheckpointError(f"quantization_config dynamic is {dynamic!r}: expected a map of module regexes to "
+                              f"settings (GPTQModel's format)")
+    base = {"bits": int(spec.get("bits", 4)), "group_size": spec.get("group_size", 128),
+            "desc_act": bool(spec.get("desc_act")), "sym": bool(spec.get("sym", True))}
+    rules = []
+    for key, settings in dynamic.items():
+        excluded = key.startswith("-:")
+        pattern = key.removeprefix("-:").removeprefix("+:")
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise CheckpointError(f"quantization_config dynamic rule {key!r} is not a valid regular expression "
+                                  f"({err}): fix it in config.json") from None
+        differing = {k: v for k, v in settings.items() if k in base and v != base[k]} if not excluded else {}
+        if differing:
+            raise CheckpointError(f"quantization_config dynamic rule {key!r} overrides {settings} for the layers it "
+                                  f"matches, but this engine runs one GPTQ setting for every layer ({base}): serve "
+                                  f"a checkpoint quantized without per-layer overrides (\"-:\" rules that leave "
+                                  f"layers unquantized are fine)")
+        rules.append((pattern, excluded))
+    return tuple(rules)
+
+
+def _block_modules(spec: dict[str, Any]) -> tuple[str, ...]:
+    """GPTQ's ``modules_in_block_to_quantize`` (lists of a block's layer names, as optimum writes it, or one
+    list): the only layers quantized; the others stay in the model dtype."""
+    groups = spec.get("modules_in_block_to_quantize") or []
+    names = [name for group in groups for name in (group if isinstance(group, list) else [group])] \
+        if isinstance(groups, list) else None
+    if names is None or not all(isinstance(n, str) and n for n in names):
+        raise CheckpointError(f"quantization_config modules_in_block_to_quantize is {groups!r}: expected lists of "
+                              f"a block's layer names (\"self_attn.q_proj\", ...)")
+    return tuple(names)
 
 
 def _module_entries(spec: dict[str, Any], key: str, regex_prefix: str = "") -> tuple[str, ...]:
@@ -209,7 +261,8 @@ def _gptq(spec: dict[str, Any]) -> QuantConfig:
     if fmt not in ("gptq", "gptq_v2"):
         raise CheckpointError(f"GPTQ checkpoint_format {fmt!r} is not supported; supported: gptq, gptq_v2")
     return QuantConfig("gptq", group_size=_group_size(spec, "group_size"), desc_act=bool(spec.get("desc_act")),
-                       zero_offset=1 if fmt == "gptq" else 0, skip=_module_entries(spec, "modules_to_not_convert"))
+                       zero_offset=1 if fmt == "gptq" else 0, skip=_module_entries(spec, "modules_to_not_convert"),
+                       only=_block_modules(spec), dynamic=_dynamic_rules(spec))
 
 
 def _awq(spec: dict[str, Any]) -> QuantConfig:
@@ -249,7 +302,10 @@ def config_json(q: QuantConfig) -> dict[str, Any]:
     skip = {"modules_to_not_convert": list(q.skip)} if q.skip else {}
     if q.method == "gptq":
         return {"quant_method": "gptq", "bits": 4, "group_size": q.group_size, "desc_act": q.desc_act, "sym": True,
-                "checkpoint_format": "gptq" if q.zero_offset else "gptq_v2", **skip}
+                "checkpoint_format": "gptq" if q.zero_offset else "gptq_v2", **skip,
+                **({"modules_in_block_to_quantize": [list(q.only)]} if q.only else {}),
+                **({"dynamic": {("-:" if excluded else "+:") + pattern: {} for pattern, excluded in q.dynamic}}
+                   if q.dynamic else {})}
     if q.method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": q.group_size, "zero_point": True, "version": "gemm",
                 **skip}

@@ -105,6 +105,12 @@ def test_quantization_config_is_read_without_a_flag():
     ({**AWQ, "modules_to_not_convert": ["model.layers.(0"]}, r"'model.layers.\(0' is not a valid regular expression"),
     ({**COMPRESSED_FP8, "ignore": ["lm_head", "re:*proj"]}, r"'re:\*proj' is not a valid regular expression"),
     ({**AWQ, "modules_to_not_convert": "lm_head"}, "modules_to_not_convert is 'lm_head': expected a list"),
+    # GPTQModel's dynamic: per-layer settings other than the base ones, a bad regex, not a map
+    ({**GPTQ_V1, "dynamic": {r"+:.*\.mlp\..*": {"bits": 8}}}, r"overrides \{'bits': 8\} for the layers it matches"),
+    ({**GPTQ_V1, "dynamic": {"+:.*": {"group_size": 32}}}, "runs one GPTQ setting for every layer"),
+    ({**GPTQ_V1, "dynamic": {"-:layers.(0": {}}}, r"dynamic rule '-:layers.\(0' is not a valid regular expression"),
+    ({**GPTQ_V1, "dynamic": ["-:.*"]}, "dynamic is .*: expected a map of module regexes"),
+    ({**GPTQ_V1, "modules_in_block_to_quantize": "self_attn.q_proj"}, "modules_in_block_to_quantize is 'self_attn"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4,
                                                                                 "strategy": "group"}}}},
      "supported: float 8-bit weights"),
@@ -206,3 +212,18 @@ def test_linear_biases_the_model_has_no_place_for_are_listed_for_the_zero_check(
     assert gptq.unused_biases(names, expected) == ["model.layers.0.mlp.down_proj.bias", "model.layers.0.mlp.c_fc.bias"]
     assert QuantConfig("fp8").unused_biases(names, expected) == []
     assert gptq.quantizes("model.layers.3.mlp.c_fc.weight") and not gptq.quantizes("model.layers.3.mlp.c_fc.bias")
+
+
+def test_gptq_block_modules_and_dynamic_rules_pick_the_quantized_layers():
+    """modules_in_block_to_quantize lists the only quantized layers of a block; GPTQModel's dynamic rules match
+    from the name's start and the first match decides (a positive rule with the base settings keeps a layer)."""
+    q = parse_quantization({"quantization_config": {
+        **GPTQ_V1, "modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj"], ["mlp.down_proj"]],
+        "dynamic": {r"+:model\.layers\.1\.mlp\..*": {"bits": 4, "damp_percent": 0.05},
+                    r"-:model\.layers\.1\..*": {}}}})
+    quantized = {name: q.quantizes(name + ".weight") for name in
+                 ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj",
+                  "model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj")}
+    assert quantized == {"model.layers.0.self_attn.q_proj": True, "model.layers.0.self_attn.o_proj": False,
+                         "model.layers.0.mlp.down_proj": True, "model.layers.1.self_attn.q_proj": False,
+                         "model.layers.1.mlp.down_proj": True, "model.layers.1.mlp.up_proj": False}

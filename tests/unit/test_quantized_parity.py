@@ -131,6 +131,12 @@ def dense_linears(model) -> set[str]:
     ("awq_g16", {"skip": ("model.layers.*.mlp.down_proj",)}, {"0.down", "1.down"}),  # transformers 5: a regex
     ("fp8_channel", {"ignore": ("re:.*mlp.down_proj",)}, {"0.down", "1.down"}),       # compressed-tensors regex
     ("fp8_channel", {"ignore": ("model.layers.1.self_attn.o_proj",)}, {"1.o"}),       # compressed-tensors name
+    # GPTQ's modules_in_block_to_quantize: only those layers of each block (q|k|v partly: dequantized, dense)
+    ("gptq_g32", {"only": ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")},
+     {"0.qkv", "0.gate_up", "1.qkv", "1.gate_up"}),
+    # GPTQModel's dynamic: the first matching rule decides; "-:" leaves the layer unquantized
+    ("gptq_act_order", {"dynamic": ((r"model\.layers\.0\.mlp\.down_proj", False), (r".*\.mlp\..*", True))},
+     {"1.gate_up", "1.down", "0.gate_up"}),
 ])
 def test_layers_the_checkpoint_leaves_unquantized_load_dense_and_match_transformers(fmt, left, dense, tmp_path):
     """modules_to_not_convert / ignore entries match layers by the libraries' rules
