@@ -67,20 +67,23 @@ DEFAULTS = {"LlamaForCausalLM": dict(max_position_embeddings=2048, bos_token_id=
 
 
 def parse_config(raw: dict[str, Any]) -> LlamaConfig:
-    """Llama: ``attention_bias`` puts a bias on q, k, v and o (``mlp_bias`` is refused); Mistral: no biases
-    (transformers' Mistral attention ignores ``attention_bias``); Qwen2: q, k and v biases, none on o."""
+    """Llama: ``attention_bias`` puts a bias on q, k, v and o (``mlp_bias`` is refused), no sliding window
+    (transformers' Llama attention reads none); Mistral: no biases (its attention ignores ``attention_bias``),
+    a window on every layer; Qwen2: q, k and v biases, none on o, a window with ``use_sliding_window``."""
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported; only 'silu' is")
     architecture = raw["architectures"][0]
     raw = with_defaults(raw, DEFAULTS[architecture])
-    if raw.get("mlp_bias"):
+    is_llama = architecture == "LlamaForCausalLM"
+    if is_llama and raw["mlp_bias"]:
         raise ModelConfigError(f"mlp_bias={raw['mlp_bias']!r} (biases on gate/up/down) is not supported for "
                                f"{architecture}: this engine serves Llama MLPs without biases; set it false or serve "
                                f"the model with transformers")
     is_qwen2 = architecture == "Qwen2ForCausalLM"
-    attention_bias = architecture == "LlamaForCausalLM" and bool(raw["attention_bias"])
+    attention_bias = is_llama and bool(raw["attention_bias"])
+    windows = {"sliding_window": None, "sliding_layers": ()} if is_llama else window_fields(raw, is_qwen2)
     return LlamaConfig(
-        **{**shared_fields(raw), **window_fields(raw, is_qwen2)},
+        **{**shared_fields(raw), **windows},
         intermediate_size=int(raw["intermediate_size"]),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw["tie_word_embeddings"]),

@@ -76,11 +76,12 @@ WINDOW_CASES = [
 @pytest.mark.parametrize("case", range(len(WINDOW_CASES)))
 @pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
                                           "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                                          "Qwen2ForCausalLM", "MistralForCausalLM"])
+                                          "Qwen2ForCausalLM", "MistralForCausalLM", "LlamaForCausalLM"])
 def test_each_familys_layer_windows_are_transformers(architecture, case):
     """Qwen3: from max_window_layers on; Qwen3-MoE: every layer; Qwen2-MoE: the even layers below
     max_window_layers; all three only with use_sliding_window, layer_types first where the class reads it;
-    Mixtral, Phi-3: every layer; Gemma 2: layer_types, else the even layers."""
+    Mixtral, Phi-3, Mistral: every layer; Qwen2: layer_types, else from max_window_layers on; Gemma 2: layer_types,
+    else the even layers; Llama: none (its attention reads no window)."""
     raw = {"architectures": [architecture], **SIZES, **WINDOW_CASES[case]}
     try:
         expected = transformers_mask_windows(raw)
@@ -176,6 +177,12 @@ def test_attention_bias_adds_the_o_proj_bias_as_transformers(family, tmp_path):
     assert config.qkv_bias and config.o_bias and "model.layers.1.self_attn.o_proj.bias" in family_for(
         config.architecture).checkpoint_shapes(config)
     greedy_equals_transformers(path)
+
+
+def test_mistral_and_qwen2_ignore_mlp_bias_as_transformers():
+    """Only Llama's MLP reads mlp_bias (and it is refused there): the others' MLPs have no biases whatever it says."""
+    for architecture in ("MistralForCausalLM", "Qwen2ForCausalLM"):
+        parse({"architectures": [architecture], **MINIMAL, "mlp_bias": True})
 
 
 def test_mistral_ignores_attention_bias_as_transformers(tmp_path):
