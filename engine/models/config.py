@@ -161,6 +161,11 @@ def layer_windows(window: Any, sliding: tuple[bool, ...], source: str) -> dict[s
     return {"sliding_window": window, "sliding_layers": sliding}
 
 
+def every_layer_window(window: Any, num_layers: int) -> dict[str, Any]:
+    """``layer_windows`` for a family whose attention reads ``sliding_window`` on every layer (null: none)."""
+    return layer_windows(window, (window is not None,) * num_layers, "sliding_window")
+
+
 def parse_rope(raw: dict[str, Any]) -> RopeConfig:
     """The rope as transformers' ``RotaryEmbeddingConfigMixin`` standardises it: ``rope_theta`` inside the rope
     dict before the top-level one; for llama3 and longrope a top-level ``original_max_position_embeddings``

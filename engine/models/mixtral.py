@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.config import Family, layer_windows, shared_fields, with_defaults
+from engine.models.config import Family, every_layer_window, shared_fields, with_defaults
 from engine.models.llama import IGNORED_CHECKPOINT_NAMES
 from engine.models.moe import MIXTRAL_NAMES, MoEConfig, MoEFamilyModel, family_shapes, moe_fields
 
@@ -24,7 +24,7 @@ def parse_config(raw: dict[str, Any]) -> MoEConfig:
     window = raw["sliding_window"]
     return MoEConfig(
         **{**shared_fields(raw),
-           **layer_windows(window, (window is not None,) * int(raw["num_hidden_layers"]), "sliding_window")},
+           **every_layer_window(window, int(raw["num_hidden_layers"]))},
         **moe_fields(raw, "intermediate_size"),
         intermediate_size=int(raw["intermediate_size"]),
         norm_topk_prob=True, round_router_weights=False,

@@ -160,8 +160,7 @@ class MoEFamilyModel(LlamaFamilyModel):
 
     def _attention(self, t: dict[str, torch.Tensor], p: str):
         attention = super()._attention(t, p)
-        c = self.config
-        return qk_norm_attention(attention, t, p, c.rms_norm_eps) if c.qk_norm else attention
+        return qk_norm_attention(attention, t, p, self.config.rms_norm_eps) if self.config.qk_norm else attention
 
     def _mlp(self, t: dict[str, torch.Tensor], p: str, prefix: str = "mlp."):
         if int(p.split(".")[2]) in self.config.dense_layers:

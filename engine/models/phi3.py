@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from engine.models.config import Family, ModelConfigError, layer_windows, shared_fields, with_defaults
+from engine.models.config import Family, ModelConfigError, every_layer_window, shared_fields, with_defaults
 from engine.models.layers import Attention, GatedMLP, Linear, RowParallelLinear
 from engine.models.llama import DecoderLayer, LlamaConfig, LlamaFamilyModel
 from engine.models.parallel import FULL, Slice, read_fused
@@ -66,7 +66,7 @@ def parse_config(raw: dict[str, Any]) -> Phi3Config:
         raise ModelConfigError(f"hidden_act={raw['hidden_act']!r} is not supported for Phi-3; only 'silu' is")
     window, shared = raw["sliding_window"], shared_fields(raw)
     return Phi3Config(
-        **{**shared, **layer_windows(window, (window is not None,) * shared["num_layers"], "sliding_window")},
+        **{**shared, **every_layer_window(window, shared["num_layers"])},
         intermediate_size=int(raw["intermediate_size"]),
         rms_norm_eps=float(raw["rms_norm_eps"]),
         tie_word_embeddings=bool(raw["tie_word_embeddings"]),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.config import Family, layer_windows, shared_fields, with_defaults
+from engine.models.config import Family, every_layer_window, shared_fields, with_defaults
 from engine.models.llama import IGNORED_CHECKPOINT_NAMES
 from engine.models.moe import QWEN_NAMES, MoEConfig, MoEFamilyModel, family_shapes, moe_fields, qwen_dense_layers
 
@@ -25,7 +25,7 @@ DEFAULTS = dict(num_key_value_heads=4, max_position_embeddings=32768, rms_norm_e
 def window_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """With ``use_sliding_window``, ``sliding_window`` (null: none) on every layer."""
     window = raw["sliding_window"] if raw["use_sliding_window"] else None
-    return layer_windows(window, (window is not None,) * int(raw["num_hidden_layers"]), "sliding_window")
+    return every_layer_window(window, int(raw["num_hidden_layers"]))
 
 
 def parse_config(raw: dict[str, Any]) -> MoEConfig:
