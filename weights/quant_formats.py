@@ -142,11 +142,7 @@ def _dynamic_rules(spec: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
     for key, settings in dynamic.items():
         excluded = key.startswith("-:")
         pattern = key.removeprefix("-:").removeprefix("+:")
-        try:
-            re.compile(pattern)
-        except re.error as err:
-            raise CheckpointError(f"quantization_config dynamic rule {key!r} is not a valid regular expression "
-                                  f"({err}): fix it in config.json") from None
+        _check_regex(pattern, f"dynamic rule {key!r}")
         differing = {k: v for k, v in settings.items() if k in base and v != base[k]} if not excluded else {}
         if differing:
             raise CheckpointError(f"quantization_config dynamic rule {key!r} overrides {settings} for the layers it "
@@ -177,12 +173,17 @@ def _module_entries(spec: dict[str, Any], key: str, regex_prefix: str = "") -> t
         raise CheckpointError(f"quantization_config {key} is {entries!r}: expected a list of module names")
     for entry in entries:
         if entry.startswith(regex_prefix):
-            try:
-                re.compile(entry.removeprefix(regex_prefix))
-            except re.error as err:
-                raise CheckpointError(f"quantization_config {key} entry {entry!r} is not a valid regular expression "
-                                      f"({err}): fix it in config.json") from None
+            _check_regex(entry.removeprefix(regex_prefix), f"{key} entry {entry!r}")
     return tuple(entries)
+
+
+def _check_regex(pattern: str, what: str) -> None:
+    """A clear error unless ``pattern`` (``what`` of quantization_config says where it is) compiles."""
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        raise CheckpointError(f"quantization_config {what} is not a valid regular expression ({err}): "
+                              f"fix it in config.json") from None
 
 
 # ---- quantization_config ----------------------------------------------------------------------
