@@ -60,7 +60,7 @@ from engine.router.scheduler import VERIFY_STEP_COST, SchedulerConfig
 DEMO = Path(__file__).resolve().parents[1] / "weights" / "demo"
 DRAFTS = 4              # verify: drafts per verify row
 WARMUP_STEPS = 3        # verify: untimed steps before each measurement
-DEMO_PASSES = 5         # demo: timed passes of each engine, in turn (the best counts)
+DEMO_PASSES = 7         # demo: timed passes, each prompt on every engine in turn (the median pass counts)
 DEMO_SLOTS = 32768      # demo: KV slots of each engine (side by side: not sized from free memory)
 
 
@@ -94,24 +94,18 @@ def write_prompt(tokenizer, function) -> list[int]:
 PROMPT_TASKS = {"rename": rename_prompt, "write": write_prompt}
 
 
-def decode_tokens_per_s(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
-    """One request at a time: tokens after the first over the time from the first to the last (the
-    engine's ``decode_steps`` attribute: the steps that took them)."""
-    tokens, seconds, outputs, steps = 0, 0.0, [], 0
-    for i, prompt in enumerate(prompts):
-        engine.add_request(GenerationRequest(i, prompt, new_tokens, SamplingParams(), stop_token_ids=[]))
-        stamps, out = [], []
-        while engine.has_work():
-            events = engine.step()
-            steps += bool(stamps)                  # the steps after the first token's
-            for event in events:
-                stamps.append(time.perf_counter())
-                out.append(event.token_id)
-        tokens += len(stamps) - 1
-        seconds += stamps[-1] - stamps[0]
-        outputs.append(out)
-    engine.decode_steps = steps
-    return tokens / seconds, outputs
+def decode_one(engine: Engine, request_id: int, prompt: list[int], new_tokens: int) -> tuple[int, float, list, int]:
+    """One request alone: (tokens after the first, the seconds from the first token to the last, the output
+    token ids, the steps after the first token's)."""
+    engine.add_request(GenerationRequest(request_id, prompt, new_tokens, SamplingParams(), stop_token_ids=[]))
+    stamps, out, steps = [], [], 0
+    while engine.has_work():
+        events = engine.step()
+        steps += bool(stamps)
+        for event in events:
+            stamps.append(time.perf_counter())
+            out.append(event.token_id)
+    return len(stamps) - 1, stamps[-1] - stamps[0], out, steps
 
 
 def top_tokens_pass(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list:
@@ -154,10 +148,13 @@ def compare_prompts(plain: list, speculating: list) -> list[str]:
 def demo(args) -> dict:
     """--speculate 0 and each of ``args.speculate`` (default 4): the first one's speed-up and acceptance
     as the summary's top keys, every one's under "by_speculate". The engines run side by side, one
-    warm-up pass each, then ``DEMO_PASSES`` timed passes in turn; each one's best pass counts. A pass is a
-    second or two of host-bound work (a tiny model at batch 1), and on the H100 machine one engine's passes
-    ranged over 1.4x (speculate 0 at 1172-2860 tokens/s in one process, 1362-1836 across runs), which one
-    pass each turned into speed-ups of 0.99-2.39x. After its timed pass each engine runs
+    warm-up pass, then ``DEMO_PASSES`` timed passes, each prompt on every engine in turn (``_timed_passes``);
+    the median pass's speed-up counts. A pass is a second or two of host-bound work (a tiny model at batch
+    1), and on the H100 machine one engine's passes ranged over 1.4x (speculate 0 at 1172-2860 tokens/s in
+    one process, 1362-1836 across runs), which one pass each turned into speed-ups of 0.99-2.39x; on one H200
+    (stop 79) --speculate 0's five passes, each engine's whole pass in turn, ranged over 1.3-2.0x in one
+    process while --speculate 4's stayed within 5%, so the best pass of each gave 1.34-1.87x of one tree
+    from run to run. After its timed pass each engine runs
     the prompts once more asking for the top tokens (untimed): per prompt, the speculating run is
     identical to --speculate 0's, parts at a near-tie, or not ("prompts", ``compare_prompts``)."""
     from transformers import AutoTokenizer
@@ -177,7 +174,7 @@ def demo(args) -> dict:
         gc.collect()
     for speculate in lengths:
         r = results[speculate]
-        r["speedup"] = round(r["tokens_per_s"] / results[0]["tokens_per_s"], 3)
+        r["speedup"] = statistics.median(r["speedups"])
         r["outputs_identical"] = outputs[speculate] == outputs[0]
         r["prompts"] = compare_prompts(tops[0], tops[speculate])
         r["identical_prompts"] = r["prompts"].count("identical")
@@ -185,7 +182,8 @@ def demo(args) -> dict:
         ties = [v.removeprefix("near-tie at step ") for v in r["prompts"] if v.startswith("near-tie")]
         print(f"demo batch 1 ({len(prompts)} {task} prompts x {args.new_tokens} tokens): speculate 0 "
               f"{results[0]['tokens_per_s']} tokens/s, speculate {speculate} {r['tokens_per_s']} "
-              f"tokens/s, speed-up {r['speedup']}x, {r['tokens_per_step']} tokens per step, acceptance "
+              f"tokens/s (median passes), speed-up {r['speedup']}x (median pass; passes {r['speedups']}), "
+              f"{r['tokens_per_step']} tokens per step, acceptance "
               f"{r['acceptance_rate']}, identical "
               f"{r['outputs_identical']}: {r['identical_prompts']}/{len(prompts)} prompts identical, "
               f"{len(ties)} part at a near-tie (steps {', '.join(ties) or '-'}), {r['not_near_tie_prompts']} "
@@ -213,23 +211,36 @@ def demo_engines(lengths: list[int], kernel_backend: str | None, draft_heads: st
 
 
 def _timed_passes(engines: dict[int, Engine], prompts: list[list[int]], new_tokens: int):
-    """``demo``'s passes over the prompts: a warm-up pass, then ``DEMO_PASSES`` timed ones, the engines in turn
-    (the host's slow spells hit every engine), then an untimed pass asking for the top tokens. Per engine:
-    (the best pass's tokens/s, every timed pass and the last one's draft counts; the last pass's outputs;
-    its top-token runs)."""
-    results, outputs, tops, tokens_per_step = {}, {}, {}, {}
+    """``demo``'s passes over the prompts: a warm-up pass, then ``DEMO_PASSES`` timed ones. Within a pass each
+    prompt runs on every engine in turn, the first engine rotating from prompt to prompt, so a slow spell of the
+    host (they last a prompt or more) falls on every engine alike. A pass's speed-up is its speculating
+    tokens/s over its plain ones; the median pass counts. Per engine: (the median pass's tokens/s, every
+    timed pass, the median speed-up over --speculate 0 and the last pass's draft counts; the last pass's
+    outputs; its top-token runs)."""
+    order = list(engines)
     rates = {n: [] for n in engines}
     for _ in range(1 + DEMO_PASSES):
-        for n, engine in engines.items():
-            engine.router.scheduler.speculation.drafted_tokens = 0
-            engine.router.scheduler.speculation.accepted_tokens = 0
-            rate, outputs[n] = decode_tokens_per_s(engine, prompts, new_tokens)
-            rates[n].append(round(rate, 1))
-            tokens_per_step[n] = round(sum(len(out) - 1 for out in outputs[n]) / max(engine.decode_steps, 1), 3)
+        tokens, seconds, steps = dict.fromkeys(order, 0), dict.fromkeys(order, 0.0), dict.fromkeys(order, 0)
+        outputs = {n: [] for n in order}
+        for n in order:
+            engines[n].router.scheduler.speculation.drafted_tokens = 0
+            engines[n].router.scheduler.speculation.accepted_tokens = 0
+        for i, prompt in enumerate(prompts):
+            for n in order[i % len(order):] + order[:i % len(order)]:
+                count, elapsed, out, taken = decode_one(engines[n], i, prompt, new_tokens)
+                tokens[n] += count
+                seconds[n] += elapsed
+                steps[n] += taken
+                outputs[n].append(out)
+        for n in order:
+            rates[n].append(round(tokens[n] / seconds[n], 1))
+    results, tops = {}, {}
     for n, engine in engines.items():
         print(f"speculate {n}: tokens/s of the warm-up pass and the timed passes {rates[n]}")
         stats = engine.router.scheduler.speculation
-        results[n] = {"tokens_per_s": max(rates[n][1:]), "passes": rates[n][1:], "tokens_per_step": tokens_per_step[n],
+        results[n] = {"tokens_per_s": statistics.median(rates[n][1:]), "passes": rates[n][1:],
+                      "speedups": [round(r / r0, 3) for r, r0 in zip(rates[n][1:], rates[order[0]][1:])],
+                      "tokens_per_step": round(tokens[n] / max(steps[n], 1), 3),
                       "drafted": stats.drafted_tokens,
                       "accepted": stats.accepted_tokens,
                       "acceptance_rate": round(stats.accepted_tokens / max(stats.drafted_tokens, 1), 3)}
