@@ -29,7 +29,7 @@ from engine.models.rope import plain_rope_length
 from engine.ops import BACKENDS, default_backend
 from engine.router.allocator import SlotAllocator
 from engine.router.router import Router
-from engine.router.scheduler import SchedulerConfig, Scheduler
+from engine.router.scheduler import SchedulerConfig, Scheduler, largest_step_tokens
 from engine.worker.kv_cache import KVCache, kv_cache_dtype
 from engine.worker.model_worker import WorkerConfig, resolve_dtype
 from kernels.context_attention import BUCKET as CONTEXT_BUCKET
@@ -125,7 +125,7 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
         model_dir=config.model_dir, dtype=resolve_dtype(config.dtype, model_config, device), device=device,
         kernel_backend=backend, max_requests=config.max_requests, max_seq_len=max_seq_len,
         num_slots=config.num_slots, memory_fraction=config.memory_fraction,
-        warmup_tokens=max(config.max_prefill_tokens, config.max_requests * (1 + config.speculate)),
+        warmup_tokens=largest_step_tokens(config.max_prefill_tokens, config.max_requests, config.speculate),
         cuda_graphs=config.cuda_graphs,
         watermark_gamma=config.watermark_gamma, watermark_delta=config.watermark_delta,
         kv_cache_dtype=config.kv_cache_dtype, speculate=config.speculate, draft_heads=config.draft_heads,

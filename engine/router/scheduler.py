@@ -26,9 +26,14 @@ reading the weights plus the running requests' KV) ``+ stall_free_row_tokens * d
 whose time its streams already share). Prompt chunks go shortest-remaining
 first, aged by the prompt tokens the others were given since admission
 (``_prefill_priority``), so short prompts pass a long one and no prompt waits forever;
-the first prompt in that order always gets at least
-``MIN_PROMPT_CHUNK`` tokens (within the budget), so a step exceeds the budget only when its
-decode rows leave less than that. Waiting requests are admitted in the same spirit, shortest
+the first prompt in that order always gets at least ``MIN_PROMPT_CHUNK`` tokens, or a whole
+``attention_tile`` if more (``Scheduler.min_chunk``, within the budget; drafts give way to them), or
+where the plain decode rows leave less of the budget, what they leave, one token at least. So a step
+with prompt chunks stays within the budget unless its decode rows alone fill it, and then carries one
+prompt token beside them: ``max_requests`` tokens at most (a prompt in prefill holds a row). The
+worker's warm-up measures a step of ``largest_step_tokens`` (a step of decode rows alone may pass the
+budget, with verify rows up to ``max_requests * (1 + speculate)`` tokens),
+so no step outgrows the activation memory it measured. Waiting requests are admitted in the same spirit, shortest
 prompt first, aged by the prompt tokens the others were given since they arrived
 (``_admission_key``). Admission counts a prompt not yet planned as if its request
 grew from now on and lived ``prefill_delay_bound`` steps longer (an upper bound of its
@@ -88,7 +93,8 @@ stays plain: on an H100
 verify steps.
 The slots of rejected drafts are freed
 when the result comes (``SlotAllocator.truncate``), before any of them could enter the prefix
-cache. Drafts take only slots free beyond the step's own needs, and admission reserves a
+cache. Drafts take only slots free beyond the step's own needs (beside prompt chunks, also only
+tokens left in the step's budget), and admission reserves a
 speculating request's whole remaining length at once (accepted drafts grow it faster than one
 token a step), so KV still never runs out.
 """
@@ -112,7 +118,8 @@ log = logging.getLogger(__name__)
 ADMISSION_RULES = ("peak", "reserve")
 MAX_SKIPPED = 16     # waiting requests tried per step after one did not fit
 DEFER_MIN_TOKENS = 128   # wait for a running prefill that will cache at least this many more prompt tokens
-MIN_PROMPT_CHUNK = 16    # prompt tokens a step always carries while prompts wait (progress beside any decode batch)
+MIN_PROMPT_CHUNK = 16    # prompt tokens a step carries while prompts wait (progress beside any decode batch), or
+                         # what the plain decode rows leave of the budget, at least one (module docstring)
 MAX_DRAFT_PAUSE = 32     # plain (pipelined) decode rows, at most, between draft attempts after misses
 RESUME_STREAK = 2        # tokens in a row the drafter foresaw that end a draft pause
 VERIFY_STEP_COST = 0.15  # a verify step's cost over a decode step's, in decode rows per row (H100: 1.163x at
@@ -248,7 +255,12 @@ class Scheduler:
         self.prompt_work = 0            # prompt tokens planned so far, every request's (ageing)
         # a whole attention tile: fewer tokens would cost as much (``chunk_cost``)
         self.min_chunk = min(max(MIN_PROMPT_CHUNK, config.attention_tile), config.max_prefill_tokens)
-        self.prefill_delay = prefill_delay_bound(config, allocator.num_slots)
+        self.prefill_delay = prefill_delay_bound(config, allocator.num_slots, allocator.max_requests)
+        if allocator.max_requests - 1 + self.min_chunk > config.max_prefill_tokens:
+            log.warning("%d requests decoding leave fewer than %d of a step's %d tokens to a prompt beside them: "
+                        "prompts move by fewer tokens a step while the batch is that full (raise "
+                        "--max-batch-prefill-tokens or lower --max-batch-size)", allocator.max_requests - 1,
+                        self.min_chunk, config.max_prefill_tokens)
         self.last_filter_s = 0.0        # the last ``process`` call's time freeing finished requests
         self.speculation = SpeculationStats(skipped_tokens=[0] * (config.speculate + 1))
         log.info("prefix caching %s",
@@ -314,6 +326,8 @@ class Scheduler:
         chunks = self._plan_chunks(decoding, draft_room)
         need = len(decoding) + sum(chunks.values())
         self._make_room(need)
+        if chunks:      # the first prompt's minimum may have taken the drafts' share of the budget
+            draft_room = min(draft_room, self.config.max_prefill_tokens - need)
         spare = DraftRoom(min(draft_room, self.allocator.free_slots - need))
         rows, prefixes = [], PrefixTable()
         for request in self.running:
@@ -328,11 +342,15 @@ class Scheduler:
 
     def _plan_chunks(self, decoding: list[Request], draft_room: int = 0) -> dict[int, int]:
         """{request id: prompt tokens this step} (module docstring: the step budget); ``draft_room``:
-        the most draft tokens the decode rows may carry."""
+        the most draft tokens the decode rows may carry, which the first prompt's minimum takes back
+        (``schedule`` then cuts the drafts to what the chunks left)."""
         prefilling = [r for r in self.running if r.in_prefill]
         if not prefilling:
             return {}
         budget = StepBudget.for_step(self.config, decoding)
+        # what the first in order gets at least: a min chunk, or what the plain decode rows leave of the
+        # budget (never a step past the warm-up's: with one prompt in prefill at most max_requests - 1 rows)
+        floor = min(self.min_chunk, max(budget.tokens, 1))
         budget.tokens -= draft_room
         span, tile, chunks = self.config.attention_span, self.config.attention_tile, {}
         for request in sorted(prefilling, key=self._prefill_priority):
@@ -340,7 +358,7 @@ class Scheduler:
             shared = self.shared.shared_length(request.request_id) if self.shared is not None else 0
             tokens = budget.fit(request.prefilled, want, span, tile, shared)
             if not chunks:
-                tokens = max(tokens, min(want, self.min_chunk))    # the first in order always moves
+                tokens = max(tokens, min(want, floor))    # the first in order always moves
             if tokens > 0:
                 budget.take(request.prefilled, tokens, span, tile, shared)
                 chunks[request.request_id] = tokens
@@ -780,13 +798,20 @@ def chunk_cost(start: int, tokens: int, span: int, tile: int = 1, shared: int = 
     return tokens + tiles * (start + (tokens - 1) / 2) / span
 
 
-def prefill_delay_bound(config: SchedulerConfig, num_slots: int) -> int:
+def largest_step_tokens(max_prefill_tokens: int, max_requests: int, speculate: int) -> int:
+    """The most tokens a planned step carries (module docstring: the step budget): the budget, or a row per
+    request with its drafts where that is more. The worker's warm-up runs a step of this size."""
+    return max(max_prefill_tokens, max_requests * (1 + speculate))
+
+
+def prefill_delay_bound(config: SchedulerConfig, num_slots: int, max_requests: int) -> int:
     """Steps within which an admitted prompt is all planned, whatever else arrives: every step the first
-    prompt in order gets at least ``MIN_PROMPT_CHUNK`` tokens, so this one's priority (remaining tokens
-    less the others' since admission, ``_prefill_priority``) falls by that much a step until it finishes or
-    goes before every newcomer (within ``max_seq_len / MIN_PROMPT_CHUNK`` steps); then only the prompts
-    ahead of it (at most ``num_slots`` tokens) and its own remain."""
-    min_chunk = min(MIN_PROMPT_CHUNK, config.max_prefill_tokens)
+    prompt in order gets at least ``MIN_PROMPT_CHUNK`` tokens, or what the plain decode rows (at most
+    ``max_requests - 1`` beside a prompt) leave of the budget, one at least (``Scheduler._plan_chunks``), so
+    this one's priority (remaining tokens less the others' since admission, ``_prefill_priority``) falls by
+    that much a step until it finishes or goes before every newcomer (within ``max_seq_len`` / that many
+    steps); then only the prompts ahead of it (at most ``num_slots`` tokens) and its own remain."""
+    min_chunk = min(MIN_PROMPT_CHUNK, max(config.max_prefill_tokens - (max_requests - 1), 1))
     return math.ceil(config.max_seq_len / min_chunk) + math.ceil(num_slots / min_chunk) + 1
 
 
