@@ -1,8 +1,11 @@
 """Quantized models through the launched server: greedy tokens equal transformers' on the dequantized model.
 
 A GPTQ act-order checkpoint on two shards (gloo: packed columns and whole groups sliced by the real
-launcher) and a float checkpoint served with ``--quantize fp8`` (its reference:
-the per-channel FP8 weights dequantized, activations rounded to FP8 per token as the FP8 GEMM does).
+launcher), an AWQ checkpoint (its ``quantization_config`` read by the launcher and the shard), a
+compressed-tensors FP8 checkpoint (per-channel weight scales) on two shards, and a float checkpoint served
+with ``--quantize fp8``. FP8's reference: the per-channel FP8 weights dequantized, activations rounded to
+FP8 per token as the FP8 GEMM does (on two shards each shard's columns of a row-parallel layer's input
+on their own, as each shard's GEMM does).
 """
 import pytest
 import transformers
@@ -16,6 +19,8 @@ NEW_TOKENS = 12
 CASES = {   # name: (format written, served directory, launcher flags)
     "gptq_two_shards": ("gptq_act_order", "quantized", ["--num-shard", "2", "--master-port", "PORT"]),
     "quantize_fp8": ("fp8_channel", "float", ["--quantize", "fp8"]),
+    "awq": ("awq_g32", "quantized", []),
+    "fp8_channel_two_shards": ("fp8_channel", "quantized", ["--num-shard", "2", "--master-port", "PORT"]),
 }
 
 
@@ -26,7 +31,7 @@ def test_server_answers_with_transformers_greedy_tokens_on_the_dequantized_model
     path = quantized if served == "quantized" else tmp_path / "float"
     hf = load_hf(twin)
     if fmt.startswith("fp8"):
-        fake_quantize_activations(hf)
+        fake_quantize_activations(hf, int(flags[flags.index("--num-shard") + 1]) if "--num-shard" in flags else 1)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     args = [str(free_port()) if a == "PORT" else a for a in flags]
     srv = LaunchedServer(path, *args, "--dtype", "float32", "--max-total-tokens", "128", "--max-input-tokens", "64")
