@@ -84,6 +84,7 @@ class TritonOps(KernelOps):
     def act_and_mul(self, gate_up, activation: str):
         """``activation`` ("silu" | "gelu_tanh") of the gate half times the up half."""
         return silu_and_mul.act_and_mul(gate_up, activation)
+
     def layernorm(self, x, weight, bias, eps: float):
         return layernorm.layernorm(x, weight, bias, eps)
 
@@ -156,6 +157,7 @@ class TorchOps(KernelOps):
 
     def act_and_mul(self, gate_up, activation: str):
         return silu_and_mul.act_and_mul_ref(gate_up, activation)
+
     def layernorm(self, x, weight, bias, eps: float):
         return layernorm.layernorm_ref(x, weight, bias, eps)
 

@@ -31,9 +31,21 @@ def with_window(model_dir: str, window: int, out) -> str:
     return str(out)
 
 
+def tanh_gelu_reference(model_dir: str) -> dict:
+    """``from_pretrained`` overrides that make transformers run Gemma 1's GeLU as the tanh one, as we do.
+
+    Gemma 1 configs say ``hidden_act: "gelu"``, a legacy value for the tanh approximation. transformers 5.24
+    maps it to ``gelu_pytorch_tanh`` in GemmaConfig; the GPU machine's 5.17 builds ``GELUActivation`` (exact).
+    On one H200, 8-layer gemma-7b, float32: the chosen tokens' logprobs 0.0031 from ours against 5.17 as it
+    reads the config, 0.0001 with this override."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    legacy = config.get("architectures") == ["GemmaForCausalLM"] and config.get("hidden_act") == "gelu"
+    return {"hidden_act": "gelu_pytorch_tanh"} if legacy else {}
+
+
 def check_float32(model_dir: str):
     all_prompts = prompts(vocab_size=256000)
-    ref = transformers_greedy(model_dir, torch.float32, all_prompts, NEW_TOKENS)
+    ref = transformers_greedy(model_dir, torch.float32, all_prompts, NEW_TOKENS, **tanh_gelu_reference(model_dir))
     ours = engine_greedy(all_prompts, NEW_TOKENS, model_dir=model_dir, dtype="float32")
     print("\n" + describe(ours, ref, "ours fp32", "transformers fp32"))
     assert [g.tokens for g in ours] == [g.tokens for g in ref]
@@ -52,7 +64,7 @@ def test_float32_gemma2_with_a_window_shorter_than_the_prompts(gemma_dirs, tmp_p
 @pytest.mark.parametrize("family", ["gemma", "gemma2"])
 def test_bfloat16_is_close_to_transformers_and_graphs_equal_eager(gemma_dirs, family):
     model_dir, all_prompts = gemma_dirs[family], prompts(vocab_size=256000)
-    ref = transformers_greedy(model_dir, torch.bfloat16, all_prompts, NEW_TOKENS)
+    ref = transformers_greedy(model_dir, torch.bfloat16, all_prompts, NEW_TOKENS, **tanh_gelu_reference(model_dir))
     graphs = engine_greedy(all_prompts, NEW_TOKENS, model_dir=model_dir)
     eager = engine_greedy(all_prompts, NEW_TOKENS, model_dir=model_dir, cuda_graphs=())
     print("\n" + describe(graphs, ref, "ours bf16", "transformers bf16"))
