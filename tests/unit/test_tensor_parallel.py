@@ -1,4 +1,8 @@
-"""Tensor parallelism on the CPU (gloo): TP=2 equals TP=1, and each rank reads only its slices."""
+"""Tensor parallelism on the CPU (gloo): TP=2 equals TP=1, and each rank reads only its slices.
+
+Two shards sum the row-parallel projections' partial products in another order than one, so their float32
+logprobs may differ in the last bits: ``same_outputs`` compares tokens exactly and logprobs within a tolerance
+(rounded logprobs compared for equality fail where a value sits at a rounding boundary, as one did on one CPU)."""
 import pytest
 import torch
 
@@ -12,6 +16,18 @@ from tests.tiny_models import save_tiny_model
 from weights.checkpoint import open_checkpoint
 
 PROMPTS = [[5, 9, 11], list(range(3, 40)), [7], list(range(100, 120))]
+LOGPROB_TOL = 1e-4      # a float cache: float32 sums in another order
+
+
+def far(x, y, tol: float = LOGPROB_TOL) -> bool:
+    """Two (token, logprob) pairs differ: another token, or logprobs more than ``tol`` apart."""
+    return x[0] != y[0] or abs(x[1] - y[1]) > tol
+
+
+def same_outputs(a, b, tol: float = LOGPROB_TOL) -> bool:
+    """Two ``generate`` outputs hold the same tokens, with logprobs within ``tol``."""
+    return a.keys() == b.keys() and all(
+        len(a[i]) == len(b[i]) and not any(far(x, y, tol) for x, y in zip(a[i], b[i])) for i in a)
 
 
 def generate(path, num_shards, backend="torch", prompts=PROMPTS, new_tokens=16, **more):
@@ -20,7 +36,7 @@ def generate(path, num_shards, backend="torch", prompts=PROMPTS, new_tokens=16, 
     with Engine(config) as engine:
         out = engine.generate([GenerationRequest(i, p, new_tokens, stop_token_ids=[]) for i, p in enumerate(prompts)])
         assert engine.kv_usage()[0] == 0
-    return {i: [(e.token_id, round(e.logprob, 3)) for e in events] for i, events in out.items()}
+    return {i: [(e.token_id, e.logprob) for e in events] for i, events in out.items()}
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "gemma2", "phi3", "starcoder2", "mixtral",
@@ -33,7 +49,7 @@ def test_two_shards_give_the_same_tokens_as_one(family, tmp_path):
     expert's partial output summed with the experts' by one all-reduce, a dense layer; bloom: interleaved
     query_key_value split by whole heads, each shard's 3 of the 6 heads' ALiBi slopes."""
     path = save_tiny_model(family, tmp_path / family)
-    assert generate(path, 2) == generate(path, 1)
+    assert same_outputs(generate(path, 2), generate(path, 1))
 
 
 def test_two_shards_of_the_one_token_moe_kernels_give_the_same_tokens_as_one(tmp_path):
@@ -42,7 +58,7 @@ def test_two_shards_of_the_one_token_moe_kernels_give_the_same_tokens_as_one(tmp
     expert, whose gated partial outputs the all-reduce sums (4 tokens: three decode steps)."""
     path = save_tiny_model("qwen2_moe", tmp_path / "qwen2_moe")
     lone = [[5, 9, 11, 40]]
-    assert generate(path, 2, "triton", lone, 4) == generate(path, 1, "triton", lone, 4)
+    assert same_outputs(generate(path, 2, "triton", lone, 4), generate(path, 1, "triton", lone, 4))
 
 
 def test_two_shards_through_the_context_path_give_the_same_tokens_as_one(tmp_path):
@@ -52,8 +68,8 @@ def test_two_shards_through_the_context_path_give_the_same_tokens_as_one(tmp_pat
     path = save_tiny_model("llama3", tmp_path / "llama3")
     lone = [list(range(3, 43))]
     one = generate(path, 1, "triton", lone, 3, context_attention=(16, 8))
-    assert generate(path, 2, "triton", lone, 3, context_attention=(16, 8)) == one
-    assert generate(path, 1, "triton", lone, 3, context_attention=None) == one
+    assert same_outputs(generate(path, 2, "triton", lone, 3, context_attention=(16, 8)), one)
+    assert same_outputs(generate(path, 1, "triton", lone, 3, context_attention=None), one)
 
 
 class CountingCheckpoint:
