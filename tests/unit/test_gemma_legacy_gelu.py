@@ -3,7 +3,6 @@ Gemma team's fix, and transformers 5.24's mapping in GemmaConfig). The engine ru
 whatever the installed transformers does with the value (the GPU machine's 5.17 builds the exact GeLU)."""
 import json
 
-import pytest
 import torch
 
 from engine.generation import Engine, EngineConfig, GenerationRequest

@@ -179,10 +179,16 @@ def test_attention_bias_adds_the_o_proj_bias_as_transformers(family, tmp_path):
     greedy_equals_transformers(path)
 
 
-def test_mistral_and_qwen2_ignore_mlp_bias_as_transformers():
-    """Only Llama's MLP reads mlp_bias (and it is refused there): the others' MLPs have no biases whatever it says."""
-    for architecture in ("MistralForCausalLM", "Qwen2ForCausalLM"):
-        parse({"architectures": [architecture], **MINIMAL, "mlp_bias": True})
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_mistral_and_qwen2_ignore_mlp_bias_as_transformers(family, tmp_path):
+    """Only Llama's MLP reads mlp_bias (and it is refused there): the others' MLPs have no biases whatever it
+    says, so their checkpoints hold none, the engine expects none and answers as transformers does."""
+    path = save_tiny_model(family, tmp_path / family, mlp_bias=True)
+    assert json.loads((path / "config.json").read_text())["mlp_bias"] is True
+    config = load_model_config(path)
+    assert not any("mlp" in name and name.endswith(".bias")
+                   for name in family_for(config.architecture).checkpoint_shapes(config))
+    greedy_equals_transformers(path)
 
 
 def test_mistral_ignores_attention_bias_as_transformers(tmp_path):
