@@ -45,8 +45,8 @@ for stage in $stages; do
     tests)
       # a test still running after 120 s dumps every thread's stack (a compile that never ends shows in ptxas);
       # the 15 slowest are listed. With pytest-xdist importable (its wheels in .whl) 4 workers share the GPU and
-      # compile in parallel: 753 tests in 285 s on an H200
-      parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
+      # compile in parallel: 753 tests in 285 s on an H200 (TEST_WORKERS sets how many)
+      parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")
       python3 -m pytest -q -p no:cacheprovider $parallel -o faulthandler_timeout=120 --durations=15 tests/kernels \
         tests/unit/test_parity.py tests/gpu/test_greedy_picks.py 2>&1 | tee "$OUT/tests.log" | tail -45
       rc=${PIPESTATUS[0]} ;;
