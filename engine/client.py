@@ -272,6 +272,9 @@ class InProcessBackend(_EventRouting):
         if isinstance(message, Abort):
             self.engine.abort(message.request_id)
             return
+        if self._error is not None:     # a failed step ended the engine, as a shard's failure ends the server's
+            self._deliver([TokenEvent(request_id=message.request_id, error=self._error)])
+            return
         try:
             self.engine.add_request(message)
         except ValueError as e:
@@ -283,5 +286,5 @@ class InProcessBackend(_EventRouting):
         except Exception as e:  # a failed step fails its requests, as the server does
             log.exception("engine step failed")
             self._error = f"Request failed during generation: {type(e).__name__}: {e}"
-            self._deliver(self.engine.router.fail_all(self._error))
+            self._deliver(self.engine.fail_all(self._error))
         self._report_steps(self.engine.router.take_stats())

@@ -8,14 +8,20 @@
 
 Requests can be added at any step; finished requests release their KV slots
 themselves, ``abort`` releases them early. The server's router process runs the same
-``Router`` against worker processes.
+``Router`` against worker processes. A step that raises fails every request and the engine
+for good (``EngineFailed`` from then on): the worker may hold that step's half-done work, and a
+later step would be paired with it.
 """
 from __future__ import annotations
 
 from engine.assembly import EngineConfig, build_router, plan_engine, start_local_shard
 from engine.protocol.messages import GenerationRequest, TokenEvent
 
-__all__ = ["Engine", "EngineConfig", "GenerationRequest", "TokenEvent"]
+__all__ = ["Engine", "EngineConfig", "EngineFailed", "GenerationRequest", "TokenEvent"]
+
+
+class EngineFailed(RuntimeError):
+    """A step of this engine raised earlier; start a new ``Engine``."""
 
 
 class Engine:
@@ -35,6 +41,7 @@ class Engine:
             shards, capacity = self._start_shards()
         self.router = build_router(self.plan, shards, capacity)
         self.allocator = self.router.scheduler.allocator
+        self.failure: str | None = None     # why a step raised; the engine takes no more work after it
 
     def _start_shards(self):
         from engine.processes import spawn_shards
@@ -66,7 +73,9 @@ class Engine:
         self.close()
 
     def add_request(self, request: GenerationRequest) -> None:
-        """Queue a request; ValueError if prompt + max_new_tokens exceeds the limits."""
+        """Queue a request; ValueError if prompt + max_new_tokens exceeds the limits, EngineFailed
+        after a failed step."""
+        self._check_not_failed()
         self.router.submit(request)
 
     def abort(self, request_id: int) -> bool:
@@ -79,7 +88,23 @@ class Engine:
         return self.allocator.used_slots, self.allocator.num_slots
 
     def step(self) -> list[TokenEvent]:
-        return self.router.step()
+        """One step's events. If the step raises, every queued and running request is ended (its
+        error event is ``fail_all``'s, which the caller that catches the exception delivers) and the
+        exception propagates; the engine is failed from then on."""
+        self._check_not_failed()
+        try:
+            return self.router.step()
+        except Exception as e:
+            self.failure = f"{type(e).__name__}: {e}"
+            raise
+
+    def fail_all(self, message: str) -> list[TokenEvent]:
+        """Error events for every request left after a failed step (their slots released)."""
+        return self.router.fail_all(message)
+
+    def _check_not_failed(self) -> None:
+        if self.failure is not None:
+            raise EngineFailed(f"a step of this engine failed ({self.failure}); start a new Engine")
 
     def generate(self, requests: list[GenerationRequest]) -> dict[int, list[TokenEvent]]:
         """Run the given requests to completion; events per request id."""
