@@ -145,7 +145,13 @@ class Checkpoint:
                                   f"it holds {len(self._weight_map)} tensors (see Checkpoint.names())") from None
 
     def _slice(self, name: str):
-        return self._handle(self._file_of(name)).get_slice(self._stored_names.get(name, name))
+        file, stored = self._file_of(name), self._stored_names.get(name, name)
+        try:
+            return self._handle(file).get_slice(stored)
+        except Exception as err:  # safetensors' own error: the file lacks the tensor its index names
+            raise CheckpointError(f"{INDEX_FILE} in {self.model_dir} puts tensor {stored!r} in {file}, which does "
+                                  f"not hold it ({err}): the index and its shards are from different downloads; "
+                                  f"download the checkpoint again") from err
 
     def renamed(self, rename: Callable[[str], str]) -> "Checkpoint":
         """The same tensors (same open files) under ``rename(name)``: one naming for checkpoints that spell a

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine.models import bloom, gemma, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe, starcoder2
 from engine.models.config import Family, ModelConfig, ModelConfigError, read_config_json
+from weights.checkpoint import CheckpointError, open_checkpoint
 from weights.quant_formats import parse_quantization, quantized_shapes
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, phi3.FAMILY, starcoder2.FAMILY, mixtral.FAMILY,
@@ -36,8 +37,9 @@ def family_for(architecture: str | None) -> Family:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
-        raise ModelConfigError(f"unsupported architecture {architecture!r} (config.json `architectures`); "
-                               f"supported: {', '.join(MODEL_REGISTRY)}") from None
+        named = (f"unsupported architecture {architecture!r} (config.json `architectures`)" if architecture else
+                 "config.json names no architecture (`architectures`) and no model_type that has one")
+        raise ModelConfigError(f"{named}; supported: {', '.join(MODEL_REGISTRY)}") from None
 
 
 def load_model_config(model_dir: str | Path, rope_scaling: tuple[str, float] | None = None,
@@ -51,6 +53,7 @@ def load_model_config(model_dir: str | Path, rope_scaling: tuple[str, float] | N
         config = family.parse_config(raw)
     except KeyError as e:
         raise ModelConfigError(f"{Path(model_dir) / 'config.json'} lacks the field {e.args[0]!r}") from e
+    config = with_stored_head(config, model_dir)
     quantization = parse_quantization(raw, quantize, model_dir)
     if quantization is None:
         return config
@@ -59,6 +62,20 @@ def load_model_config(model_dir: str | Path, rope_scaling: tuple[str, float] | N
                                f"{', '.join(quantized_architectures())}, not {config.architecture} (mixture-of-"
                                f"experts models are not quantized): serve an unquantized checkpoint of this model")
     return replace(config, quantization=quantization)
+
+
+def with_stored_head(config: ModelConfig, model_dir: str | Path) -> ModelConfig:
+    """A config that ties the LM head to the embedding, of a checkpoint that stores ``lm_head.weight`` as well:
+    that tensor is read (``layers.head_weight`` serves it where it differs from the embedding, as transformers
+    5 does), not refused as unexpected. Without weights in ``model_dir`` the config is returned as it is."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return config
+    try:
+        with open_checkpoint(model_dir) as checkpoint:
+            stored = "lm_head.weight" in checkpoint
+    except CheckpointError:
+        return config          # no weights here (yet): loading them says what is wrong
+    return replace(config, tie_word_embeddings=False, head_stored_though_tied=True) if stored else config
 
 
 def build_model(config: ModelConfig, ops, dtype, device, max_positions: int, tp):

@@ -36,9 +36,10 @@ from typing import Any
 
 import torch
 
-from engine.models.config import DTYPES, Family, ModelConfig, ModelConfigError, RopeConfig, as_tuple
+from engine.models.config import (DTYPES, Family, ModelConfig, ModelConfigError, RopeConfig, as_tuple, check_positive,
+                                  with_defaults)
 from engine.models.layers import (Attention, GeluMLP, LayerNorm, LayerNormDecoderLayer, Linear, LMHead,
-                                  RowParallelLinear, VocabParallelEmbedding, run_layernorm_layers)
+                                  RowParallelLinear, VocabParallelEmbedding, head_weight, run_layernorm_layers)
 from engine.models.parallel import FULL, Slice, TensorParallel, read
 from engine.ops import KernelOps
 from engine.worker.forward_batch import ForwardBatch
@@ -49,6 +50,8 @@ ARCHITECTURES = ("BloomForCausalLM",)
 PREFIX = "transformer."
 # TGI's context when config.json names none (its launcher's default max_position_embeddings)
 DEFAULT_CONTEXT = 4096
+# transformers' BloomConfig defaults of the fields read here that a config.json may leave out
+DEFAULTS = dict(bos_token_id=1, eos_token_id=2, layer_norm_epsilon=1e-5, tie_word_embeddings=True)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ def _first(raw: dict[str, Any], *names: str) -> Any:
 
 
 def parse_config(raw: dict[str, Any]) -> BloomConfig:
+    raw = with_defaults(raw, DEFAULTS)
     if raw.get("apply_residual_connection_post_layernorm"):
         raise ModelConfigError("apply_residual_connection_post_layernorm=true is not supported for Bloom (no "
                                "released checkpoint uses it); only the pre-norm residual is served")
@@ -80,6 +84,8 @@ def parse_config(raw: dict[str, Any]) -> BloomConfig:
         raise ModelConfigError("Bloom has no rotary embedding (ALiBi positions): rope scaling (--rope-scaling / "
                                "--rope-factor or config.json rope_scaling) does not apply; drop it")
     hidden, heads = int(_first(raw, "hidden_size", "n_embed")), int(_first(raw, "n_head", "num_attention_heads"))
+    check_positive(hidden_size=hidden, n_head=heads, n_layer=int(_first(raw, "n_layer", "num_hidden_layers")),
+                   vocab_size=int(raw["vocab_size"]))
     if hidden % heads:
         raise ModelConfigError(f"hidden_size={hidden} is not a multiple of n_head={heads}")
     return BloomConfig(
@@ -90,8 +96,8 @@ def parse_config(raw: dict[str, Any]) -> BloomConfig:
         rope=RopeConfig(theta=10000.0),          # unused: no rotary embedding
         sliding_window=None, bos_token_id=raw.get("bos_token_id"), eos_token_ids=as_tuple(raw.get("eos_token_id")),
         checkpoint_dtype=DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype") or "")),
-        layer_norm_epsilon=float(raw.get("layer_norm_epsilon", 1e-5)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        layer_norm_epsilon=float(raw["layer_norm_epsilon"]),
+        tie_word_embeddings=bool(raw["tie_word_embeddings"]),
     )
 
 
@@ -179,7 +185,7 @@ class BloomModel:
         embed = t.pop(PREFIX + "word_embeddings.weight")
         self.embed_tokens = VocabParallelEmbedding(embed, tp.vocab_start(c), tp)
         self.embed_norm = self._norm(t, PREFIX + "word_embeddings_layernorm")
-        self.lm_head = LMHead(embed if c.tie_word_embeddings else t.pop("lm_head.weight"), tp)
+        self.lm_head = LMHead(head_weight(t, embed, c), tp)
         self.final_norm = self._norm(t, PREFIX + "ln_f")
         self.layers = [self._layer(t, f"{PREFIX}h.{i}.") for i in range(c.num_layers)]
 

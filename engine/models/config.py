@@ -18,9 +18,15 @@ import torch
 
 from weights.quant_formats import QuantConfig
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
 # rope types transformers reads ``original_max_position_embeddings`` for (default: ``max_position_embeddings``)
-ROPE_TYPES_WITH_ORIGINAL = ("llama3", "longrope")
+ROPE_TYPES_WITH_ORIGINAL = ("llama3", "longrope", "yarn")
+# the architecture a config.json without ``architectures`` has, by its ``model_type``
+ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "phi3": "Phi3ForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "bloom": "BloomForCausalLM"}
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -41,7 +47,14 @@ class RopeConfig:
     # and the factor cos and sin are multiplied by
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0
+    attention_factor: float = 1.0        # longrope and yarn: the factor cos and sin are multiplied by
+    # yarn: the rotations bounding the ramp from extrapolated to interpolated frequencies, the mscales the
+    # attention factor is derived from (when config.json gives none), and whether the ramp's ends are rounded
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: torch.dtype | None
     quantization: QuantConfig | None = None     # quantized linear layers (quantization_config / --quantize)
+    # config.json ties the LM head to the embedding, but the checkpoint stores lm_head.weight too: it is read
+    # (the family's config says tie_word_embeddings=False) and served where it differs (``layers.head_weight``)
+    head_stored_though_tied: bool = False
 
     @property
     def max_context(self) -> int:
@@ -105,6 +121,9 @@ def read_config_json(model_dir: str | Path, rope_scaling: tuple[str, float] | No
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelConfigError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object of the model's settings")
+    raw = with_architecture(raw)
     if rope_scaling is not None:
         kind, factor = rope_scaling
         theta = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}.get("rope_theta")
@@ -113,16 +132,34 @@ def read_config_json(model_dir: str | Path, rope_scaling: tuple[str, float] | No
     return raw
 
 
+def with_architecture(raw: dict[str, Any]) -> dict[str, Any]:
+    """config.json with ``architectures`` from its ``model_type`` where it names none (transformers' Auto classes
+    and TGI pick the model by ``model_type``)."""
+    if raw.get("architectures") or raw.get("model_type") not in ARCHITECTURE_OF_MODEL_TYPE:
+        return raw
+    return {**raw, "architectures": [ARCHITECTURE_OF_MODEL_TYPE[raw["model_type"]]]}
+
+
 def with_defaults(raw: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """config.json over a family's ``defaults``: the values transformers' config class gives the fields
     config.json omits (a field present, even as null, keeps its value, as in transformers)."""
     return {**defaults, **raw}
 
 
+def check_positive(**sizes: int) -> None:
+    """ModelConfigError naming the first of config.json's ``sizes`` that is not a positive number."""
+    for name, value in sizes.items():
+        if value <= 0:
+            raise ModelConfigError(f"config.json has {name}={value}: it must be a positive number")
+
+
 def shared_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """The ``ModelConfig`` fields as most families spell them in config.json."""
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     kv_heads = int(raw.get("num_key_value_heads") or heads)
+    check_positive(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                   num_hidden_layers=int(raw["num_hidden_layers"]), vocab_size=int(raw["vocab_size"]),
+                   head_dim=int(raw.get("head_dim") or 1))
     if heads % kv_heads:
         raise ModelConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     return dict(
@@ -168,7 +205,7 @@ def every_layer_window(window: Any, num_layers: int) -> dict[str, Any]:
 
 def parse_rope(raw: dict[str, Any]) -> RopeConfig:
     """The rope as transformers' ``RotaryEmbeddingConfigMixin`` standardises it: ``rope_theta`` inside the rope
-    dict before the top-level one; for llama3 and longrope a top-level ``original_max_position_embeddings``
+    dict before the top-level one; for llama3, longrope and yarn a top-level ``original_max_position_embeddings``
     before the rope dict's (transformers gives the top-level one priority), else ``max_position_embeddings``."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
@@ -193,6 +230,8 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
         original_max_position_embeddings=int(original) if original else None,
         extends_context=bool(merged.get("extends_context", False)),
     )
+    if rope_type == "yarn":
+        return _with_yarn(rope, merged, raw)
     return _with_longrope(rope, merged, raw) if rope_type == "longrope" else rope
 
 
@@ -214,6 +253,36 @@ def _with_longrope(rope: RopeConfig, merged: dict[str, Any], raw: dict[str, Any]
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return replace(rope, factor=factor, short_factor=short, long_factor=long, attention_factor=float(attention))
+
+
+def _with_yarn(rope: RopeConfig, merged: dict[str, Any], raw: dict[str, Any]) -> RopeConfig:
+    """The factor, ramp bounds and cos/sin factor, as transformers' ``_compute_yarn_parameters``: without
+    ``factor`` (null; absent is refused, as transformers does) the context ratio ``max_position_embeddings /
+    original`` stands in; ``beta_fast`` and ``beta_slow`` default (when absent or 0) to 32 and 1; ``truncate``
+    to true (a null one: false)."""
+    if "factor" not in merged:
+        raise ModelConfigError("yarn rope scaling needs a factor in config.json (null: max_position_embeddings / "
+                               "original_max_position_embeddings)")
+    factor = merged.get("factor")
+    if factor is None:
+        factor = int(raw.get("max_position_embeddings", 2048)) / rope.original_max_position_embeddings
+    mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
+    attention = merged.get("attention_factor")
+    if attention is None:
+        attention = _yarn_attention_factor(float(factor), mscale, mscale_all_dim)
+    return replace(rope, factor=float(factor), attention_factor=float(attention),
+                   beta_fast=float(merged.get("beta_fast") or 32), beta_slow=float(merged.get("beta_slow") or 1),
+                   mscale=mscale, mscale_all_dim=mscale_all_dim, truncate=bool(merged.get("truncate", True)))
+
+
+def _yarn_attention_factor(factor: float, mscale: float | None, mscale_all_dim: float | None) -> float:
+    """yarn's cos/sin factor when config.json gives none: ``0.1 * ln(factor) + 1`` (1 when factor <= 1), or
+    with both ``mscale`` and ``mscale_all_dim`` the ratio of that with ln scaled by each (DeepSeek's)."""
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if mscale and mscale_all_dim:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    return get_mscale(factor)
 
 
 def as_tuple(value: Any) -> tuple[int, ...]:

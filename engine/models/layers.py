@@ -22,6 +22,7 @@ all-reduce; vocab: rows split by token id):
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,8 @@ from engine.models.quantized import LinearWeight, fuse
 from engine.models.rope import (build_cos_sin_cache, build_longrope_cache, cos_sin_rows, dynamic_inv_freq,
                                 plain_rope_length)
 from kernels.score_mods import ScoreMods
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,6 +98,23 @@ class LMHead:
         return self.tp.gather_columns(ops.linear(hidden, self.weight)).float()
 
 
+def head_weight(t: dict[str, torch.Tensor], embed: torch.Tensor, config) -> torch.Tensor:
+    """The LM head's weight (``lm_head.weight`` taken from ``t``), or the embedding when tied. Where config.json
+    ties them but the checkpoint stores both (``head_stored_though_tied``), the embedding serves when the two
+    are equal and the stored head when they differ, as transformers 5 unties them then (with a warning)."""
+    if config.tie_word_embeddings:
+        return embed
+    head = t.pop("lm_head.weight")
+    if not config.head_stored_though_tied:
+        return head
+    if torch.equal(head, embed):
+        return embed
+    log.warning("config.json ties the LM head to the embedding (tie_word_embeddings), but the checkpoint's "
+                "lm_head.weight differs from it: serving lm_head.weight, as transformers does; set "
+                "tie_word_embeddings to false in config.json to silence this")
+    return head
+
+
 @dataclass
 class GatedMLP:
     gate_up: Linear               # [2 * intermediate / shards, hidden]: gate rows, then up rows
@@ -134,7 +154,8 @@ class LayerNorm:
 class Rotary:
     """The cos/sin rows the rotary kernel reads for a batch's new tokens.
 
-    Every rope type but ``dynamic`` and ``longrope`` reads one precomputed table by position. Those
+    Every rope type but ``dynamic`` and ``longrope`` reads one precomputed table by position (``yarn``'s
+    rows carry its attention factor). Those
     two rotate a token by the length of the forward pass that computes it in transformers' ``generate``
     (``rope.plain_rope_length``): a token at position p of a request whose prompt has n tokens takes the
     rotation of L = max(n, p + 1) tokens. A prompt's tokens all take its whole length's, in one step or

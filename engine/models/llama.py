@@ -27,7 +27,7 @@ import torch
 from engine.models.config import Family, ModelConfig, ModelConfigError, shared_fields, with_defaults
 from engine.models.config import sliding_layers as config_sliding_layers
 from engine.models.layers import (Attention, GatedMLP, Linear, LMHead, RowParallelLinear, Rotary,
-                                  VocabParallelEmbedding, narrow_at_last_layer)
+                                  VocabParallelEmbedding, head_weight, narrow_at_last_layer)
 from engine.models.parallel import FULL, Slice, TensorParallel
 from engine.models.quantized import LinearWeight, drop_zero_biases, read_weight
 from engine.ops import KernelOps
@@ -209,7 +209,7 @@ class LlamaFamilyModel:
         c, tp = self.config, self.tp
         embed = t.pop("model.embed_tokens.weight")
         self.embed_tokens = VocabParallelEmbedding(embed, tp.vocab_start(c), tp)
-        self.lm_head = LMHead(embed if c.tie_word_embeddings else t.pop("lm_head.weight"), tp)
+        self.lm_head = LMHead(head_weight(t, embed, c), tp)
         self.final_norm = t.pop("model.norm.weight")
         self.layers = [self._layer(t, f"model.layers.{i}.") for i in range(c.num_layers)]
 

@@ -3,7 +3,8 @@
 The table has one row per position: ``cat(cos(p * inv_freq), sin(p * inv_freq))``,
 ``head_dim`` wide, float32 values rounded through the model dtype (Hugging Face casts
 cos/sin to the activation dtype before it multiplies, so the kernels see the same
-numbers). The rotary kernel is variant-agnostic; only ``inv_freq`` differs.
+numbers). The rotary kernel is variant-agnostic; only ``inv_freq`` differs (and the
+factor longrope and yarn multiply cos and sin by).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def plain_rope_length(config: ModelConfig) -> int | None:
     whole prompt in one pass and then decodes a token a pass, so a token at position p of a request whose
     prompt has n tokens takes the rotation of max(n, p + 1) tokens (``layers.Rotary``), whatever chunks the
     engine cuts the prompt into, and the prefix cache holds and gives only tokens within this length
-    (``engine.router.scheduler``)."""
+    (``engine.router.scheduler``). The fixed-table ropes (linear, llama3, yarn: its frequencies depend on
+    the original context, never on the sequence's length) rotate by position alone."""
     rope = config.rope
     if rope.rope_type == "longrope":
         return rope.original_max_position_embeddings
@@ -47,6 +49,33 @@ def llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig, max_positions: int
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """yarn's blend of the base frequencies (extrapolation) and those divided by ``factor`` (interpolation):
+    frequency i is interpolated in proportion to a ramp from 0 to 1 over the dimensions whose wavelengths make
+    between ``beta_fast`` and ``beta_slow`` rotations in the original context, in float32 as transformers'
+    ``_compute_yarn_parameters``."""
+    pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    low, high = yarn_correction_range(rope, head_dim)
+    if low == high:
+        high += 0.001       # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def yarn_correction_range(rope: RopeConfig, head_dim: int) -> tuple[float, float]:
+    """The ramp's ends: the (fractional) frequency indices whose wavelengths make ``beta_fast`` and
+    ``beta_slow`` rotations over the original context, rounded outwards when ``truncate``, clamped to
+    [0, head_dim - 1] (transformers' ``find_correction_range``)."""
+    def dimension(rotations: float) -> float:
+        context = rope.original_max_position_embeddings
+        return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+    low, high = dimension(rope.beta_fast), dimension(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, head_dim - 1)
+
+
 def dynamic_inv_freq(config: ModelConfig, seq_lens: torch.Tensor) -> torch.Tensor:
     """NTK-aware inverse frequencies [len(seq_lens), head_dim/2] (HF `dynamic`, in float32 as HF)."""
     rope, dim, max_pos = config.rope, config.head_dim, config.max_position_embeddings
@@ -58,7 +87,7 @@ def dynamic_inv_freq(config: ModelConfig, seq_lens: torch.Tensor) -> torch.Tenso
 def cos_sin_rows(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
                  scale: float = 1.0) -> torch.Tensor:
     """[len(positions), head_dim] rows ``cat(cos, sin)`` of ``p * inv_freq`` (inv_freq [head_dim/2], or
-    one row per position), times ``scale`` (longrope's attention factor), rounded through ``dtype``
+    one row per position), times ``scale`` (longrope's or yarn's attention factor), rounded through ``dtype``
     as transformers casts them."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq
     rows = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
@@ -92,18 +121,21 @@ def inv_freq_for(config: ModelConfig) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return llama3_inv_freq(inv_freq, rope, config.max_position_embeddings)
+    if rope.rope_type == "yarn":
+        return yarn_inv_freq(rope, config.head_dim)
     return inv_freq
 
 
 def build_cos_sin_cache(config: ModelConfig, num_positions: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[num_positions, head_dim] float32 table; see the module docstring.
+    """[num_positions, head_dim] float32 table; see the module docstring. ``yarn``'s rows carry its
+    attention factor (every other type here has 1).
 
     ``dynamic`` scaling: positions below ``max_position_embeddings`` use the plain
     base; a position p beyond it uses the NTK base for a sequence of p + 1 tokens,
     which is what Hugging Face applies to each decoded token.
     """
     positions = torch.arange(num_positions, dtype=torch.float32)
-    table = cos_sin_rows(positions, inv_freq_for(config), dtype)
+    table = cos_sin_rows(positions, inv_freq_for(config), dtype, config.rope.attention_factor)
     start = config.max_position_embeddings
     if config.rope.rope_type == "dynamic" and num_positions > start:
         beyond = positions[start:]

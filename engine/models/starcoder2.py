@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from engine.models.config import Family, ModelConfig, ModelConfigError, shared_fields
+from engine.models.config import Family, ModelConfig, ModelConfigError, shared_fields, with_defaults
 from engine.models.layers import (Attention, GeluMLP, LayerNorm, LayerNormDecoderLayer, Linear, LMHead,
-                                  RowParallelLinear, Rotary, VocabParallelEmbedding, run_layernorm_layers)
+                                  RowParallelLinear, Rotary, VocabParallelEmbedding, head_weight,
+                                  run_layernorm_layers)
 from engine.models.parallel import FULL, Slice, TensorParallel
 from engine.models.quantized import LinearWeight, drop_zero_biases, read_weight
 from engine.ops import KernelOps
@@ -35,6 +36,10 @@ ARCHITECTURES = ("Starcoder2ForCausalLM",)
 IGNORED_CHECKPOINT_NAMES = (r"rotary_emb\.inv_freq$", *KV_SCALE_PATTERNS)   # KV scales: the worker reads them
 # transformers' hidden_act -> torch's GeLU form
 GELU_FORMS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+# transformers' Starcoder2Config defaults of the fields read here (``config.with_defaults``)
+DEFAULTS = dict(num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=50256, eos_token_id=50256,
+                tie_word_embeddings=True, use_bias=True, norm_epsilon=1e-5, hidden_act="gelu_pytorch_tanh",
+                sliding_window=None)
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,8 @@ class Starcoder2Config(ModelConfig):
 
 
 def parse_config(raw: dict[str, Any]) -> Starcoder2Config:
-    act = raw.get("hidden_act", "gelu_pytorch_tanh")
+    raw = with_defaults(raw, DEFAULTS)
+    act = raw["hidden_act"]
     if act not in GELU_FORMS:
         raise ModelConfigError(f"hidden_act={act!r} is not supported for StarCoder2; supported: "
                                f"{', '.join(GELU_FORMS)}")
@@ -61,9 +67,9 @@ def parse_config(raw: dict[str, Any]) -> Starcoder2Config:
     return Starcoder2Config(
         **{**shared_fields(raw), "sliding_window": int(sliding) if sliding else None},
         intermediate_size=int(raw["intermediate_size"]),
-        norm_epsilon=float(raw.get("norm_epsilon", 1e-5)),
-        use_bias=bool(raw.get("use_bias", True)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        norm_epsilon=float(raw["norm_epsilon"]),
+        use_bias=bool(raw["use_bias"]),
+        tie_word_embeddings=bool(raw["tie_word_embeddings"]),
         gelu_approximate=GELU_FORMS[act],
     )
 
@@ -144,7 +150,7 @@ class Starcoder2Model:
         c, tp = self.config, self.tp
         embed = t.pop("model.embed_tokens.weight")
         self.embed_tokens = VocabParallelEmbedding(embed, tp.vocab_start(c), tp)
-        self.lm_head = LMHead(embed if c.tie_word_embeddings else t.pop("lm_head.weight"), tp)
+        self.lm_head = LMHead(head_weight(t, embed, c), tp)
         self.final_norm = self._norm(t, "model.norm")
         self.layers = [self._layer(t, f"model.layers.{i}.") for i in range(c.num_layers)]
 
