@@ -28,11 +28,13 @@ from .routes import Handlers
 from .service import GenerateService
 from .settings import ServerSettings
 from .tokenization import TokenizerAdapter
+from .vertex import Vertex
 
 
 def _routes(h: Handlers) -> list[Route]:
     chat, completions = ChatRoutes(h.settings, h.service), CompletionRoutes(h.settings, h.service)
     sagemaker = Invocations(h.settings, h.compat_generate, chat.chat_completions, completions.completions)
+    vertex = Vertex(h.settings, h.service, chat)
     return [
         Route("/generate", h.generate, methods=["POST"]),
         Route("/generate_stream", h.generate_stream, methods=["POST"]),
@@ -48,6 +50,7 @@ def _routes(h: Handlers) -> list[Route]:
         Route("/v1/completions", completions.completions, methods=["POST"]),
         Route("/v1/models", completions.models, methods=["GET"]),
         Route("/invocations", sagemaker.invocations, methods=["POST"]),
+        Route("/vertex", vertex.vertex, methods=["POST"]),
         *ApiDocs(h.settings).routes(),
     ]
 

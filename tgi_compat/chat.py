@@ -27,7 +27,7 @@ from .openai_responses import (DONE_EVENT, OpenAIFormat, logprob_json, openai_er
                                usage_json)
 from .openai_schema import ChatRequest, parse_chat_request
 from .outputs import GeneratedStep, GenerationResult
-from .responses import JSONBytesResponse
+from .responses import JSONBytesResponse, json_bytes
 from .routes import CLIENT_CLOSED_REQUEST, generate_headers, simple_tokens_json
 from .schema import GenerateParameters, GenerateRequest
 from .service import GenerateOutcome, GenerateService
@@ -75,15 +75,15 @@ class ChatRoutes:
         return ChatPlan(request, tools is not None)
 
     async def chat_tokenize(self, request: Request) -> Response:
-        """TGI: `{"tokenize_response": [SimpleToken], "templated_text"}`; behind --api-key like chat
-        (TGI leaves it open), and within the prompt limits."""
-        check_api_key(request, self.settings.api_key)
+        """TGI: `{"tokenize_response": [SimpleToken], "templated_text"}`. As TGI, open without the
+        --api-key key and every token, whatever --max-input-tokens (--payload-limit bounds the body)."""
         chat = parse_chat_request(await read_json(request, self.settings.payload_limit))
         plan = await self.plan(chat)
         inputs = plan.request.inputs
-        encoding = await self.service.templated_validator.tokenize_bounded(inputs, None)
-        return JSONBytesResponse({"tokenize_response": simple_tokens_json(inputs, encoding),
-                                  "templated_text": inputs})
+        async with self.service.templated_validator.whole_tokens(inputs) as encoding:
+            body = await simple_tokens_json(inputs, encoding, before=b'{"tokenize_response":',
+                                            after=b',"templated_text":' + json_bytes(inputs) + b"}")
+        return Response(body, media_type="application/json")
 
     async def chat_completions(self, request: Request) -> Response:
         check_api_key(request, self.settings.api_key)

@@ -63,6 +63,15 @@ class IncompleteGenerationStreamError(TGIError):
         super().__init__("Incomplete generation stream")
 
 
+class VertexError(TGIError):
+    """`POST /vertex`'s own two errors, whose `error_type` repeats the message (TGI vertex.rs): 422 for
+    no instances, 500 when any instance's generation failed (that failure is counted as itself)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.error_type = status, message
+
+
 class TemplateError(TGIError):
     """The chat template is missing or failed to render (TGI `InferError::TemplateError`)."""
     status, error_type, metric_label = 422, "template_error", "template"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -18,7 +19,6 @@ from .service import GenerateOutcome, GenerateService
 from .settings import ServerSettings
 from .sse import sse_response
 from .tokenization import Encoding
-from .validation import check_truncate
 
 CLIENT_CLOSED_REQUEST = 499     # nginx's status for a client that went away; nobody reads it
 
@@ -87,11 +87,12 @@ class Handlers:
                             self.settings.stream_shutdown_grace_s)
 
     async def tokenize(self, request: Request) -> Response:
-        """A bare list of {id, text, start, stop}; offsets in bytes of the UTF-8 input."""
+        """A bare list of {id, text, start, stop}; offsets in bytes of the UTF-8 input. As TGI: every
+        token, whatever --max-input-tokens, and `parameters` unused (`truncate` too)."""
         parsed = await self._parse(request)
-        check_truncate(parsed.parameters.truncate, self.settings)
-        encoding = await self.service.validator.tokenize_bounded(parsed.inputs, parsed.parameters.truncate)
-        return JSONBytesResponse(simple_tokens_json(parsed.inputs, encoding))
+        async with self.service.validator.whole_tokens(parsed.inputs) as encoding:
+            body = await simple_tokens_json(parsed.inputs, encoding)
+        return Response(body, media_type="application/json")
 
     async def health(self, request: Request) -> Response:
         if self.backend.healthy():
@@ -108,11 +109,31 @@ class Handlers:
         return Response(await asyncio.to_thread(self.metrics.render), media_type=METRICS_CONTENT_TYPE)
 
 
-def simple_tokens_json(inputs: str, encoding: Encoding) -> list[dict]:
-    """TGI's `SimpleToken`s: {id, text, start, stop}, offsets in bytes of the UTF-8 input."""
-    raw = inputs.encode("utf-8")
-    return [{"id": i, "text": raw[a:b].decode("utf-8", errors="replace"), "start": a, "stop": b}
-            for i, (a, b) in zip(encoding.ids, encoding.offsets)]
+TOKENS_PER_CHUNK = 4096    # a long answer is written in pieces of this many tokens (milliseconds each)
+
+
+def _simple_tokens(raw: bytes, ids: list[int], offsets: list[tuple[int, int]]) -> bytes:
+    """TGI's `SimpleToken`s, comma-separated JSON objects (as ``json_bytes`` writes them)."""
+    quote = json.encoder.encode_basestring       # json.dumps(..., ensure_ascii=False) of a str
+    return ",".join(f'{{"id":{i},"text":{quote(raw[a:b].decode("utf-8", errors="replace"))},"start":{a},"stop":{b}}}'
+                    for i, (a, b) in zip(ids, offsets)).encode("utf-8")
+
+
+async def simple_tokens_json(inputs: str, encoding: Encoding, before: bytes = b"", after: bytes = b"") -> bytes:
+    """``before`` + TGI's `SimpleToken` list ({id, text, start, stop}, offsets in bytes of the UTF-8 input)
+    + ``after``. A long one (a --payload-limit text can be 10^6 tokens, tens of MB of JSON) is written in
+    pieces between the event loop's other work, its offsets taken on a thread."""
+    raw, ids = inputs.encode("utf-8"), encoding.ids
+    if len(ids) <= TOKENS_PER_CHUNK:
+        return before + b"[" + _simple_tokens(raw, ids, encoding.offsets) + b"]" + after
+    offsets = await asyncio.to_thread(lambda: encoding.offsets)
+    pieces = [before + b"["]
+    for start in range(0, len(ids), TOKENS_PER_CHUNK):
+        end = start + TOKENS_PER_CHUNK
+        pieces.append((b"," if start else b"") + _simple_tokens(raw, ids[start:end], offsets[start:end]))
+        await asyncio.sleep(0)        # the other requests' turn between pieces
+    pieces.append(b"]" + after)
+    return b"".join(pieces)
 
 
 def info_json(s: ServerSettings, stats: dict) -> dict:

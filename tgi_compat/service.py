@@ -51,9 +51,10 @@ class GenerateService:
         self.tracer = tracer            # --otlp-endpoint: each request's spans
         # shared_permits: the front ends' common count (--frontend-processes), else this process's own
         self.limiter = ConcurrencyLimiter(settings.max_concurrent_requests, shared_permits)
-        self.validator = Validator(settings, tokenizer)
+        whole_turn = asyncio.Semaphore(1)      # one text too long for a prompt tokenized whole at a time
+        self.validator = Validator(settings, tokenizer, whole_turn)
         # prompts rendered by a chat template already hold their special tokens
-        self.templated_validator = Validator(settings, TemplatedTokenizer(tokenizer))
+        self.templated_validator = Validator(settings, TemplatedTokenizer(tokenizer), whole_turn)
 
     async def generate(self, request: GenerateRequest, full_text_default: bool,
                        templated: bool = False) -> GenerateOutcome:

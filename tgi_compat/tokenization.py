@@ -27,6 +27,9 @@ from .text_pieces import PieceCache, PieceCutter, encode_ids
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 16     # texts per batch call: every text of a batch waits for its slowest (fewer wait longer)
+# A text this long is encoded without the GIL even alone with offsets (/tokenize of a long text:
+# 1.9 MB take seconds, which the event loop should not wait for).
+LONG_TEXT = 10_000
 
 
 class Encoding:
@@ -187,11 +190,11 @@ class _BatchingEncoder:
         return [b for b in batch if b[2].set_running_or_notify_cancel()]      # drop cancelled requests
 
     def _encode(self, group: list[tuple[str, Future]], special: bool, offsets: bool) -> None:
-        """One batch call without the GIL (even for one text, unless it needs offsets), each distinct
+        """One batch call without the GIL (even for one text, unless it is short and needs offsets), each distinct
         text encoded once (a chat stream's n choices send one prompt n times; a copy for each repeat);
         one by one where the tokenizer cannot batch or the batch failed."""
         texts = list(dict.fromkeys(text for text, _ in group))
-        if self._batchable and (len(group) > 1 or not offsets):
+        if self._batchable and (len(group) > 1 or not offsets or len(texts[0]) >= LONG_TEXT):
             try:
                 encodings = dict(zip(texts, self._encode_batch(texts, special, offsets)))
             except Exception:  # noqa: BLE001  (one text's failure must not fail the others: one by one below)

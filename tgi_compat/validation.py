@@ -13,6 +13,7 @@ the whole remaining budget.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -191,11 +192,14 @@ CHARS_MARGIN = 2
 
 
 class Validator:
-    def __init__(self, settings: ServerSettings, tokenizer: TokenizerAdapter):
+    def __init__(self, settings: ServerSettings, tokenizer: TokenizerAdapter,
+                 whole_turn: asyncio.Semaphore | None = None):
         self.settings = settings
         self.tokenizer = tokenizer
         self.grammars = GrammarChecker()
         self.max_chars = settings.max_input_tokens * tokenizer.longest_token_chars * CHARS_MARGIN
+        # the turn of a text no prompt could be to be tokenized whole (shared by the validators of a front end)
+        self._whole_turn = whole_turn or asyncio.Semaphore(1)
 
     def start_tokenizing(self, request: GenerateRequest) -> Future | None:
         """Begin tokenizing a prompt as soon as its body is parsed; ``validate(..., started=)`` takes
@@ -218,22 +222,25 @@ class Validator:
             raise InputValidationError(
                 f"`inputs` must have less than {self.settings.max_input_tokens} tokens. Given: {len(inputs)} "
                 f"characters, at least {len(inputs) // (longest * CHARS_MARGIN)} tokens")
+        return (await self._encode(inputs, offsets, started)).keep_last(truncate)
+
+    @contextlib.asynccontextmanager
+    async def whole_tokens(self, inputs: str):
+        """/tokenize and /chat_tokenize (TGI `Validation::tokenize`): every token of ``inputs``, with offsets,
+        while the caller writes its answer. No prompt limit applies and `truncate` is not applied (TGI's
+        `prepare_input` ignores it); --payload-limit bounds the text. A text no prompt could be (over
+        ``max_chars``) waits for the one before it: its encoding takes about 0.25 KB a character (1.9 MB
+        of text, 450 MB), so that many at once could exhaust the front end's memory."""
+        async with self._whole_turn if len(inputs) > self.max_chars else contextlib.nullcontext():
+            yield await self._encode(inputs, offsets=True)
+
+    async def _encode(self, inputs: str, offsets: bool, started: Future | None = None) -> Encoding:
         try:
             if started is None:
                 started = self.tokenizer.submit(inputs, offsets=offsets)
-            encoding = await asyncio.wrap_future(started)
+            return await asyncio.wrap_future(started)
         except Exception as e:   # the Rust tokenizer's errors are not a fixed set
             raise InputValidationError(f"tokenizer error {e}") from e
-        return encoding.keep_last(truncate)
-
-    async def tokenize_bounded(self, inputs: str, truncate: int | None) -> Encoding:
-        """/tokenize and /chat_tokenize: the same tokens, within the limits a prompt has (so an
-        answer is never larger than what a request could send)."""
-        encoding = await self.tokenize(inputs, truncate, offsets=True)
-        if len(encoding.ids) > self.settings.max_input_tokens:
-            raise InputValidationError(
-                f"`inputs` must have less than {self.settings.max_input_tokens} tokens. Given: {len(encoding.ids)}")
-        return encoding
 
     async def validate(self, request: GenerateRequest, return_full_text_default: bool,
                        started: Future | None = None) -> ValidRequest:

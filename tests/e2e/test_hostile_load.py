@@ -1,6 +1,7 @@
 """Hostile requests beside a running stream, through the launched demo server: 1.9 MB bodies to
-/tokenize, /chat_tokenize and /generate, and the first grammar request of the server, leave the
-stream's largest inter-token gap under 0.5 s and the front end's memory within 200 MB."""
+/tokenize, /chat_tokenize (both answered whole, as TGI: tens of MB of JSON) and /generate, and the
+first grammar request of the server, leave the stream's largest inter-token gap under 0.5 s and the
+front end's memory within 1.2 GB."""
 from __future__ import annotations
 
 import re
@@ -62,8 +63,12 @@ def test_hostile_bodies_and_the_first_grammar_do_not_stall_a_stream(tmp_path):
         answers = hostile_requests(srv.url)
         stream.join(120)
         after = rss_mb(frontend)
-    assert [a.status_code for a in answers[:3]] == [422, 422, 422], [a.text[:200] for a in answers]
-    assert "must have less than" in answers[0].json()["error"]
+    # TGI's tokenize routes have no prompt limit: the 1.9 MB texts are tokenized whole (720,000 tokens)
+    assert [a.status_code for a in answers[:3]] == [200, 422, 200], [a.text[:200] for a in answers]
+    assert "must have less than" in answers[1].json()["error"]
+    assert len(answers[0].json()) == 720_001 and len(answers[2].json()["tokenize_response"]) > 720_000
     assert answers[3].status_code == 200, answers[3].text
     assert len(stream.times) >= 100 and max(stream.gaps) < 0.5, max(stream.gaps)
-    assert after - before < 200, (before, after)
+    # two 720,000-token answers, one after the other (``Validator.whole_tokens``): their tokens, offsets and
+    # Rust's encodings (+956 MB on the 2-core CPU machine); before TGI's unbounded tokenize routes, 200 MB
+    assert after - before < 1200, (before, after)

@@ -148,9 +148,27 @@ def test_tokenize(server_url, hf_tokenizer):
     for token in tokens:
         assert token["text"] == raw[token["start"]:token["stop"]].decode("utf-8", errors="replace")
     assert tokens[-1]["stop"] == len(raw)                  # byte offsets: "é" is two bytes
-    truncated = requests.post(server_url + "/tokenize", json={"inputs": text, "parameters": {"truncate": 2}},
-                              timeout=10).json()
-    assert truncated == tokens[-2:]
+    for truncate in (2, 0, 10**6):      # TGI's tokenize neither applies nor range-checks `truncate`
+        response = requests.post(server_url + "/tokenize", json={"inputs": text, "parameters": {"truncate": truncate}},
+                                 timeout=10)
+        assert response.status_code == 200 and response.json() == tokens, (truncate, response.text)
+
+
+def test_tokenize_has_no_input_token_bound(server_url, hf_tokenizer):
+    """TGI's tokenize checks no length: a text far beyond --max-input-tokens (64 here) is tokenized
+    whole, also past the 4,096 tokens a response piece holds."""
+    text = "".join(f"word{i} é, " for i in range(2500))
+    ids = hf_tokenizer(text).input_ids
+    assert len(ids) > 2 * 4096
+    response = requests.post(server_url + "/tokenize", json={"inputs": text}, timeout=60)
+    assert response.status_code == 200, response.text[:300]
+    tokens = response.json()
+    assert [t["id"] for t in tokens] == ids
+    raw = text.encode()
+    assert all(t["text"] == raw[t["start"]:t["stop"]].decode("utf-8", errors="replace") for t in tokens)
+    assert tokens[-1]["stop"] == len(raw)
+    generate = requests.post(server_url + "/generate", json={"inputs": text}, timeout=60)
+    assert generate.status_code == 422         # the prompt limits stay on generation
 
 
 def test_one_log_line_per_event_with_increasing_request_ids(server_url, caplog):

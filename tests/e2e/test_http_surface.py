@@ -165,6 +165,45 @@ def test_invocations_refuses_other_bodies_and_needs_the_key(url):
     assert requests.post(url + "/invocations", json={"inputs": "x"}, timeout=10).status_code == 401
 
 
+# ---- /vertex ----------------------------------------------------------------------------
+
+def test_vertex_predicts_each_instance_in_order(url):
+    """A generate instance samples with only its `max_new_tokens` and `seed` (the rest is unused);
+    a chat instance runs as /v1/chat/completions; predictions keep the instances' order. Each
+    comparison runs alone in the engine (the same batch), as its reference did."""
+    sampled = post(url, "/generate", {"inputs": "def reverse(s):",
+                                      "parameters": {"do_sample": True, "seed": 7, "max_new_tokens": 6}})
+    generate = {"inputs": "def reverse(s):", "parameters": {"seed": 7, "max_new_tokens": 6, "do_sample": False,
+                                                            "temperature": 50.0, "stop": ["s"], "return_full_text": True}}
+    alone = post(url, "/vertex", {"instances": [generate]})
+    assert alone.status_code == 200, alone.text
+    assert alone.json() == {"predictions": [sampled.json()["generated_text"]]}
+    chat = post(url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 5, "temperature": 0})
+    chatted = post(url, "/vertex", {"instances": [{"messages": CHAT, "max_tokens": 5, "temperature": 0}]})
+    assert chatted.json() == {"predictions": [chat.json()["choices"][0]["message"]["content"]]}
+    one_token = {"inputs": "def reverse(s):", "parameters": {"max_new_tokens": 1}}
+    chat_instance = {"messages": CHAT, "max_tokens": 12, "temperature": 0}
+    mixed = post(url, "/vertex", {"instances": [one_token, chat_instance, one_token]})
+    assert mixed.status_code == 200, mixed.text
+    lengths = [len(post(url, "/tokenize", {"inputs": text}).json()) for text in mixed.json()["predictions"]]
+    assert lengths[0] <= 3 and lengths[2] <= 3 and lengths[1] > 4, (mixed.json(), lengths)
+
+
+def test_vertex_errors_are_tgis(url):
+    empty = post(url, "/vertex", {"instances": []})
+    assert (empty.status_code, empty.json()) == (
+        422, {"error": "Input validation error", "error_type": "Input validation error"})
+    failed = post(url, "/vertex", {"instances": [{"inputs": "def f(", "parameters": {"max_new_tokens": 2}},
+                                                 {"inputs": ""}]})          # `inputs` cannot be empty
+    assert (failed.status_code, failed.json()) == (
+        500, {"error": "Incomplete generation", "error_type": "Incomplete generation"})
+    shapeless = post(url, "/vertex", {"instances": [{"text": "hi"}]})
+    assert shapeless.status_code == 422 and "instances[0]" in shapeless.json()["error"]
+    assert post(url, "/vertex", {"predictions": []}).status_code == 422
+    denied = requests.post(url + "/vertex", json={"instances": [{"inputs": "x"}]}, timeout=10)
+    assert (denied.status_code, denied.content) == (401, b"")
+
+
 def test_compute_type_is_true_to_the_device(url):
     stream = post(url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "stream": True})
     assert stream.headers["x-compute-type"] == "cpu+optimized"

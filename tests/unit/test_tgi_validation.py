@@ -345,3 +345,28 @@ def test_a_lone_surrogate_is_400(body):
     with pytest.raises(BadRequestError, match="lone surrogate"):
         read(body, JSON, limit=10**6)
     assert read(b'{"inputs":"\\ud83d\\ude00"}', JSON) == {"inputs": "\U0001F600"}     # a pair is one character
+
+
+def test_texts_no_prompt_could_be_are_tokenized_whole_one_at_a_time(tokenizer):
+    """/tokenize and /chat_tokenize encode every token of a text (TGI has no limit there); encoding one of
+    --payload-limit's size takes hundreds of MB, so such texts take turns, while short ones go at once."""
+    validator = Validator(settings(), tokenizer)
+    long_text = "hello world " * (validator.max_chars // 12 + 1)
+    order = []
+
+    async def tokenize(name: str, text: str, hold: float):
+        async with validator.whole_tokens(text) as encoding:
+            order.append((name, "in"))
+            await asyncio.sleep(hold)
+            order.append((name, "out"))
+        return len(encoding.ids), len(encoding.offsets)
+
+    async def run():
+        first = asyncio.ensure_future(tokenize("long 1", long_text, hold=0.3))
+        await asyncio.sleep(0.1)
+        return await asyncio.gather(first, tokenize("long 2", long_text, hold=0), tokenize("short", "hello", hold=0))
+
+    counts = asyncio.run(run())
+    assert counts[0] == counts[1] == (len(tokenizer.encode_sync(long_text).ids),) * 2 and counts[0][0] > MAX_INPUT
+    assert order.index(("long 2", "in")) > order.index(("long 1", "out"))       # the second long text waited
+    assert order.index(("short", "out")) < order.index(("long 1", "out"))       # the short one did not

@@ -186,16 +186,37 @@ def test_no_chat_template_is_tgis_template_error(server_url):
             model="tgi", messages=body["messages"], stream=True)
 
 
-def test_api_key_protects_chat_and_chat_tokenize():
+def test_api_key_protects_chat_but_not_chat_tokenize():
+    """TGI lists /chat_tokenize among the routes that never need the key."""
     with serve_demo(api_key="s3cret") as url:
         body = {"messages": CHAT, "max_tokens": 2}
         denied = requests.post(url + "/v1/chat/completions", json=body)
         assert (denied.status_code, denied.content) == (401, b"")
         allowed = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
         assert allowed.chat.completions.create(model="tgi", **body).usage.completion_tokens == 2
-        assert requests.post(url + "/chat_tokenize", json=body).status_code == 401
-        key = {"Authorization": "Bearer s3cret"}
-        assert requests.post(url + "/chat_tokenize", json=body, headers=key).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer s3cret"}):
+            response = requests.post(url + "/chat_tokenize", json=body, headers=headers)
+            assert response.status_code == 200, (headers, response.text)
+            assert response.json()["tokenize_response"]
+
+
+def test_chat_tokenize_has_no_input_token_bound(url):
+    """TGI's chat_tokenize checks no length: a conversation beyond --max-input-tokens (1,024 here) and
+    past the 4,096 tokens a response piece holds is tokenized whole."""
+    messages = [{"role": "user", "content": " ".join(f"item{i} é" for i in range(3000))}]
+    response = requests.post(url + "/chat_tokenize", json={"model": "tgi", "messages": messages}, timeout=60)
+    assert response.status_code == 200, response.text[:300]
+    body = response.json()
+    tokenizer = demo_tokenizer()
+    assert body["templated_text"] == tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                   tokenize=False)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert len(ids) > 4096 and [t["id"] for t in body["tokenize_response"]] == ids
+    raw = body["templated_text"].encode()
+    assert all(t["text"] == raw[t["start"]:t["stop"]].decode("utf-8", errors="replace")
+               for t in body["tokenize_response"])
+    chat = requests.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
+    assert chat.status_code == 422             # the prompt limits stay on generation
 
 
 def test_payload_limit_and_metrics_apply(url):
