@@ -146,8 +146,9 @@ class Checkpoint:
 
     def _slice(self, name: str):
         file, stored = self._file_of(name), self._stored_names.get(name, name)
+        handle = self._handle(file)         # a file that does not open says so itself
         try:
-            return self._handle(file).get_slice(stored)
+            return handle.get_slice(stored)
         except Exception as err:  # safetensors' own error: the file lacks the tensor its index names
             raise CheckpointError(f"{INDEX_FILE} in {self.model_dir} puts tensor {stored!r} in {file}, which does "
                                   f"not hold it ({err}): the index and its shards are from different downloads; "

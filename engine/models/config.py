@@ -48,12 +48,10 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0        # longrope and yarn: the factor cos and sin are multiplied by
-    # yarn: the rotations bounding the ramp from extrapolated to interpolated frequencies, the mscales the
-    # attention factor is derived from (when config.json gives none), and whether the ramp's ends are rounded
+    # yarn: the rotations bounding the ramp from extrapolated to interpolated frequencies, and whether the
+    # ramp's ends are rounded (its mscales only make ``attention_factor``, in ``_with_yarn``)
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
     truncate: bool = True
 
 
@@ -266,13 +264,12 @@ def _with_yarn(rope: RopeConfig, merged: dict[str, Any], raw: dict[str, Any]) ->
     factor = merged.get("factor")
     if factor is None:
         factor = int(raw.get("max_position_embeddings", 2048)) / rope.original_max_position_embeddings
-    mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
     attention = merged.get("attention_factor")
     if attention is None:
-        attention = _yarn_attention_factor(float(factor), mscale, mscale_all_dim)
+        attention = _yarn_attention_factor(float(factor), merged.get("mscale"), merged.get("mscale_all_dim"))
     return replace(rope, factor=float(factor), attention_factor=float(attention),
                    beta_fast=float(merged.get("beta_fast") or 32), beta_slow=float(merged.get("beta_slow") or 1),
-                   mscale=mscale, mscale_all_dim=mscale_all_dim, truncate=bool(merged.get("truncate", True)))
+                   truncate=bool(merged.get("truncate", True)))
 
 
 def _yarn_attention_factor(factor: float, mscale: float | None, mscale_all_dim: float | None) -> float:

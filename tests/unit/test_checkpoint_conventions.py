@@ -96,8 +96,8 @@ def test_each_model_type_names_the_architecture_transformers_builds_for_it():
         assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] == architecture
 
 
-def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_refused_by_name(tmp_path):
-    path = save_tiny_model("llama", tmp_path / "llama")
+def two_shards(path) -> list[str]:
+    """The checkpoint's one file split into two shards (no index yet); the tensors' names."""
     tensors = safetensors.torch.load_file(path / WEIGHTS)
     names = sorted(tensors)
     shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
@@ -105,10 +105,30 @@ def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_refused_by_name(tmp_p
     for file, held in shards.items():
         safetensors.torch.save_file({n: tensors[n] for n in held}, path / file, metadata={"format": "pt"})
     os.remove(path / WEIGHTS)
+    return names
+
+
+def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_refused_by_name(tmp_path):
+    path = save_tiny_model("llama", tmp_path / "llama")
+    names = two_shards(path)
     index = {"metadata": {}, "weight_map": {n: "model-00001-of-00002.safetensors" for n in names}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"puts tensor '.*' in model-00001-of-00002.safetensors, which does "
                                               r"not hold it .*download the checkpoint again"):
+        engine_of(path)
+
+
+def test_a_truncated_shard_of_an_index_is_named_as_truncated(tmp_path):
+    path = save_tiny_model("llama", tmp_path / "llama")
+    names = two_shards(path)
+    half = len(names) // 2
+    index = {"metadata": {}, "weight_map": {n: f"model-0000{1 + (i >= half)}-of-00002.safetensors"
+                                            for i, n in enumerate(names)}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    second = path / "model-00002-of-00002.safetensors"
+    second.write_bytes(second.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="cannot open .*model-00002-of-00002.safetensors as safetensors.*"
+                                              "corrupt or truncated"):
         engine_of(path)
 
 
